@@ -1,0 +1,1 @@
+"""Compile time: model weights (HF dir or GGUF) -> engine directory (ONNX graph, tokenizer, manifest)."""

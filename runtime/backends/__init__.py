@@ -1,0 +1,1 @@
+"""Inference backends. Each is one module, imported lazily by the engine."""

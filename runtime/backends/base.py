@@ -1,0 +1,60 @@
+"""The backend interface: validate inputs once, then call the backend's implementation."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..manifest import ModelInfo
+from ..tree import PackedBatch, causal
+
+
+@dataclass(frozen=True)
+class StateKV:
+    """A state's K/V cache as backend values: ``layers[l] = (key, value)``, each [Hkv, S, D]."""
+
+    layers: tuple
+    length: int
+    nbytes: int
+
+
+class Backend(ABC):
+    """Runs the decoder graph. Subclasses implement ``_run``; callers use prefill/score."""
+
+    def __init__(self, model: ModelInfo):
+        self.model = model
+
+    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+        """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
+        if len(ids) == 0:
+            raise ValueError("a state needs at least one token")
+        kv = self.empty()
+        for start in range(0, len(ids), chunk):
+            _, new = self._run(causal(ids[start:start + chunk], start), kv)
+            kv = self._append(kv, new)
+        return kv
+
+    def score(self, kv: StateKV, batch: PackedBatch) -> np.ndarray:
+        """[R] float32 log-probs of the batch's targets, given the state's K/V (read-only)."""
+        n, r = batch.num_tokens, batch.readout_index.shape[0]
+        if batch.tree_mask.shape != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
+            raise ValueError("packed batch arrays disagree in shape")
+        if r and (batch.readout_index.min() < 0 or batch.readout_index.max() >= n):
+            raise ValueError("read-out index outside the packed sequence")
+        logprob, _ = self._run(batch, kv)
+        return logprob
+
+    @abstractmethod
+    def empty(self) -> StateKV:
+        """A K/V of length 0."""
+
+    @abstractmethod
+    def _run(self, batch: PackedBatch, kv: StateKV) -> tuple[np.ndarray, Any]:
+        """One graph call: (target log-probs [R], the new tokens' K/V as backend values)."""
+
+    @abstractmethod
+    def _append(self, kv: StateKV, new: Any) -> StateKV:
+        """The K/V of ``kv`` followed by ``new`` (the first call may return ``new`` itself)."""

@@ -1,0 +1,75 @@
+"""The decoder graph's I/O contract, written once.
+
+One ONNX graph serves both roles of the engine:
+
+* **prefill** — the state's tokens are one causal trunk with no past; the graph
+  returns the K/V of those tokens (the state's cache);
+* **score** — the packed question/option tree runs against the state's K/V
+  (read-only) and returns the log-probabilities of the target tokens at the
+  read-out positions.
+
+Inputs (no batch axis: a packed pass is one sequence):
+
+==================  =========  =====================  =========================================
+name                dtype      shape                  meaning
+==================  =========  =====================  =========================================
+input_ids           int64      [N]                    packed token ids
+position_ids        int64      [N]                    absolute rotary positions
+tree_mask           bool       [N, N]                 True where token i may attend packed j
+past_key.{l}        float32    [Hkv, S, D]            state keys of layer l (S may be 0)
+past_value.{l}      float32    [Hkv, S, D]            state values of layer l
+readout_index       int64      [R]                    packed index whose logits are read
+readout_target      int64      [R]                    token id scored at that read-out
+==================  =========  =====================  =========================================
+
+Outputs:
+
+==================  =========  =====================  =========================================
+target_logprob      float32    [R]                    log p(target | prefix), full-vocab softmax
+present_key.{l}     float32    [Hkv, N, D]            keys of the N new tokens (not the past)
+present_value.{l}   float32    [Hkv, N, D]            values of the N new tokens
+==================  =========  =====================  =========================================
+
+Every packed token sees the whole past; ``tree_mask`` says which packed tokens
+it sees. Logits are computed only at the R read-out rows, never N x vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Symbolic names of the dynamic axes.
+PACKED, PAST, READOUT = "packed", "past", "readout"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, element type and shape (ints are fixed, strings are dynamic axes)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+
+
+def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[TensorSpec]:
+    """The graph inputs, in order, for a model of the given dimensions."""
+    specs = [
+        TensorSpec("input_ids", "int64", (PACKED,)),
+        TensorSpec("position_ids", "int64", (PACKED,)),
+        TensorSpec("tree_mask", "bool", (PACKED, PACKED)),
+    ]
+    for layer in range(num_layers):
+        specs.append(TensorSpec(f"past_key.{layer}", "float32", (num_kv_heads, PAST, head_dim)))
+        specs.append(TensorSpec(f"past_value.{layer}", "float32", (num_kv_heads, PAST, head_dim)))
+    specs.append(TensorSpec("readout_index", "int64", (READOUT,)))
+    specs.append(TensorSpec("readout_target", "int64", (READOUT,)))
+    return specs
+
+
+def output_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[TensorSpec]:
+    """The graph outputs, in order, for a model of the given dimensions."""
+    specs = [TensorSpec("target_logprob", "float32", (READOUT,))]
+    for layer in range(num_layers):
+        specs.append(TensorSpec(f"present_key.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
+        specs.append(TensorSpec(f"present_value.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
+    return specs

@@ -1,0 +1,188 @@
+"""The decision engine: prefill a state once, answer any number of typed questions in one pass."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from . import manifest as manifest_mod
+from .backends.base import Backend, StateKV
+from .errors import InvalidRequest, LimitExceeded
+from .prompt import PromptEncoder, state_text
+from .questions import Answer, Question, from_wire
+from .readout import answer, option_scores, softmax
+from .state_cache import StateCache
+from .tree import PackedBatch, QuestionTokens, option_logprobs, pack
+
+DEFAULT_CACHE_BYTES = 512 << 20
+PRIOR_CACHE_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class State:
+    """A prefilled state: its token ids and its K/V. Asking never changes it."""
+
+    ids: tuple
+    kv: StateKV
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the state segment (template included)."""
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Result:
+    """Answers of one request plus what was spent."""
+
+    answers: dict
+    input_tokens: int
+    packed_tokens: int
+
+
+class Engine:
+    """An engine directory loaded for serving. Thread-safe for concurrent ``ask`` calls."""
+
+    def __init__(self, root: Path, manifest, backend: Backend, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self.root = root
+        self.manifest = manifest
+        self.backend = backend
+        self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
+        self.cache = StateCache(cache_bytes)
+        self._priors: OrderedDict = OrderedDict()
+        self._null: State | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
+             cache_bytes: int = DEFAULT_CACHE_BYTES) -> "Engine":
+        """Open an engine directory: read and (by default) hash-verify the manifest's files."""
+        root = Path(path)
+        manifest = manifest_mod.load(root, verify=verify)
+        from .backends.onnxruntime_cpu import OrtCpuBackend
+
+        backend = OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads)
+        return cls(root, manifest, backend, cache_bytes)
+
+    @property
+    def name(self) -> str:
+        """The engine's name from its manifest."""
+        return self.manifest.name
+
+    # -- states -------------------------------------------------------------------------------
+
+    def state(self, state) -> State:
+        """Prefill a state (a string, bytes in UTF-8, or a JSON value) or take it from the cache."""
+        if isinstance(state, State):
+            return state
+        ids = tuple(self.encoder.state(state_text(state)))
+        limit = self.manifest.limits.max_state_tokens
+        if len(ids) > limit:
+            raise LimitExceeded(
+                f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
+                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
+        cached = self.cache.get(ids)
+        if cached is not None:
+            return cached
+        kv = self.backend.prefill(ids, self.manifest.limits.prefill_chunk)
+        prefilled = State(ids, kv)
+        self.cache.put(ids, prefilled, kv.nbytes)
+        return prefilled
+
+    # -- questions ------------------------------------------------------------------------------
+
+    def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
+        """Validate a request's questions against the limits and turn them into token ids."""
+        limits = self.manifest.limits
+        if not isinstance(questions, Mapping) or not questions:
+            raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
+        if len(questions) > limits.max_questions:
+            raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
+                                "per request", "questions")
+        encoded = []
+        for qid, q in questions.items():
+            if not isinstance(qid, str) or not qid:
+                raise InvalidRequest("question ids must be non-empty strings", "questions")
+            if not hasattr(q, "instructions"):
+                raise InvalidRequest("expected a Noul, Choice or Score question", f"questions.{qid}")
+            n_opts = len(self.encoder.options(q))
+            if n_opts > limits.max_options:
+                raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
+                                    f"questions.{qid}.criteria")
+            encoded.append(self.encoder.question(q))
+        return encoded
+
+    def _pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
+        batch = pack(encoded, state.num_tokens)
+        limits, model = self.manifest.limits, self.manifest.model
+        if batch.num_tokens > limits.max_packed_tokens:
+            raise LimitExceeded(f"the questions pack into {batch.num_tokens} tokens; this engine allows at most "
+                                f"{limits.max_packed_tokens} per request. Send fewer or shorter questions", "questions")
+        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
+        if last + 1 > model.max_position:
+            raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {model.max_position}",
+                                "questions")
+        return batch
+
+    def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
+        """Summed log-likelihood of every option of every question, from ONE packed pass."""
+        state = self.state(state)
+        batch = self._pack(state, encoded)
+        return option_logprobs(batch, self.backend.score(state.kv, batch))
+
+    def _prior(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
+        """Content-free log-likelihoods (state = the template's null state), cached per question."""
+        with self._lock:
+            missing = [q for q in dict.fromkeys(encoded) if q not in self._priors]
+        if missing:
+            if self._null is None:
+                self._null = self.state(self.manifest.prompt.null_state)
+            values = self.option_logprobs(self._null, missing)
+            with self._lock:
+                for q, v in zip(missing, values):
+                    self._priors[q] = v
+                while len(self._priors) > PRIOR_CACHE_ITEMS:
+                    self._priors.popitem(last=False)
+        with self._lock:
+            return [self._priors.get(q) if q in self._priors else None for q in encoded]
+
+    def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
+        """Answer questions about a state in one packed forward pass."""
+        readout = readout or self.manifest.scoring.readout
+        encoded = self.encode_questions(questions)
+        state = self.state(state)
+        batch = self._pack(state, encoded)
+        logprobs = option_logprobs(batch, self.backend.score(state.kv, batch))
+        priors = self._prior(encoded) if readout == "prior" else [None] * len(encoded)
+        answers = {}
+        for (qid, q), tokens, lp, prior in zip(questions.items(), encoded, logprobs, priors):
+            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
+            answers[qid] = answer(q, softmax(option_scores(lp, lengths, prior, readout)))
+        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
+
+    def ask(self, state, questions: Mapping[str, Question], readout: str | None = None) -> dict[str, Answer]:
+        """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON."""
+        return self.run(state, questions, readout).answers
+
+    def request(self, body: Mapping) -> dict:
+        """Answer a TypeSafe System One request body; returns the response body."""
+        if not isinstance(body, Mapping):
+            raise InvalidRequest("the request body must be a JSON object")
+        if "state" not in body:
+            raise InvalidRequest("the request has no state", "state")
+        raw = body.get("questions")
+        if not isinstance(raw, Mapping) or not raw:
+            raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
+        questions = {qid: from_wire(qid, q) for qid, q in raw.items()}
+        result = self.run(body["state"], questions)
+        return {
+            "model": body.get("model") or self.name,
+            "answers": {qid: a.to_wire() for qid, a in result.answers.items()},
+            "usage": {"input_tokens": int(result.input_tokens), "output_tokens": 0},
+        }

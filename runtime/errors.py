@@ -1,0 +1,35 @@
+"""The typed errors of onepass. Every message says what was wrong, what is allowed and what to do."""
+
+from __future__ import annotations
+
+
+class OnepassError(Exception):
+    """Base of every error onepass raises on purpose."""
+
+
+class InvalidRequest(OnepassError, ValueError):
+    """A question, option or state is malformed (maps to HTTP 422/400).
+
+    ``field`` is a dotted path to the offending part of the request, when known.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message if field is None else f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class LimitExceeded(InvalidRequest):
+    """A state or request is larger than the engine's limits (maps to HTTP 413). Never truncated."""
+
+
+class EngineFileError(OnepassError):
+    """An engine directory is missing, incomplete, tampered with or of an unknown version."""
+
+
+class ModelSourceError(OnepassError):
+    """A model to export cannot be found or is of an unsupported kind."""
+
+
+class BackendUnavailable(OnepassError, ImportError):
+    """An optional backend's package is not installed; the message names the package."""

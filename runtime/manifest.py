@@ -1,0 +1,161 @@
+"""The engine directory's manifest: the contract between compile time and serve time.
+
+The runtime reads only ``manifest.json``; it never parses file names or guesses.
+Every file of the engine is listed with its sha256 and verified on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .errors import EngineFileError
+from .prompt import PromptTemplate
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+READOUTS = ("sum", "mean", "prior")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Dimensions of the compiled decoder."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name != "architecture" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0):
+                raise ValueError(f"model.{f.name} must be a positive integer")
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of float32 K/V one state token occupies over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits the engine enforces. Nothing is ever truncated: over a limit is an error."""
+
+    max_state_tokens: int = 4096
+    max_packed_tokens: int = 4096
+    max_questions: int = 64
+    max_options: int = 32
+    prefill_chunk: int = 512
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0:
+                raise ValueError(f"limits.{f.name} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How option log-likelihoods become probabilities.
+
+    ``sum``: the option's summed token log-likelihood; ``mean``: divided by its
+    token count; ``prior``: minus the same sum given a content-free state.
+    """
+
+    readout: str = "prior"
+
+    def __post_init__(self):
+        if self.readout not in READOUTS:
+            raise ValueError(f"scoring.readout must be one of {READOUTS}, got {self.readout!r}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs to know about an engine directory."""
+
+    name: str
+    model: ModelInfo
+    tokenizer: str
+    graph: str
+    golden: str
+    files: dict
+    dtype: str = "float32"
+    limits: Limits = field(default_factory=Limits)
+    prompt: PromptTemplate = field(default_factory=PromptTemplate)
+    scoring: Scoring = field(default_factory=Scoring)
+    source: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (this onepass reads {SCHEMA_VERSION})")
+        if self.dtype != "float32":
+            raise ValueError(f"dtype {self.dtype!r} is not supported by this runtime (float32)")
+        for role in ("tokenizer", "graph", "golden"):
+            if getattr(self, role) not in self.files:
+                raise ValueError(f"{role} file {getattr(self, role)!r} is not listed in files")
+
+    def to_json(self) -> str:
+        """The manifest as stable, indented JSON."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        """Build and validate from parsed JSON."""
+        data = dict(data)
+        data["model"] = ModelInfo(**data["model"])
+        data["limits"] = Limits(**data.get("limits", {}))
+        data["prompt"] = PromptTemplate(**data.get("prompt", {}))
+        data["scoring"] = Scoring(**data.get("scoring", {}))
+        return cls(**data)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load(directory: str | os.PathLike, verify: bool = True) -> Manifest:
+    """Read ``manifest.json`` of an engine directory; with ``verify``, check every file's sha256."""
+    root = Path(directory)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise EngineFileError(f"{path} not found: {root} is not an engine directory; build one with `onepass export`")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError, KeyError) as err:
+        raise EngineFileError(f"{path} is invalid: {err}; re-export the engine with `onepass export`") from None
+    if verify:
+        verify_files(root, manifest)
+    return manifest
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    """Raise EngineFileError naming the first missing or altered file."""
+    for name, expected in sorted(manifest.files.items()):
+        path = root / name
+        if not path.is_file():
+            raise EngineFileError(f"engine file {path} is missing; re-export the engine with `onepass export`")
+        if sha256_file(path) != expected:
+            raise EngineFileError(
+                f"engine file {path} does not match its sha256 in the manifest (altered or corrupt); "
+                "re-export the engine with `onepass export`"
+            )
+
+
+def write(directory: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write the manifest atomically (temp file + rename)."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(manifest.to_json() + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,146 @@
+"""The prompt template and how questions become token ids.
+
+Text is rendered as *pieces*: template text (trusted; special tokens such as
+``<|im_end|>`` are recognised) and caller text (state, instructions, option
+names and descriptions), in which special-token strings are encoded as plain
+text so a caller can never close the template's turns.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+from .errors import InvalidRequest
+from .questions import Noul, Question, Score
+from .tree import QuestionTokens
+
+Piece = tuple  # (text, trusted)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How the state, a question and an answer are written for the model."""
+
+    state: str = ("<|im_start|>system\nYou read a text and answer a question about it with one of the allowed "
+                  "answers.<|im_end|>\n<|im_start|>user\nText:\n{state}\n\n")
+    question: str = "Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\n"
+    answer: str = "{option}<|im_end|>"
+    noul_hint: str = "Answer yes or no."
+    choice_hint: str = "Options:\n{options}Answer with one option."
+    option_line: str = "- {name}: {description}\n"
+    option_line_bare: str = "- {name}\n"
+    score_hint: str = "Answer in a few words."
+    yes: str = "yes"
+    no: str = "no"
+    null_state: str = "N/A"
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if not isinstance(value, str):
+                raise ValueError(f"prompt.{name} must be a string")
+        for name, field_ in (("state", "{state}"), ("question", "{instructions}"), ("answer", "{option}")):
+            if field_ not in getattr(self, name):
+                raise ValueError(f"prompt.{name} must contain {field_}")
+
+
+def render(template: str, **values) -> list[Piece]:
+    """Fill ``template``: literal text is trusted; str values are caller text; lists are pieces."""
+    pieces: list[Piece] = []
+    for literal, name, _, _ in string.Formatter().parse(template):
+        if literal:
+            pieces.append((literal, True))
+        if name is not None:
+            value = values[name]
+            pieces.extend(value if isinstance(value, list) else [(value, False)])
+    return pieces
+
+
+def state_text(state) -> str:
+    """A state as text: strings as they are, JSON values serialised canonically (sorted keys)."""
+    if isinstance(state, bytes):
+        try:
+            state = state.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidRequest(f"the state is not valid UTF-8 (byte {err.start}); send UTF-8 text", "state") from None
+    if isinstance(state, str):
+        text = state
+    else:
+        try:
+            text = json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise InvalidRequest(f"the state must be a string or JSON-serialisable: {err}", "state") from None
+    check_utf8(text, "state")
+    if not text.strip():
+        raise InvalidRequest("the state must not be empty", "state")
+    return text
+
+
+def check_utf8(text: str, field: str) -> None:
+    """Reject strings that cannot be encoded as UTF-8 (lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequest(f"text is not valid UTF-8 at character {err.start}; send UTF-8 text", field) from None
+
+
+class PromptEncoder:
+    """Turns states and questions into token ids with the engine's tokenizer and template."""
+
+    def __init__(self, tokenizer_path: str, template: PromptTemplate):
+        self.template = template
+        self._trusted = Tokenizer.from_file(tokenizer_path)
+        self._untrusted = Tokenizer.from_file(tokenizer_path)
+        self._untrusted.encode_special_tokens = True
+
+    def encode(self, pieces: Sequence[Piece]) -> list[int]:
+        """Token ids of pieces; adjacent pieces of one kind are encoded together."""
+        ids: list[int] = []
+        merged: list[list] = []
+        for text, trusted in pieces:
+            if merged and merged[-1][1] == trusted:
+                merged[-1][0] += text
+            else:
+                merged.append([text, trusted])
+        for text, trusted in merged:
+            tok = self._trusted if trusted else self._untrusted
+            ids += tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def state(self, text: str) -> list[int]:
+        """The state segment's token ids."""
+        return self.encode(render(self.template.state, state=text))
+
+    def options(self, question: Question) -> list[str]:
+        """The answer texts scored for a question, in the order the caller gave."""
+        if isinstance(question, Noul):
+            return [self.template.yes, self.template.no]
+        return list(question.criteria)
+
+    def hint(self, question: Question) -> list[Piece]:
+        """The line under the question: what kind of answer is expected.
+
+        Choice options are listed sorted by name, so the order a caller gives them
+        in never changes an answer. Score levels are never listed: each level is
+        judged on its own, with no numbers and no neighbours visible.
+        """
+        t = self.template
+        if isinstance(question, Noul):
+            return render(t.noul_hint)
+        if isinstance(question, Score):
+            return render(t.score_hint)
+        lines: list[Piece] = []
+        for name in sorted(question.criteria):
+            desc = question.criteria[name]
+            lines += render(t.option_line, name=name, description=desc) if desc else render(t.option_line_bare, name=name)
+        return render(t.choice_hint, options=lines)
+
+    def question(self, question: Question) -> QuestionTokens:
+        """Trunk and option token ids of one question."""
+        trunk = self.encode(render(self.template.question, instructions=question.instructions, hint=self.hint(question)))
+        opts = tuple(tuple(self.encode(render(self.template.answer, option=o))) for o in self.options(question))
+        return QuestionTokens(tuple(trunk), opts)

@@ -1,0 +1,46 @@
+"""An LRU cache of prefilled states, bounded by the bytes of their K/V."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Hashable
+
+
+class StateCache:
+    """Maps a state's token ids to its prefilled state; evicts least recently used past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable):
+        """The cached value or None; counts a hit or a miss."""
+        with self._lock:
+            entry = self._items.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key: Hashable, value, nbytes: int) -> None:
+        """Insert (values larger than the whole budget are not kept)."""
+        with self._lock:
+            if key in self._items or nbytes > self.max_bytes:
+                return
+            self._items[key] = (value, nbytes)
+            self.bytes += nbytes
+            while self.bytes > self.max_bytes:
+                _, (_, size) = self._items.popitem(last=False)
+                self.bytes -= size
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,150 @@
+"""Packing questions and their options into one sequence with a tree mask. Pure numpy.
+
+Each question is a *trunk* (its prompt tokens); its options hang off the trunk's
+last token as a trie of token sequences, so options sharing a token prefix share
+those tokens. A packed token sees the whole state (always, outside this mask),
+itself and its ancestors in the tree — nothing else. Positions continue from the
+state as if the question and the option had been asked alone.
+
+Every trie node is scored once: the logits are read at its parent (the trunk's
+last token for a first option token) with the node's token as target. An option's
+log-likelihood is the sum over the nodes of its path (the chain rule). A node is
+packed as an input token only when a child needs it as context, so a leaf (the
+last token of an option) is a target but never an input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class QuestionTokens:
+    """A question as token ids: the trunk and one token sequence per option."""
+
+    trunk: tuple[int, ...]
+    options: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        if not self.trunk:
+            raise ValueError("a question's trunk must have at least one token")
+        if not self.options or any(len(o) == 0 for o in self.options):
+            raise ValueError("every option must have at least one token")
+        if len(set(self.options)) != len(self.options):
+            raise ValueError("two options have the same tokens")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The graph inputs of one packed pass plus the map from read-outs to options."""
+
+    input_ids: np.ndarray  # [N] int64
+    position_ids: np.ndarray  # [N] int64
+    tree_mask: np.ndarray  # [N, N] bool
+    readout_index: np.ndarray  # [R] int64
+    readout_target: np.ndarray  # [R] int64
+    option_readouts: list = field(default_factory=list)  # [question][option] -> int64 array of read-outs
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of packed input tokens."""
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class _Trie:
+    tokens: list = field(default_factory=lambda: [-1])  # node -> token (root: -1)
+    parent: list = field(default_factory=lambda: [-1])  # node -> parent node
+    children: list = field(default_factory=lambda: [{}])  # node -> {token: node}
+    depth: list = field(default_factory=lambda: [0])
+
+    def insert(self, seq: Sequence[int]) -> list[int]:
+        """Add a token sequence below the root; return the nodes of its path."""
+        node, path = 0, []
+        for token in seq:
+            nxt = self.children[node].get(token)
+            if nxt is None:
+                nxt = len(self.tokens)
+                self.tokens.append(int(token))
+                self.parent.append(node)
+                self.children.append({})
+                self.depth.append(self.depth[node] + 1)
+                self.children[node][token] = nxt
+            path.append(nxt)
+            node = nxt
+        return path
+
+
+def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
+    """[N, N] bool: row i is True at i and at every ancestor of i. Parents precede children."""
+    n = len(parent)
+    mask = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parent):
+        if p >= 0:
+            if p >= i:
+                raise ValueError(f"token {i} has parent {p}; parents must come first")
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
+
+
+def pack(questions: Sequence[QuestionTokens], past_len: int) -> PackedBatch:
+    """Pack questions into one sequence that continues a state of ``past_len`` tokens."""
+    ids: list[int] = []
+    pos: list[int] = []
+    parent: list[int] = []
+    r_index: list[int] = []
+    r_target: list[int] = []
+    option_readouts = []
+    for q in questions:
+        prev = -1
+        for k, token in enumerate(q.trunk):
+            ids.append(int(token)), pos.append(past_len + k), parent.append(prev)
+            prev = len(ids) - 1
+        trie = _Trie()
+        paths = [trie.insert(opt) for opt in q.options]
+        packed_of = {0: prev}  # trie node -> packed index (root = trunk's last token)
+        readout_of = {}
+        base = past_len + len(q.trunk) - 1
+        for node in range(1, len(trie.tokens)):
+            readout_of[node] = len(r_index)
+            r_index.append(packed_of[trie.parent[node]])
+            r_target.append(trie.tokens[node])
+            if trie.children[node]:
+                ids.append(trie.tokens[node]), pos.append(base + trie.depth[node])
+                parent.append(packed_of[trie.parent[node]])
+                packed_of[node] = len(ids) - 1
+        option_readouts.append([np.array([readout_of[n] for n in path], dtype=np.int64) for path in paths])
+    return PackedBatch(
+        input_ids=np.array(ids, dtype=np.int64),
+        position_ids=np.array(pos, dtype=np.int64),
+        tree_mask=ancestor_mask(parent),
+        readout_index=np.array(r_index, dtype=np.int64),
+        readout_target=np.array(r_target, dtype=np.int64),
+        option_readouts=option_readouts,
+    )
+
+
+def causal(ids: Sequence[int], start: int) -> PackedBatch:
+    """A single causal trunk (the state, or a chunk of it) starting at position ``start``.
+
+    It reads out the last token's next-token distribution for its first id (the
+    graph needs at least one read-out); prefill ignores it.
+    """
+    n = len(ids)
+    return PackedBatch(
+        input_ids=np.asarray(ids, dtype=np.int64),
+        position_ids=np.arange(start, start + n, dtype=np.int64),
+        tree_mask=np.tril(np.ones((n, n), dtype=bool)),
+        readout_index=np.array([n - 1], dtype=np.int64),
+        readout_target=np.array([int(ids[0])], dtype=np.int64),
+    )
+
+
+def option_logprobs(batch: PackedBatch, target_logprob: np.ndarray) -> list[np.ndarray]:
+    """Per question, the summed log-likelihood of each option: [question] -> [K] float64."""
+    lp = target_logprob.astype(np.float64)
+    return [np.array([lp[r].sum() for r in q]) for q in batch.option_readouts]
