@@ -1,0 +1,113 @@
+"""The ``onepass`` command: export an engine, ask questions about a state.
+
+Errors print one line (``error: ...``) and exit with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .runtime.errors import OnepassError
+
+
+def _read_text(path: str, what: str) -> str:
+    raw = sys.stdin.buffer.read() if path == "-" else _read_bytes(path, what)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise OnepassError(f"{what} {path} is not valid UTF-8 (byte {err.start}); save it as UTF-8") from None
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise OnepassError(f"cannot read {what} {path}: {err.strerror}") from None
+
+
+def _request(args) -> dict:
+    try:
+        questions = json.loads(_read_text(args.questions, "questions file"))
+    except json.JSONDecodeError as err:
+        raise OnepassError(f"questions file {args.questions} is not valid JSON: {err}") from None
+    body = questions if isinstance(questions, dict) and "questions" in questions else {"questions": questions}
+    if args.state is not None:
+        text = _read_text(args.state, "state file")
+        if args.json_state:
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise OnepassError(f"state file {args.state} is not valid JSON: {err}") from None
+        body = {**body, "state": text}
+    return body
+
+
+def cmd_ask(args) -> int:
+    """Answer a TypeSafe request and print the response JSON."""
+    from .runtime.engine import Engine
+
+    body = _request(args)
+    engine = Engine.load(args.engine, threads=args.threads)
+    response = engine.request(body)
+    print(json.dumps(response, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Compile a model into an engine directory."""
+    try:
+        from .export.build import export_engine
+    except ImportError as err:
+        raise OnepassError(f"export needs the [export] extra ({err.name} is missing): "
+                           "pip install torch==2.13.0 && pip install 'onepass[export]'") from None
+    from .runtime.manifest import Limits, Scoring
+
+    limits = Limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
+                    max_questions=args.max_questions, max_options=args.max_options)
+    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="onepass", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="compile a model into an engine directory")
+    ex.add_argument("--out", required=True, help="engine directory to write")
+    ex.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ex.add_argument("--name", help="engine name (default: from the model)")
+    ex.add_argument("--max-state-tokens", type=int, default=4096)
+    ex.add_argument("--max-packed-tokens", type=int, default=4096)
+    ex.add_argument("--max-questions", type=int, default=64)
+    ex.add_argument("--max-options", type=int, default=32)
+    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="prior",
+                    help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
+    ex.set_defaults(func=cmd_export)
+    ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
+    ask.add_argument("--engine", required=True, help="engine directory")
+    ask.add_argument("--state", help="file with the state text ('-' for stdin); or give state inside --questions")
+    ask.add_argument("--json-state", action="store_true", help="the state file holds JSON (serialised canonically)")
+    ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
+    ask.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    ask.set_defaults(func=cmd_ask)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``onepass`` command."""
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OnepassError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # limits and other validated settings
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Shared fixtures: one real engine (the default SmolLM2 model) exported once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory) -> Path:
+    """An engine directory of the default model. ONEPASS_TEST_ENGINE reuses a prebuilt one (local runs)."""
+    prebuilt = os.environ.get("ONEPASS_TEST_ENGINE")
+    if prebuilt:
+        return Path(prebuilt)
+    from onepass.export.build import export_engine
+
+    return export_engine(tmp_path_factory.mktemp("engine") / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def engine(engine_dir):
+    """The engine loaded once; tests must not change its manifest."""
+    from onepass import Engine
+
+    return Engine.load(engine_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The same weights in transformers (float32, eager): the independent reference."""
+    from onepass.export.model_source import load_model
+
+    return load_model(None).model

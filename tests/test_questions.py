@@ -1,0 +1,62 @@
+"""Question validation: every bad input gets a typed error that names the rule."""
+
+import pytest
+
+from onepass.runtime.errors import InvalidRequest
+from onepass.runtime.questions import Choice, Noul, Score, from_wire
+from onepass.runtime.readout import answer, confidence
+
+import numpy as np
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Noul(""), "instructions must not be empty"),
+    (lambda: Noul("   "), "instructions must not be empty"),
+    (lambda: Noul(None), "instructions must be a string"),
+    (lambda: Choice("Pick", {}), "at least 2 options"),
+    (lambda: Choice("Pick", {"a": None}), "at least 2 options"),
+    (lambda: Choice("Pick", {"a": None, " ": None}), "option name must not be empty"),
+    (lambda: Choice("Pick", {"a": None, "a ": None}), "appears twice"),
+    (lambda: Choice("Pick", ["a", "a"]), "appears twice"),
+    (lambda: Choice("Pick", {"a": "", "b": None}), "description of option 'a' must not be empty"),
+    (lambda: Choice("Pick", "a,b"), "criteria must map option names"),
+    (lambda: Score("How?", ["low"]), "2 to 10 levels, got 1"),
+    (lambda: Score("How?", [str(i) for i in range(11)]), "2 to 10 levels, got 11"),
+    (lambda: Score("How?", []), "2 to 10 levels, got 0"),
+    (lambda: Score("How?", ["low", "low"]), "levels must differ"),
+    (lambda: Score("How?", "low,high"), "list of level descriptions"),
+    (lambda: Noul("bad \ud800 text"), "not valid UTF-8"),
+    (lambda: Choice("Pick", {"ok": None, "bad\udcff": None}), "not valid UTF-8"),
+])
+def test_invalid_questions(make, match):
+    with pytest.raises(InvalidRequest, match=match):
+        make()
+
+
+@pytest.mark.parametrize("body, match, field", [
+    ({"type": "maybe", "instructions": "x"}, "unknown question type 'maybe'", "questions.q.type"),
+    ({"instructions": "x"}, "unknown question type None", "questions.q.type"),
+    ("not an object", "must be an object", "questions.q"),
+    ({"type": "noul", "instructions": "x", "criteria": {"a": None}}, "takes no criteria", "questions.q.criteria"),
+    ({"type": "choice", "instructions": "x"}, "at least 2 options", "questions.q.criteria"),
+    ({"type": "score", "instructions": "x", "criteria": ["a"]}, "2 to 10 levels", "questions.q.criteria"),
+    ({"type": "score", "instructions": "", "criteria": ["a", "b"]}, "must not be empty", "questions.q.instructions"),
+])
+def test_wire_questions_name_the_field(body, match, field):
+    with pytest.raises(InvalidRequest, match=match) as info:
+        from_wire("q", body)
+    assert info.value.field == field
+
+
+def test_answers_follow_the_system_one_semantics():
+    assert confidence(np.array([0.25, 0.25, 0.25, 0.25])) == pytest.approx(0.0)
+    assert confidence(np.array([1.0, 0.0])) == pytest.approx(1.0)
+    assert confidence(np.array([0.6, 0.2, 0.2])) == pytest.approx((3 * 0.6 - 1) / 2)
+    s = answer(Score("How?", ["low", "mid", "high"]), np.array([0.2, 0.3, 0.5]))
+    assert s.score == pytest.approx(0 * 0.2 + 1 * 0.3 + 2 * 0.5)
+    assert s.legend == {"0": "low", "1": "mid", "2": "high"} and list(s.probabilities) == ["0", "1", "2"]
+    c = answer(Choice("Pick", {"b": None, "a": "first"}), np.array([0.3, 0.7]))
+    assert c.choice == "a" and c.probabilities == {"b": 0.3, "a": 0.7}
+    assert answer(Noul("Yes?"), np.array([0.8, 0.2])).noul == pytest.approx(0.8)
+    wire = c.to_wire()
+    assert wire["type"] == "choice" and set(wire) == {"type", "choice", "probabilities", "confidence"}

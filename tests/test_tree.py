@@ -1,0 +1,64 @@
+"""The packing and mask builders, checked exactly against small hand-written matrices."""
+
+import numpy as np
+import pytest
+
+from onepass.runtime.tree import QuestionTokens, ancestor_mask, causal, option_logprobs, pack
+
+
+def test_two_questions_with_shared_option_prefix():
+    q1 = QuestionTokens(trunk=(5, 6), options=((7, 8), (7, 9)))  # options share their first token
+    q2 = QuestionTokens(trunk=(3,), options=((4,), (2,)))
+    batch = pack([q1, q2], past_len=10)
+    # packed: 5 6 | 7 (shared, has children) | 3 ; leaves 8, 9, 4, 2 are targets only
+    np.testing.assert_array_equal(batch.input_ids, [5, 6, 7, 3])
+    np.testing.assert_array_equal(batch.position_ids, [10, 11, 12, 10])
+    np.testing.assert_array_equal(batch.tree_mask, np.array([
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+        [0, 0, 0, 1],
+    ], dtype=bool))
+    np.testing.assert_array_equal(batch.readout_index, [1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(batch.readout_target, [7, 8, 9, 4, 2])
+    assert [[r.tolist() for r in q] for q in batch.option_readouts] == [[[0, 1], [0, 2]], [[3], [4]]]
+
+
+def test_branches_do_not_see_each_other():
+    q = QuestionTokens(trunk=(1,), options=((2, 3, 4), (5, 6, 7)))
+    batch = pack([q], past_len=0)
+    np.testing.assert_array_equal(batch.input_ids, [1, 2, 3, 5, 6])
+    np.testing.assert_array_equal(batch.position_ids, [0, 1, 2, 1, 2])
+    np.testing.assert_array_equal(batch.tree_mask, np.array([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 1, 0],
+        [1, 0, 0, 1, 1],
+    ], dtype=bool))
+    np.testing.assert_array_equal(batch.readout_index, [0, 1, 2, 0, 3, 4])
+    np.testing.assert_array_equal(batch.readout_target, [2, 3, 4, 5, 6, 7])
+
+
+def test_option_logprobs_follow_the_chain_rule():
+    q = QuestionTokens(trunk=(1,), options=((2, 3), (2, 4), (5,)))
+    batch = pack([q], past_len=4)
+    lp = np.array([-0.5, -1.0, -2.0, -3.0], dtype=np.float32)  # nodes: 2, 3, 4, 5
+    np.testing.assert_allclose(option_logprobs(batch, lp)[0], [-1.5, -2.5, -3.0])
+
+
+def test_ancestor_mask_and_causal():
+    np.testing.assert_array_equal(ancestor_mask([-1, 0, 0, 2]), np.array([
+        [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool))
+    c = causal([9, 8, 7], start=5)
+    np.testing.assert_array_equal(c.tree_mask, np.tril(np.ones((3, 3), dtype=bool)))
+    np.testing.assert_array_equal(c.position_ids, [5, 6, 7])
+    with pytest.raises(ValueError, match="parents must come first"):
+        ancestor_mask([-1, 2, 0])
+
+
+def test_question_tokens_validation():
+    with pytest.raises(ValueError, match="trunk"):
+        QuestionTokens(trunk=(), options=((1,),))
+    with pytest.raises(ValueError, match="same tokens"):
+        QuestionTokens(trunk=(1,), options=((2,), (2,)))
