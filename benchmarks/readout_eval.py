@@ -36,9 +36,16 @@ from onepass.runtime.readout import option_scores, softmax
 RESULTS = Path(__file__).parent / "results"
 READOUTS = ("sum", "mean", "prior")
 TEMPLATES = {
-    "listed": PromptTemplate(),  # choice options listed (sorted) under the question
-    "unlisted": PromptTemplate(choice_hint="Answer in one or two words."),  # options only as answers
-    # the assistant turn starts with "Answer:" and each option follows with a space
+    # system prompt, "Text:" block, "Question:" line, choice options listed (sorted) under it
+    "listed": PromptTemplate(),
+    # no system prompt; question and hint on one line; capitalised Yes/No
+    "short": PromptTemplate(state="<|im_start|>user\n{state}\n\n",
+                            question="{instructions} {hint}<|im_end|>\n<|im_start|>assistant\n", yes="Yes", no="No"),
+    # as "short", and every answer ends with a full stop, the model's own habit ("No.")
+    "short_dot": PromptTemplate(state="<|im_start|>user\n{state}\n\n",
+                                question="{instructions} {hint}<|im_end|>\n<|im_start|>assistant\n",
+                                answer="{option}.<|im_end|>", yes="Yes", no="No"),
+    # as "listed", and the assistant turn starts with "Answer:"; each option follows with a space
     "lead": PromptTemplate(question="Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\nAnswer:",
                            answer=" {option}<|im_end|>"),
 }

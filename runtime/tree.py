@@ -2,7 +2,7 @@
 
 Each question is a *trunk* (its prompt tokens); its options hang off the trunk's
 last token as a trie of token sequences, so options sharing a token prefix share
-those tokens. A packed token sees the whole state (always, outside this mask),
+those tokens (and trunks sharing a token prefix share those). A packed token sees the whole state (always, outside this mask),
 itself and its ancestors in the tree — nothing else. Positions continue from the
 state as if the question and the option had been asked alone.
 
@@ -61,9 +61,9 @@ class _Trie:
     children: list = field(default_factory=lambda: [{}])  # node -> {token: node}
     depth: list = field(default_factory=lambda: [0])
 
-    def insert(self, seq: Sequence[int]) -> list[int]:
-        """Add a token sequence below the root; return the nodes of its path."""
-        node, path = 0, []
+    def insert(self, seq: Sequence[int], below: int = 0) -> list[int]:
+        """Add a token sequence below node ``below`` (the root); return the nodes of its path."""
+        node, path = below, []
         for token in seq:
             nxt = self.children[node].get(token)
             if nxt is None:
@@ -92,39 +92,39 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
 
 
 def pack(questions: Sequence[QuestionTokens], past_len: int) -> PackedBatch:
-    """Pack questions into one sequence that continues a state of ``past_len`` tokens."""
-    ids: list[int] = []
-    pos: list[int] = []
-    parent: list[int] = []
-    r_index: list[int] = []
-    r_target: list[int] = []
-    option_readouts = []
-    for q in questions:
-        prev = -1
-        for k, token in enumerate(q.trunk):
-            ids.append(int(token)), pos.append(past_len + k), parent.append(prev)
-            prev = len(ids) - 1
-        trie = _Trie()
-        paths = [trie.insert(opt) for opt in q.options]
-        packed_of = {0: prev}  # trie node -> packed index (root = trunk's last token)
-        readout_of = {}
-        base = past_len + len(q.trunk) - 1
-        for node in range(1, len(trie.tokens)):
-            readout_of[node] = len(r_index)
-            r_index.append(packed_of[trie.parent[node]])
-            r_target.append(trie.tokens[node])
-            if trie.children[node]:
-                ids.append(trie.tokens[node]), pos.append(base + trie.depth[node])
-                parent.append(packed_of[trie.parent[node]])
-                packed_of[node] = len(ids) - 1
-        option_readouts.append([np.array([readout_of[n] for n in path], dtype=np.int64) for path in paths])
+    """Pack questions into one sequence that continues a state of ``past_len`` tokens.
+
+    All questions go into one trie: questions whose trunks begin with the same tokens
+    share those tokens (same positions, same context: exactly what each computes alone),
+    and each question's options hang below its own trunk. Questions and options are
+    inserted in a canonical (sorted) order, so the packed sequence does not depend on the
+    order the caller gave them in: shuffling changes no bit of any answer.
+    """
+    trie = _Trie()
+    scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
+    paths: list = [None] * len(questions)
+    for i in sorted(range(len(questions)), key=lambda i: (questions[i].trunk, sorted(questions[i].options))):
+        q = questions[i]
+        trunk_end = trie.insert(q.trunk)[-1]
+        for opt in sorted(q.options):
+            scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
+        paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
+    packed_of: dict[int, int] = {}
+    ids, pos, parent = [], [], []
+    for node in range(1, len(trie.tokens)):
+        if trie.children[node]:
+            packed_of[node] = len(ids)
+            ids.append(trie.tokens[node])
+            pos.append(past_len + trie.depth[node] - 1)
+            parent.append(packed_of.get(trie.parent[node], -1))
+    readout_of = {node: r for r, node in enumerate(sorted(scored))}
     return PackedBatch(
         input_ids=np.array(ids, dtype=np.int64),
         position_ids=np.array(pos, dtype=np.int64),
         tree_mask=ancestor_mask(parent),
-        readout_index=np.array(r_index, dtype=np.int64),
-        readout_target=np.array(r_target, dtype=np.int64),
-        option_readouts=option_readouts,
+        readout_index=np.array([packed_of[trie.parent[n]] for n in readout_of], dtype=np.int64),
+        readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
+        option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],
     )
 
 

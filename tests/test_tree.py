@@ -8,10 +8,10 @@ from onepass.runtime.tree import QuestionTokens, ancestor_mask, causal, option_l
 
 def test_two_questions_with_shared_option_prefix():
     q1 = QuestionTokens(trunk=(5, 6), options=((7, 8), (7, 9)))  # options share their first token
-    q2 = QuestionTokens(trunk=(3,), options=((4,), (2,)))
+    q2 = QuestionTokens(trunk=(13,), options=((4,), (2,)))
     batch = pack([q1, q2], past_len=10)
-    # packed: 5 6 | 7 (shared, has children) | 3 ; leaves 8, 9, 4, 2 are targets only
-    np.testing.assert_array_equal(batch.input_ids, [5, 6, 7, 3])
+    # packed: 5 6 | 7 (shared, has children) | 13 ; leaves 8, 9, 2, 4 are targets only
+    np.testing.assert_array_equal(batch.input_ids, [5, 6, 7, 13])
     np.testing.assert_array_equal(batch.position_ids, [10, 11, 12, 10])
     np.testing.assert_array_equal(batch.tree_mask, np.array([
         [1, 0, 0, 0],
@@ -20,8 +20,19 @@ def test_two_questions_with_shared_option_prefix():
         [0, 0, 0, 1],
     ], dtype=bool))
     np.testing.assert_array_equal(batch.readout_index, [1, 2, 2, 3, 3])
-    np.testing.assert_array_equal(batch.readout_target, [7, 8, 9, 4, 2])
-    assert [[r.tolist() for r in q] for q in batch.option_readouts] == [[[0, 1], [0, 2]], [[3], [4]]]
+    np.testing.assert_array_equal(batch.readout_target, [7, 8, 9, 2, 4])  # options in sorted order
+    assert [[r.tolist() for r in q] for q in batch.option_readouts] == [[[0, 1], [0, 2]], [[4], [3]]]
+
+
+def test_packing_does_not_depend_on_the_order_given():
+    q1 = QuestionTokens(trunk=(5, 6), options=((7, 8), (7, 9), (3,)))
+    q2 = QuestionTokens(trunk=(5, 4), options=((4,), (2,)))
+    a = pack([q1, q2], past_len=3)
+    b = pack([q2, QuestionTokens(q1.trunk, (q1.options[2], q1.options[0], q1.options[1]))], past_len=3)
+    for name in ("input_ids", "position_ids", "tree_mask", "readout_index", "readout_target"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert [r.tolist() for r in a.option_readouts[0]] == [r.tolist() for r in
+                                                          (b.option_readouts[1][i] for i in (1, 2, 0))]
 
 
 def test_branches_do_not_see_each_other():
@@ -62,3 +73,29 @@ def test_question_tokens_validation():
         QuestionTokens(trunk=(), options=((1,),))
     with pytest.raises(ValueError, match="same tokens"):
         QuestionTokens(trunk=(1,), options=((2,), (2,)))
+
+
+def test_trunks_sharing_a_prefix_share_tokens_but_not_their_options():
+    q1 = QuestionTokens(trunk=(1, 2, 3), options=((7,), (8,)))
+    q2 = QuestionTokens(trunk=(1, 2, 4), options=((7,), (9, 9)))
+    batch = pack([q1, q2], past_len=5)
+    # shared 1 2, then 3 (q1) and 4 (q2); q2's option "9 9" packs its first 9
+    np.testing.assert_array_equal(batch.input_ids, [1, 2, 3, 4, 9])
+    np.testing.assert_array_equal(batch.position_ids, [5, 6, 7, 7, 8])
+    np.testing.assert_array_equal(batch.tree_mask, np.array([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
+    ], dtype=bool))
+    np.testing.assert_array_equal(batch.readout_index, [2, 2, 3, 3, 4])
+    np.testing.assert_array_equal(batch.readout_target, [7, 8, 7, 9, 9])
+    assert [[r.tolist() for r in q] for q in batch.option_readouts] == [[[0], [1]], [[2], [3, 4]]]
+
+
+def test_identical_questions_share_everything():
+    q = QuestionTokens(trunk=(1, 2), options=((3,), (4,)))
+    batch = pack([q, q], past_len=0)
+    np.testing.assert_array_equal(batch.input_ids, [1, 2])
+    assert [r.tolist() for r in batch.option_readouts[0]] == [r.tolist() for r in batch.option_readouts[1]]

@@ -1,0 +1,54 @@
+"""Export from a local Hugging Face folder (here a tiny random Qwen3 with the SmolLM2 tokenizer)."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from onepass import Choice, Engine, Noul  # noqa: E402
+from onepass.export.build import export_engine  # noqa: E402
+from onepass.export.decoder import DecoderDims  # noqa: E402
+from onepass.export.model_source import default_gguf, load_model  # noqa: E402
+from onepass.runtime.errors import ModelSourceError  # noqa: E402
+from reference import option_logprobs_alone  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3-tiny")
+    tokenizer = load_model(None).tokenizer
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
+    out = export_engine(tmp_path / "engine", str(qwen3_dir))
+    engine = Engine.load(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["architecture"] == "qwen3" and manifest["source"]["format"] == "hf"
+    questions = {"a": Noul("Is it raining?"), "b": Choice("Which?", {"red": None, "green": "a colour"})}
+    state = engine.state("The sky is grey and the streets are wet.")
+    encoded = engine.encode_questions(questions)
+    packed = engine.option_logprobs(state, encoded)
+    hf = load_model(qwen3_dir).model
+    for q, lp in zip(encoded, packed):
+        want = option_logprobs_alone(hf, state.ids, q)
+        np.testing.assert_allclose(lp, want, rtol=0, atol=5e-4, err_msg=f"max {np.abs(lp - want).max()}")
+
+
+def test_unknown_model_sources_are_refused(tmp_path):
+    with pytest.raises(ModelSourceError, match="neither a .gguf file nor a Hugging Face model folder"):
+        load_model(tmp_path)
+    with pytest.raises(ModelSourceError, match="model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        DecoderDims.from_hf_config(transformers.GPT2Config())
+    assert default_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
