@@ -56,6 +56,18 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """Verify an engine's files (sha256) and run its golden file through the graph."""
+    from .runtime.engine import Engine
+    from .runtime.selfcheck import TOLERANCES, check_golden
+
+    diffs = check_golden(Engine.load(args.engine, threads=args.threads))
+    for name, diff in diffs.items():
+        print(f"{name:20s} max |diff| {diff:.2e}  (tolerance {TOLERANCES[name]:.0e})")
+    print(f"ok: {args.engine} verified")
+    return 0
+
+
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
@@ -83,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-packed-tokens", type=int, default=4096)
     ex.add_argument("--max-questions", type=int, default=64)
     ex.add_argument("--max-options", type=int, default=32)
-    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="prior",
+    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="mean",
                     help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
     ex.set_defaults(func=cmd_export)
     ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
@@ -93,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
     ask.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     ask.set_defaults(func=cmd_ask)
+    check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
+    check.add_argument("--engine", required=True, help="engine directory")
+    check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    check.set_defaults(func=cmd_check)
     return p
 
 

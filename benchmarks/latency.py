@@ -111,9 +111,17 @@ def state_of_tokens(engine: Engine, n: int) -> str:
 
 
 def many_questions(k: int) -> dict:
-    """k questions cycling through the 13 of the workload (distinct ids, same prompts)."""
+    """k distinct questions: the workload's 13, then numbered variants of them ("Check 14: ...").
+
+    Identical questions would share every packed token (the trie), so each variant has its own wording.
+    """
     items = list(QUESTIONS.items())
-    return {f"{qid}_{i}": q for i, (qid, q) in ((i, items[i % len(items)]) for i in range(k))}
+    out = {}
+    for i in range(k):
+        qid, q = items[i % len(items)]
+        text = q.instructions if i < len(items) else f"Check {i + 1}: {q.instructions}"
+        out[f"{qid}_{i}"] = type(q)(text, q.criteria) if hasattr(q, "criteria") else type(q)(text)
+    return out
 
 
 class HFBaselines:
@@ -167,7 +175,7 @@ def run(args) -> dict:
     state = engine.state(state_text)
     enc = engine.encode_questions(QUESTIONS)
     engine.ask(state, QUESTIONS)  # priors of these questions are computed once and cached
-    packed = engine._pack(state, enc).num_tokens
+    packed = engine.pack(state, enc).num_tokens
     res = {"workload": {"state_tokens": state.num_tokens, "questions": len(QUESTIONS), "packed_tokens": packed,
                         "readout": engine.manifest.scoring.readout}}
     it = args.iters
@@ -199,7 +207,7 @@ def run(args) -> dict:
         qs = many_questions(k)
         engine.ask(state, qs)
         r = timed(lambda: engine.ask(state, qs), max(3, it // 2))
-        r["packed_tokens"] = engine._pack(state, engine.encode_questions(qs)).num_tokens
+        r["packed_tokens"] = engine.pack(state, engine.encode_questions(qs)).num_tokens
         res["vs_questions"][k] = r
         print(f"questions {k:3d}: warm p50 {r['p50']:8.1f} ms ({r['packed_tokens']} packed tokens)", flush=True)
     res["vs_state_tokens"] = {}

@@ -37,15 +37,18 @@ RESULTS = Path(__file__).parent / "results"
 READOUTS = ("sum", "mean", "prior")
 TEMPLATES = {
     # system prompt, "Text:" block, "Question:" line, choice options listed (sorted) under it
-    "listed": PromptTemplate(),
+    "listed": PromptTemplate(question="Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\n",
+                             answer="{option}<|im_end|>"),
     # no system prompt; question and hint on one line; capitalised Yes/No
     "short": PromptTemplate(state="<|im_start|>user\n{state}\n\n",
-                            question="{instructions} {hint}<|im_end|>\n<|im_start|>assistant\n", yes="Yes", no="No"),
+                            question="{instructions} {hint}<|im_end|>\n<|im_start|>assistant\n",
+                            answer="{option}<|im_end|>", yes="Yes", no="No"),
     # as "short", and every answer ends with a full stop, the model's own habit ("No.")
     "short_dot": PromptTemplate(state="<|im_start|>user\n{state}\n\n",
                                 question="{instructions} {hint}<|im_end|>\n<|im_start|>assistant\n",
                                 answer="{option}.<|im_end|>", yes="Yes", no="No"),
     # as "listed", and the assistant turn starts with "Answer:"; each option follows with a space
+    # (the measured best: onepass's default template)
     "lead": PromptTemplate(question="Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\nAnswer:",
                            answer=" {option}<|im_end|>"),
 }
@@ -121,7 +124,11 @@ def main() -> None:
     ap.add_argument("--engine", default="engines/smollm2")
     ap.add_argument("--n", type=int, default=150, help="examples per dataset")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from the saved JSON")
     args = ap.parse_args()
+    if args.report_only:
+        report(json.loads((RESULTS / "readout_eval.json").read_text()))
+        return
     base = Engine.load(args.engine)
     datasets = {
         "bbc_news_topic (choice, 5)": bbc(args.n, random.Random(args.seed)),
@@ -142,14 +149,27 @@ def main() -> None:
             print(f"{tname:9s} {dname:30s} " + "  ".join(f"{r}={v['accuracy']:.3f}" for r, v in res.items()) +
                   f"  ({time.perf_counter() - t0:.0f}s)", flush=True)
             results["variants"].setdefault(tname, {})[dname] = res
-    mean_acc = {f"{t}/{r}": float(np.mean([v[r]["accuracy"] for v in ds.values()]))
-                for t, ds in results["variants"].items() for r in READOUTS}
-    results["mean_accuracy"] = mean_acc
-    results["best"] = max(mean_acc, key=mean_acc.get)
+    report(results)
+
+
+def select(results: dict) -> dict:
+    """Mean accuracy and NLL per variant; best = highest mean accuracy, ties broken by lower mean NLL."""
+    mean = {f"{t}/{r}": {"accuracy": float(np.mean([v[r]["accuracy"] for v in ds.values()])),
+                         "nll": float(np.mean([v[r]["nll"] for v in ds.values()]))}
+            for t, ds in results["variants"].items() for r in READOUTS}
+    results["mean"] = mean
+    results.pop("mean_accuracy", None)
+    results["best"] = max(mean, key=lambda k: (round(mean[k]["accuracy"], 6), -mean[k]["nll"]))
+    return results
+
+
+def report(results: dict) -> None:
+    select(results)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "readout_eval.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "readout_eval.md").write_text(markdown(results))
-    print(f"best: {results['best']} (mean accuracy {mean_acc[results['best']]:.3f})")
+    best = results["best"]
+    print(f"best: {best} (mean accuracy {results['mean'][best]['accuracy']:.3f}, NLL {results['mean'][best]['nll']:.2f})")
 
 
 def markdown(results: dict) -> str:
@@ -161,9 +181,15 @@ def markdown(results: dict) -> str:
         cells = [f"{results['variants'][t][d][r]['accuracy']:.3f} ({results['variants'][t][d][r]['nll']:.2f})"
                  for t in results["variants"] for r in READOUTS]
         lines.append(f"| {d} | {maj:.3f} | " + " | ".join(cells) + " |")
-    lines += ["| **mean accuracy** | | " + " | ".join(f"{results['mean_accuracy'][f'{t}/{r}']:.3f}"
-                                                   for t in results["variants"] for r in READOUTS) + " |",
-              "", f"Best: **{results['best']}** — the engine's default.", ""]
+    lines += ["| **mean** | | " + " | ".join(f"{results['mean'][f'{t}/{r}']['accuracy']:.3f} "
+                                         f"({results['mean'][f'{t}/{r}']['nll']:.2f})"
+                                         for t in results["variants"] for r in READOUTS) + " |",
+              "", f"Best (mean accuracy, ties broken by mean NLL): **{results['best']}** — the engine's default.", "",
+              "Reading: with SmolLM2-135M-Instruct no zero-shot variant beats the majority baseline on these "
+              "datasets; at n per dataset one standard error of an accuracy near 0.5 is about "
+              f"{0.5 / np.sqrt(results['n_per_dataset']):.3f}, so most differences between variants are noise. "
+              "The NLL column separates them better (lower is better). Calibration and a trained decision head "
+              "(the calibration issue) are the way to useful accuracy with this model.", ""]
     return "\n".join(lines)
 
 

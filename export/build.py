@@ -14,7 +14,9 @@ import torch
 
 from ..runtime import contract
 from ..runtime import manifest as mf
+from ..runtime.engine import Engine
 from ..runtime.prompt import PromptEncoder, PromptTemplate
+from ..runtime.selfcheck import check_golden
 from .decoder import PackedDecoder
 from .golden import write_golden
 from .model_source import load_model
@@ -54,7 +56,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                   prompt: PromptTemplate = PromptTemplate()) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``."""
     out = Path(out)
-    step = _Steps(5)
+    step = _Steps(6)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     step("loading model weights")
     loaded = load_model(model)
@@ -78,6 +80,9 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                            source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                    "dims": asdict(dims)})
     mf.write(tmp, manifest)
+    step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")
+    diffs = check_golden(Engine.load(tmp, verify=False))
+    log.info("golden max differences: %s", diffs)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

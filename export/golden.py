@@ -13,9 +13,9 @@ import torch
 
 from ..runtime.prompt import PromptEncoder
 from ..runtime.questions import Choice, Noul, Score
+from ..runtime.selfcheck import GOLDEN_VERSION
 from ..runtime.tree import causal, pack
 
-GOLDEN_VERSION = 1
 SAMPLE_STATE = ("Hi, I was charged twice for my subscription this month and nobody answers my emails. "
                 "Please refund the second payment today.")
 SAMPLE_QUESTIONS = (

@@ -13,6 +13,7 @@ from ..runtime import contract
 from .decoder import PackedDecoder
 
 log = logging.getLogger("onepass.export")
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "torchvision missing"
 
 OPSET = 18
 

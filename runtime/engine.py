@@ -118,7 +118,8 @@ class Engine:
             encoded.append(self.encoder.question(q))
         return encoded
 
-    def _pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
+    def pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
+        """The packed batch of encoded questions over a state; raises LimitExceeded past the limits."""
         batch = pack(encoded, state.num_tokens)
         limits, model = self.manifest.limits, self.manifest.model
         if batch.num_tokens > limits.max_packed_tokens:
@@ -133,7 +134,7 @@ class Engine:
     def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Summed log-likelihood of every option of every question, from ONE packed pass."""
         state = self.state(state)
-        batch = self._pack(state, encoded)
+        batch = self.pack(state, encoded)
         return option_logprobs(batch, self.backend.score(state.kv, batch))
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
@@ -157,7 +158,7 @@ class Engine:
         readout = readout or self.manifest.scoring.readout
         encoded = self.encode_questions(questions)
         state = self.state(state)
-        batch = self._pack(state, encoded)
+        batch = self.pack(state, encoded)
         logprobs = option_logprobs(batch, self.backend.score(state.kv, batch))
         priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
         answers = {}

@@ -28,8 +28,9 @@ class PromptTemplate:
 
     state: str = ("<|im_start|>system\nYou read a text and answer a question about it with one of the allowed "
                   "answers.<|im_end|>\n<|im_start|>user\nText:\n{state}\n\n")
-    question: str = "Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\n"
-    answer: str = "{option}<|im_end|>"
+    # chosen by measurement (benchmarks/results/readout_eval.md: "lead")
+    question: str = "Question: {instructions}\n{hint}<|im_end|>\n<|im_start|>assistant\nAnswer:"
+    answer: str = " {option}<|im_end|>"
     noul_hint: str = "Answer yes or no."
     choice_hint: str = "Options:\n{options}Answer with one option."
     option_line: str = "- {name}: {description}\n"

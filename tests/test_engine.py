@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -110,8 +111,11 @@ def test_request_response_and_usage(engine):
 def _copy_engine(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in src.iterdir():
-        if f.stat().st_size > 10 << 20:
-            (dst / f.name).symlink_to(f.resolve())  # big weights: link, not copy
+        if f.stat().st_size > 10 << 20:  # big weights: a hard link where possible (ORT refuses symlinks out)
+            try:
+                os.link(f.resolve(), dst / f.name)
+            except OSError:
+                shutil.copy(f, dst / f.name)
         else:
             shutil.copy(f, dst / f.name)
     return dst
@@ -153,3 +157,21 @@ def test_cli_errors_are_one_line_not_a_traceback(engine_dir, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "not valid UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_graph_that_misses_its_golden_file_is_refused(engine_dir, tmp_path):
+    from onepass.runtime.selfcheck import check_golden
+
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    golden = dict(np.load(copy / "golden.npz"))
+    golden["target_logprob"] = golden["target_logprob"] + 0.01
+    np.savez(copy / "golden.npz", **golden)
+    with pytest.raises(EngineFileError, match="does not reproduce its golden file"):
+        check_golden(Engine.load(copy, verify=False))
+
+
+def test_cli_check(engine_dir):
+    done = subprocess.run([sys.executable, "-m", "onepass", "check", "--engine", str(engine_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "target_logprob" in done.stdout and done.stdout.strip().endswith("verified")

@@ -1,0 +1,37 @@
+"""Run an engine's golden file through its backend: the exported graph must reproduce PyTorch.
+
+Used right after export (a graph that disagrees is never shipped), by ``onepass check`` and by
+the tests. Tolerances are ONNX Runtime fp32 against the PyTorch fp32 graph that was exported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import EngineFileError
+from .tree import PackedBatch
+
+GOLDEN_VERSION = 1
+TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4}
+
+
+def run_golden(engine, position_shift: int = 0) -> dict:
+    """Max |difference| per golden output. ``position_shift`` breaks the positions (a negative control)."""
+    g = np.load(engine.root / engine.manifest.golden)
+    if int(g["version"]) != GOLDEN_VERSION:
+        raise EngineFileError(f"golden file version {int(g['version'])} is not {GOLDEN_VERSION}; re-export the engine")
+    kv = engine.backend.prefill(g["state_ids"].tolist(), engine.manifest.limits.prefill_chunk)
+    batch = PackedBatch(g["input_ids"], g["position_ids"] + position_shift, g["tree_mask"],
+                        g["readout_index"], g["readout_target"])
+    got = {"prefill_key_first": kv.layers[0][0].numpy(), "prefill_value_last": kv.layers[-1][1].numpy(),
+           "target_logprob": engine.backend.score(kv, batch)}
+    return {name: float(np.abs(value - g[name]).max()) for name, value in got.items()}
+
+
+def check_golden(engine) -> dict:
+    """Raise EngineFileError when an output is off by more than its tolerance; return the differences."""
+    diffs = run_golden(engine)
+    bad = {k: v for k, v in diffs.items() if not v <= TOLERANCES[k]}
+    if bad:
+        raise EngineFileError(f"the graph does not reproduce its golden file: {bad} (tolerances {TOLERANCES})")
+    return diffs
