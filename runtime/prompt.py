@@ -16,7 +16,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from .errors import InvalidRequest
-from .questions import Noul, Question, Score
+from .questions import Noul, Question, Score, as_text
 from .tree import QuestionTokens
 
 Piece = tuple  # (text, trusted)
@@ -36,6 +36,11 @@ class PromptTemplate:
     option_line: str = "- {name}: {description}\n"
     option_line_bare: str = "- {name}\n"
     score_hint: str = "Answer in a few words."
+    noul_yes_means: str = " Yes means: {text}."
+    noul_no_means: str = " No means: {text}."
+    noul_default: str = "Does the statement apply to the text?"
+    choice_default: str = "Which option fits the text best?"
+    score_default: str = "Which description fits the text best?"
     yes: str = "yes"
     no: str = "no"
     null_state: str = "N/A"
@@ -125,7 +130,7 @@ class PromptEncoder:
         """The answer texts scored for a question, in the order the caller gave."""
         if isinstance(question, Noul):
             return [self.template.yes, self.template.no]
-        return list(question.criteria)
+        return [as_text(o) for o in question.criteria]
 
     def hint(self, question: Question) -> list[Piece]:
         """The line under the question: what kind of answer is expected.
@@ -136,17 +141,31 @@ class PromptEncoder:
         """
         t = self.template
         if isinstance(question, Noul):
-            return render(t.noul_hint)
+            crit = question.criteria or {}
+            pieces = render(t.noul_hint)
+            for key, line in (("true", t.noul_yes_means), ("false", t.noul_no_means)):
+                if key in crit:
+                    pieces += render(line, text=as_text(crit[key]))
+            return pieces
         if isinstance(question, Score):
             return render(t.score_hint)
         lines: list[Piece] = []
         for name in sorted(question.criteria):
             desc = question.criteria[name]
-            lines += render(t.option_line, name=name, description=desc) if desc else render(t.option_line_bare, name=name)
+            lines += (render(t.option_line, name=name, description=as_text(desc)) if desc is not None
+                      else render(t.option_line_bare, name=name))
         return render(t.choice_hint, options=lines)
+
+    def instructions(self, question: Question) -> str:
+        """The question's instructions as text, or the template's default for its type."""
+        if question.instructions is not None:
+            return as_text(question.instructions)
+        return {"noul": self.template.noul_default, "choice": self.template.choice_default,
+                "score": self.template.score_default}[question.type]
 
     def question(self, question: Question) -> QuestionTokens:
         """Trunk and option token ids of one question."""
-        trunk = self.encode(render(self.template.question, instructions=question.instructions, hint=self.hint(question)))
+        trunk = self.encode(render(self.template.question, instructions=self.instructions(question),
+                                   hint=self.hint(question)))
         opts = tuple(tuple(self.encode(render(self.template.answer, option=o))) for o in self.options(question))
         return QuestionTokens(tuple(trunk), opts)

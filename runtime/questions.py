@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
@@ -9,28 +10,69 @@ from .errors import InvalidRequest
 
 MIN_LEVELS, MAX_LEVELS = 2, 10
 QUESTION_TYPES = ("noul", "choice", "score")
+NOUL_CRITERIA = ("true", "false")
 
 
-def _text(value, what: str, field_path: str | None) -> str:
+def as_text(value) -> str:
+    """Text the model reads for a caller value: strings as they are, JSON canonically (sorted keys)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+
+
+def _content(value, what: str, field_path: str | None, optional: bool = False):
+    """Validate a caller value: a non-empty string (stripped) or a non-empty JSON object/array."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (dict, list)):
+        if not value:
+            raise InvalidRequest(f"{what} must not be empty", field_path)
+        try:
+            _utf8(as_text(value), what, field_path)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, InvalidRequest):
+                raise
+            raise InvalidRequest(f"{what} must be JSON-serialisable: {err}", field_path) from None
+        return value
     if not isinstance(value, str):
-        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}", field_path)
+        allowed = "a string, a JSON object or array" + (", or null" if optional else "")
+        raise InvalidRequest(f"{what} must be {allowed}; got {type(value).__name__}", field_path)
     if not value.strip():
         raise InvalidRequest(f"{what} must not be empty", field_path)
+    _utf8(value, what, field_path)
+    return value.strip()
+
+
+def _utf8(text: str, what: str, field_path: str | None) -> None:
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as err:
         raise InvalidRequest(f"{what} is not valid UTF-8 at character {err.start}; send UTF-8 text", field_path) from None
-    return value.strip()
 
 
 @dataclass(frozen=True)
 class Noul:
-    """A yes/no question. Its answer is ``noul`` = P(yes)."""
+    """A yes/no question or statement. Its answer is ``noul`` = P(yes).
 
-    instructions: str
+    ``criteria`` may say what counts as yes (``true``) and as no (``false``).
+    """
+
+    instructions: object = None
+    criteria: Mapping | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "instructions", _text(self.instructions, "instructions", "instructions"))
+        object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
+        crit = self.criteria
+        if crit is not None:
+            if not isinstance(crit, Mapping) or set(crit) - set(NOUL_CRITERIA):
+                raise InvalidRequest("noul criteria must be an object with optional keys 'true' and 'false'",
+                                     "criteria")
+            crit = {k: _content(crit.get(k), f"criteria.{k}", f"criteria.{k}", True) for k in NOUL_CRITERIA}
+            crit = {k: v for k, v in crit.items() if v is not None} or None
+            object.__setattr__(self, "criteria", crit)
+        if self.instructions is None and not crit:
+            raise InvalidRequest("a noul question needs instructions or criteria (true/false); both are empty",
+                                 "instructions")
 
     type = "noul"
 
@@ -39,24 +81,24 @@ class Noul:
 class Choice:
     """Pick one of N options. ``criteria`` maps option name -> description (or None)."""
 
-    instructions: str
-    criteria: Mapping[str, str | None] = field(default_factory=dict)
+    instructions: object = None
+    criteria: Mapping = field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "instructions", _text(self.instructions, "instructions", "instructions"))
+        object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         items = self.criteria.items() if isinstance(self.criteria, Mapping) else None
         if items is None and isinstance(self.criteria, (list, tuple)):
             items = [(name, None) for name in self.criteria]
         if items is None:
             raise InvalidRequest("criteria must map option names to descriptions (or null)", "criteria")
-        clean: dict[str, str | None] = {}
+        clean: dict = {}
         for name, desc in items:
-            key = _text(name, "an option name", "criteria")
+            if not isinstance(name, str):
+                raise InvalidRequest("option names must be strings", "criteria")
+            key = _content(name, "an option name", "criteria")
             if key in clean:
                 raise InvalidRequest(f"option {key!r} appears twice; option names must be unique", "criteria")
-            if desc is not None:
-                desc = _text(desc, f"the description of option {key!r}", f"criteria.{key}")
-            clean[key] = desc
+            clean[key] = _content(desc, f"the description of option {key!r}", f"criteria.{key}", True)
         if len(clean) < 2:
             raise InvalidRequest(f"a choice needs at least 2 options, got {len(clean)}", "criteria")
         object.__setattr__(self, "criteria", clean)
@@ -68,19 +110,19 @@ class Choice:
 class Score:
     """An ordinal question: ``criteria`` lists 2..10 level descriptions, low to high."""
 
-    instructions: str
-    criteria: Sequence[str] = ()
+    instructions: object = None
+    criteria: Sequence = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "instructions", _text(self.instructions, "instructions", "instructions"))
+        object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         if isinstance(self.criteria, (str, bytes)) or not isinstance(self.criteria, Sequence):
             raise InvalidRequest("criteria must be a list of level descriptions, low to high", "criteria")
-        levels = tuple(_text(c, f"level {i}", f"criteria.{i}") for i, c in enumerate(self.criteria))
+        levels = tuple(_content(c, f"level {i}", f"criteria.{i}") for i, c in enumerate(self.criteria))
         if not MIN_LEVELS <= len(levels) <= MAX_LEVELS:
             raise InvalidRequest(
                 f"a score needs {MIN_LEVELS} to {MAX_LEVELS} levels, got {len(levels)}", "criteria"
             )
-        if len(set(levels)) != len(levels):
+        if len({as_text(x) for x in levels}) != len(levels):
             raise InvalidRequest("two levels have the same description; levels must differ", "criteria")
         object.__setattr__(self, "criteria", levels)
 
@@ -96,13 +138,14 @@ def from_wire(qid: str, body) -> Question:
     if not isinstance(body, Mapping):
         raise InvalidRequest("a question must be an object with type, instructions and criteria", path)
     kind = body.get("type")
+    if kind == "box":
+        raise InvalidRequest("box questions need a vision model; this engine answers noul, choice and score",
+                             f"{path}.type")
     if kind not in QUESTION_TYPES:
         raise InvalidRequest(f"unknown question type {kind!r}; allowed: {', '.join(QUESTION_TYPES)}", f"{path}.type")
     try:
         if kind == "noul":
-            if body.get("criteria") not in (None, {}, []):
-                raise InvalidRequest("a noul question takes no criteria", "criteria")
-            return Noul(body.get("instructions"))
+            return Noul(body.get("instructions"), body.get("criteria"))
         if kind == "choice":
             return Choice(body.get("instructions"), body.get("criteria") or {})
         return Score(body.get("instructions"), body.get("criteria") or ())

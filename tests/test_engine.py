@@ -175,3 +175,26 @@ def test_cli_check(engine_dir):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "target_logprob" in done.stdout and done.stdout.strip().endswith("verified")
+
+
+def test_official_wire_shapes_are_answered(engine):
+    """JSON instructions and descriptions, noul criteria, questions without instructions."""
+    body = {"model": "jev-latest", "state": ["line one", {"user": "Dana", "text": TICKET}],
+            "questions": {
+                "spam": {"type": "noul", "criteria": {"true": "unsolicited advertising", "false": "a real request"}},
+                "tone": {"type": "choice", "instructions": {"task": "tone of the message"},
+                         "criteria": {"angry": {"signals": ["caps", "threats"]}, "calm": None}},
+                "urgency": {"type": "score", "criteria": ["Can wait", {"when": "today"}]},
+            }}
+    answers = engine.request(body)["answers"]
+    assert 0 <= answers["spam"]["noul"] <= 1
+    assert answers["tone"]["choice"] in {"angry", "calm"}
+    assert answers["urgency"]["legend"] == {"0": "Can wait", "1": {"when": "today"}}
+
+
+def test_noul_criteria_reach_the_prompt(engine):
+    plain = engine.encode_questions({"q": Noul("Is this spam?")})[0]
+    with_criteria = engine.encode_questions({"q": Noul("Is this spam?", {"true": "advertising"})})[0]
+    assert len(with_criteria.trunk) > len(plain.trunk)
+    text = engine.encoder._trusted.decode(list(with_criteria.trunk))
+    assert "Yes means: advertising." in text

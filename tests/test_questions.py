@@ -12,7 +12,11 @@ import numpy as np
 @pytest.mark.parametrize("make, match", [
     (lambda: Noul(""), "instructions must not be empty"),
     (lambda: Noul("   "), "instructions must not be empty"),
-    (lambda: Noul(None), "instructions must be a string"),
+    (lambda: Noul(None), "needs instructions or criteria"),
+    (lambda: Noul(42), "instructions must be a string, a JSON object or array, or null; got int"),
+    (lambda: Noul({}), "instructions must not be empty"),
+    (lambda: Noul("ok", {"maybe": "x"}), "optional keys 'true' and 'false'"),
+    (lambda: Noul(None, {"true": " "}), "criteria.true must not be empty"),
     (lambda: Choice("Pick", {}), "at least 2 options"),
     (lambda: Choice("Pick", {"a": None}), "at least 2 options"),
     (lambda: Choice("Pick", {"a": None, " ": None}), "option name must not be empty"),
@@ -37,7 +41,9 @@ def test_invalid_questions(make, match):
     ({"type": "maybe", "instructions": "x"}, "unknown question type 'maybe'", "questions.q.type"),
     ({"instructions": "x"}, "unknown question type None", "questions.q.type"),
     ("not an object", "must be an object", "questions.q"),
-    ({"type": "noul", "instructions": "x", "criteria": {"a": None}}, "takes no criteria", "questions.q.criteria"),
+    ({"type": "noul", "instructions": "x", "criteria": {"a": None}}, "optional keys", "questions.q.criteria"),
+    ({"type": "noul"}, "needs instructions or criteria", "questions.q.instructions"),
+    ({"type": "box", "instructions": "the cat"}, "box questions need a vision model", "questions.q.type"),
     ({"type": "choice", "instructions": "x"}, "at least 2 options", "questions.q.criteria"),
     ({"type": "score", "instructions": "x", "criteria": ["a"]}, "2 to 10 levels", "questions.q.criteria"),
     ({"type": "score", "instructions": "", "criteria": ["a", "b"]}, "must not be empty", "questions.q.instructions"),
@@ -60,3 +66,14 @@ def test_answers_follow_the_system_one_semantics():
     assert answer(Noul("Yes?"), np.array([0.8, 0.2])).noul == pytest.approx(0.8)
     wire = c.to_wire()
     assert wire["type"] == "choice" and set(wire) == {"type", "choice", "probabilities", "confidence"}
+
+
+def test_wire_shapes_of_the_official_format_are_accepted():
+    """Instructions and descriptions may be JSON; noul may carry true/false criteria; instructions may be absent."""
+    n = from_wire("q", {"type": "noul", "instructions": {"task": "spam?"},
+                        "criteria": {"true": "unsolicited advertising", "false": None}})
+    assert n.instructions == {"task": "spam?"} and n.criteria == {"true": "unsolicited advertising"}
+    c = from_wire("q", {"type": "choice", "criteria": {"angry": {"tone": "hostile"}, "calm": None}})
+    assert c.instructions is None and c.criteria["angry"] == {"tone": "hostile"}
+    s = from_wire("q", {"type": "score", "criteria": ["Can wait", {"level": "today"}]})
+    assert answer(s, np.array([0.5, 0.5])).legend == {"0": "Can wait", "1": {"level": "today"}}
