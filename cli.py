@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -68,6 +69,42 @@ def cmd_check(args) -> int:
     return 0
 
 
+def _serve_extra(err: ImportError) -> OnepassError:
+    return OnepassError(f"serving needs the [serve] extra ({err.name} is missing): pip install 'onepass[serve]'")
+
+
+def cmd_serve(args) -> int:
+    """Run the TypeSafe System One HTTP server."""
+    try:
+        import uvicorn
+
+        from .runtime.server.app import create_app
+        from .runtime.server.config import ServerConfig
+    except ImportError as err:
+        raise _serve_extra(err) from None
+    from .runtime.engine import Engine
+
+    config = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
+                                   max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                                   batch_window_ms=args.batch_window_ms)
+    engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    uvicorn.run(create_app(engine, config), host=config.host, port=config.port, access_log=False, log_level="info")
+    return 0
+
+
+def cmd_mcp(args) -> int:
+    """Run the MCP tool server on stdio."""
+    try:
+        from .runtime.server.mcp_tools import serve_stdio
+    except ImportError as err:
+        raise _serve_extra(err) from None
+    from .runtime.engine import Engine
+
+    serve_stdio(Engine.load(args.engine, threads=args.threads))
+    return 0
+
+
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
@@ -109,6 +146,22 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--engine", required=True, help="engine directory")
     check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     check.set_defaults(func=cmd_check)
+    serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
+    serve.add_argument("--engine", required=True, help="engine directory")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    serve.add_argument("--batch-window-ms", type=float, default=2.0,
+                       help="requests about one state arriving within this window share a pass (0: off)")
+    serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")
+    serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    serve.set_defaults(func=cmd_serve)
+    mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
+    mcp.add_argument("--engine", required=True, help="engine directory")
+    mcp.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    mcp.set_defaults(func=cmd_mcp)
     return p
 
 

@@ -78,6 +78,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
                            files=files, limits=limits, prompt=prompt, scoring=scoring,
                            source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
+                                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "dims": asdict(dims)})
     mf.write(tmp, manifest)
     step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
-from .errors import InvalidRequest, LimitExceeded
+from .errors import InvalidRequest, LimitExceeded, OnepassError
 from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
 from .readout import answer, option_scores, softmax
@@ -155,17 +155,52 @@ class Engine:
 
     def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
         """Answer questions about a state in one packed forward pass."""
-        readout = readout or self.manifest.scoring.readout
         encoded = self.encode_questions(questions)
         state = self.state(state)
         batch = self.pack(state, encoded)
         logprobs = option_logprobs(batch, self.backend.score(state.kv, batch))
+        answers = self._answers(questions, encoded, logprobs, readout)
+        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
+
+    def run_many(self, requests: list, readout: str | None = None) -> list:
+        """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
+
+        Each request's questions are separate subtrees of the packed tree, so every answer
+        equals its request run alone. Returns, per request, a Result or the OnepassError it
+        raised (a bad request never fails the others).
+        """
+        out: list = [None] * len(requests)
+        groups: dict = {}
+        for i, (raw, questions) in enumerate(requests):
+            try:
+                encoded = self.encode_questions(questions)
+                state = self.state(raw)
+                own = self.pack(state, encoded).num_tokens  # its own size and limits, as if alone
+                groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
+            except OnepassError as err:
+                out[i] = err
+        for members in groups.values():
+            state = members[0][1]
+            try:
+                batch = self.pack(state, [q for m in members for q in m[3]])
+            except LimitExceeded:  # merged too large: run these one by one
+                for i, _, questions, _, _ in members:
+                    out[i] = self.run(state, questions, readout)
+                continue
+            logprobs = iter(option_logprobs(batch, self.backend.score(state.kv, batch)))
+            for i, _, questions, encoded, own in members:
+                mine = [next(logprobs) for _ in encoded]
+                out[i] = Result(self._answers(questions, encoded, mine, readout), state.num_tokens + own, own)
+        return out
+
+    def _answers(self, questions, encoded, logprobs, readout) -> dict:
+        readout = readout or self.manifest.scoring.readout
         priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
         answers = {}
         for (qid, q), tokens, lp, prior in zip(questions.items(), encoded, logprobs, priors):
             lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
             answers[qid] = answer(q, softmax(option_scores(lp, lengths, prior, readout)))
-        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
+        return answers
 
     def ask(self, state, questions: Mapping[str, Question], readout: str | None = None) -> dict[str, Answer]:
         """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON."""
@@ -173,17 +208,28 @@ class Engine:
 
     def request(self, body: Mapping) -> dict:
         """Answer a TypeSafe System One request body; returns the response body."""
-        if not isinstance(body, Mapping):
-            raise InvalidRequest("the request body must be a JSON object")
-        if "state" not in body:
-            raise InvalidRequest("the request has no state", "state")
-        raw = body.get("questions")
-        if not isinstance(raw, Mapping) or not raw:
-            raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
-        questions = {qid: from_wire(qid, q) for qid, q in raw.items()}
-        result = self.run(body["state"], questions)
-        return {
-            "model": body.get("model") or self.name,
-            "answers": {qid: a.to_wire() for qid, a in result.answers.items()},
-            "usage": {"input_tokens": int(result.input_tokens), "output_tokens": 0},
-        }
+        state, questions = parse_request(body)
+        return response_body(body, self.name, self.run(state, questions))
+
+
+def parse_request(body: Mapping) -> tuple:
+    """(state, {id: Question}) of a TypeSafe System One request body; InvalidRequest names the field."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the request body must be a JSON object")
+    if "state" not in body:
+        raise InvalidRequest("the request has no state", "state")
+    raw = body.get("questions")
+    if not isinstance(raw, Mapping) or not raw:
+        raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
+    if body.get("assets"):
+        raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
+    return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
+
+
+def response_body(body: Mapping, name: str, result: Result) -> dict:
+    """The TypeSafe System One response for a result."""
+    return {
+        "model": body.get("model") or name,
+        "answers": {qid: a.to_wire() for qid, a in result.answers.items()},
+        "usage": {"input_tokens": int(result.input_tokens), "output_tokens": 0},
+    }

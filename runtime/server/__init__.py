@@ -1,0 +1,1 @@
+"""`onepass serve`: the TypeSafe System One HTTP endpoint and the MCP tool server (extra ``[serve]``)."""

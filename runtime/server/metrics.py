@@ -1,0 +1,46 @@
+"""Prometheus metrics of one server (its own registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _CacheCollector:
+    """Reads the engine's state cache at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        cache = self.engine.cache
+        yield CounterMetricFamily("onepass_state_cache_hits", "State cache hits", value=cache.hits)
+        yield CounterMetricFamily("onepass_state_cache_misses", "State cache misses (prefills)", value=cache.misses)
+        yield GaugeMetricFamily("onepass_state_cache_bytes", "Bytes of K/V held by the state cache", value=cache.bytes)
+        yield GaugeMetricFamily("onepass_state_cache_states", "States held by the state cache", value=len(cache))
+
+
+class Metrics:
+    """Request count by status, latency histogram, queue depth, batches, tokens, state cache."""
+
+    def __init__(self, engine, queue_depth):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("onepass_requests", "HTTP requests by path and status", ["path", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("onepass_request_seconds", "End-to-end latency of POST /v1/systemone",
+                                 buckets=BUCKETS, registry=self.registry)
+        self.tokens = Counter("onepass_tokens", "Tokens processed", ["kind"], registry=self.registry)
+        self.batches = Counter("onepass_engine_batches", "Engine batches (one or more merged requests)",
+                               registry=self.registry)
+        self.batched = Counter("onepass_engine_batched_requests", "Requests answered in engine batches",
+                               registry=self.registry)
+        depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
+        depth.set_function(queue_depth)
+        self.registry.register(_CacheCollector(engine))
+
+    def on_batch(self, size: int) -> None:
+        """Called by the dispatcher after each engine batch."""
+        self.batches.inc()
+        self.batched.inc(size)

@@ -1,0 +1,367 @@
+"""`onepass serve` over loopback: the official SDK unchanged, error mapping, fuzzing, load, merging, MCP."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+typesafe_sdk = pytest.importorskip("typesafe_sdk")
+
+from onepass import Choice, Engine, Noul, Score  # noqa: E402
+from onepass.runtime.server.app import create_app  # noqa: E402
+from onepass.runtime.server.config import ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TICKET = ("Hi, I was charged twice for my Pro subscription this month. Please refund the second payment. "
+          "This is the second time this has happened and I am getting really annoyed. ") * 8  # > 1 KiB: zstd
+QUESTIONS = {
+    "refund": {"type": "noul", "instructions": "Does the customer request a refund?"},
+    "team": {"type": "choice", "instructions": "Which team should handle this?",
+             "criteria": {"billing": "payments, refunds", "technical": None, "sales": None}},
+    "mood": {"type": "score", "instructions": "How frustrated is the customer?",
+             "criteria": ["Calm", "Frustrated", "Very angry"]},
+}
+PROB_TOL = 1e-4  # merged vs alone: packed == separate
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(engine, **settings):
+    """A real uvicorn server on a loopback port, in a thread; yields its base URL."""
+    config = ServerConfig(port=_free_port(), **settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host="127.0.0.1", port=config.port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with running(engine) as base:
+        yield base
+
+
+def post(url: str, body, headers: dict | None = None, raw: bytes | None = None, path="/v1/systemone"):
+    """(status, headers, json body) of a POST; never raises on HTTP errors."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.headers, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, json.loads(err.read() or b"null")
+
+
+def get(url: str, path: str, headers: dict | None = None):
+    req = urllib.request.Request(url + path, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def sdk_client(url: str, **kwargs):
+    from typesafe_sdk import RetryPolicy, TypeSafeClient
+
+    return TypeSafeClient(api_key=kwargs.pop("api_key", "test-key"), base_url=url,
+                          retry=RetryPolicy(max_retries=0), **kwargs)
+
+
+# -- the official SDK, unchanged ------------------------------------------------------------------
+
+
+def test_sdk_answers_equal_engine_ask(url, engine, caplog):
+    from typesafe_sdk import Choice as SChoice, Noul as SNoul, Score as SScore
+
+    caplog.set_level("INFO", logger="onepass.access")
+    with sdk_client(url) as client:
+        result = client.system_one(state=TICKET, questions={
+            "refund": SNoul(instructions=QUESTIONS["refund"]["instructions"]),
+            "team": SChoice(instructions=QUESTIONS["team"]["instructions"], criteria=QUESTIONS["team"]["criteria"]),
+            "mood": SScore(instructions=QUESTIONS["mood"]["instructions"], criteria=QUESTIONS["mood"]["criteria"]),
+        })
+    want = engine.ask(TICKET, {"refund": Noul(QUESTIONS["refund"]["instructions"]),
+                               "team": Choice(QUESTIONS["team"]["instructions"], QUESTIONS["team"]["criteria"]),
+                               "mood": Score(QUESTIONS["mood"]["instructions"], QUESTIONS["mood"]["criteria"])})
+    answers = result.answers
+    assert answers["refund"].noul == pytest.approx(want["refund"].noul, abs=1e-9)
+    assert answers["team"].choice == want["team"].choice
+    assert answers["team"].probabilities == pytest.approx(want["team"].probabilities, abs=1e-9)
+    assert answers["mood"].score == pytest.approx(want["mood"].score, abs=1e-9)
+    assert answers["mood"].legend == {0: "Calm", 1: "Frustrated", 2: "Very angry"}
+    assert result.usage.input_tokens > 100 and result.usage.output_tokens == 0
+    encodings = [json.loads(r.getMessage()).get("encoding") for r in caplog.records if r.name == "onepass.access"]
+    assert "zstd" in encodings, "the SDK should have sent a zstd-compressed body (>= 1 KiB)"
+
+
+def test_sdk_lists_models(url, engine):
+    with sdk_client(url) as client:
+        names = [m.name for m in client.models.list().models]
+    assert engine.name in names and "jev-latest" in names
+
+
+@pytest.mark.parametrize("case, error", [
+    ("unknown model", "TypeSafeNotFoundError"),
+    ("bad question", "TypeSafeUnprocessableEntityError"),
+])
+def test_sdk_raises_the_matching_exception(url, case, error):
+    import typesafe_sdk
+    from typesafe_sdk import Choice as SChoice, Noul as SNoul
+
+    with sdk_client(url, model="no-such-model" if case == "unknown model" else None) as client:
+        questions = {"q": SNoul(instructions="Is it?")} if case == "unknown model" else {
+            "q": SChoice(instructions="Pick", criteria={"only": None})}
+        with pytest.raises(getattr(typesafe_sdk, error)):
+            client.system_one(state="some text", questions=questions)
+
+
+def test_sdk_authentication(engine):
+    import typesafe_sdk
+    from typesafe_sdk import Noul as SNoul
+
+    with running(engine, api_key="s3cret") as base:
+        with sdk_client(base, api_key="wrong") as client, pytest.raises(typesafe_sdk.TypeSafeAuthenticationError):
+            client.system_one(state="text", questions={"q": SNoul(instructions="Is it?")})
+        with sdk_client(base, api_key="s3cret") as client:
+            assert 0 <= client.system_one(state="text", questions={"q": SNoul(instructions="Is it?")}).answers[
+                "q"].noul <= 1
+
+
+# -- wire details and error mapping ---------------------------------------------------------------
+
+
+def test_gzip_body_and_request_id(url):
+    body = gzip.compress(json.dumps({"model": "jev-latest", "state": TICKET, "questions": QUESTIONS}).encode())
+    status, headers, resp = post(url, None, {"Content-Encoding": "gzip"}, raw=body)
+    assert status == 200 and set(resp["answers"]) == set(QUESTIONS)
+    assert resp["answers"]["mood"]["probabilities"].keys() == {"0", "1", "2"}
+    assert len(headers["x-typesafe-request-id"]) == 32
+
+
+@pytest.mark.parametrize("body, raw, headers, status, field", [
+    (None, b"{not json", {}, 400, None),
+    (None, b"\x28\xb5\x2f\xfd garbage", {"Content-Encoding": "zstd"}, 400, None),
+    (None, b"{}", {"Content-Encoding": "br"}, 400, None),
+    ({"model": "gpt-5", "state": "x", "questions": QUESTIONS}, None, {}, 404, "model"),
+    ({"model": "jev-latest", "questions": QUESTIONS}, None, {}, 422, "state"),
+    ({"model": "jev-latest", "state": 5, "questions": QUESTIONS}, None, {}, 422, "state"),
+    ({"model": "jev-latest", "state": "x", "questions": {}}, None, {}, 422, "questions"),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "score", "instructions": "How?",
+                                                                 "criteria": ["one"]}}}, None, {}, 422,
+     "questions.q.criteria"),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "poll", "instructions": "x"}}}, None, {},
+     422, "questions.q.type"),
+    ({"model": "jev-latest", "state": "x", "questions": {"q": {"type": "choice", "instructions": "x",
+                                                                 "criteria": {"a": None, "a ": None}}}},
+     None, {}, 422, "questions.q.criteria"),
+    ({"model": "jev-latest", "state": "word " * 300_000, "questions": QUESTIONS}, None, {}, 413, None),
+    ({"model": "jev-latest", "state": "x", "assets": {"img": {"type": "image"}}, "questions": QUESTIONS},
+     None, {}, 422, "assets"),
+])
+def test_error_statuses(url, body, raw, headers, status, field):
+    got, resp_headers, resp = post(url, body, headers, raw=raw)
+    assert got == status, resp
+    assert isinstance(resp["error"]["message"], str) and resp["error"]["message"]
+    if field:
+        assert resp["error"]["field"] == field
+    assert resp_headers["x-typesafe-request-id"]
+
+
+def test_state_over_the_engine_limit_is_413(engine):
+    manifest = dataclasses.replace(engine.manifest, limits=dataclasses.replace(engine.manifest.limits,
+                                                                               max_state_tokens=64))
+    small = Engine(engine.root, manifest, engine.backend)
+    with running(small) as base:
+        status, _, resp = post(base, {"model": "jev-latest", "state": TICKET, "questions": QUESTIONS})
+    assert status == 413 and "at most 64" in resp["error"]["message"] and resp["error"]["field"] == "state"
+
+
+def test_health_ready_models_metrics(url, engine):
+    assert get(url, "/healthz")[0] == 200
+    status, _, body = get(url, "/readyz")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    names = [m["name"] for m in json.loads(get(url, "/v1/models")[2])["models"]]
+    assert names[0] == engine.name and "jev-latest" in names
+    post(url, {"model": "jev-latest", "state": "metrics", "questions": {"q": QUESTIONS["refund"]}})
+    text = get(url, "/metrics")[2].decode()
+    for name in ("onepass_requests_total", "onepass_request_seconds_bucket", "onepass_queue_depth",
+                 "onepass_state_cache_hits_total", "onepass_state_cache_bytes", "onepass_tokens_total"):
+        assert name in text, name
+
+
+# -- merging ----------------------------------------------------------------------------------------
+
+
+def _probs(answer) -> dict:
+    return getattr(answer, "probabilities", None) or {"yes": answer.noul}
+
+
+def test_merged_requests_equal_each_request_alone(engine):
+    from onepass.runtime.engine import parse_request
+
+    bodies = [{"state": TICKET, "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}},
+              {"state": TICKET, "questions": {"a": QUESTIONS["mood"]}},
+              {"state": "another state entirely", "questions": {"x": QUESTIONS["team"]}},
+              {"state": TICKET, "questions": {"bad": {"type": "score", "instructions": "x", "criteria": ["1"]}}}]
+    parsed = []
+    for b in bodies:
+        try:
+            parsed.append(parse_request(b))
+        except Exception as err:  # noqa: BLE001 - the bad one is checked below
+            parsed.append(err)
+    good = [p for p in parsed if isinstance(p, tuple)]
+    merged = engine.run_many(good)
+    for (state, questions), result in zip(good, merged):
+        alone = engine.run(state, questions)
+        assert result.input_tokens == alone.input_tokens
+        for qid, a in alone.answers.items():
+            for k, p in _probs(a).items():
+                assert abs(_probs(result.answers[qid])[k] - p) <= PROB_TOL, (qid, k)
+    assert not isinstance(parsed[3], tuple)
+
+
+def test_merged_pass_is_really_shared(engine):
+    """Negative control for the test above: merging changes the packed pass (more tokens, one call)."""
+    from onepass.runtime.engine import parse_request
+
+    calls = []
+    original = engine.backend.score
+
+    def counting(kv, batch):
+        calls.append(batch.num_tokens)
+        return original(kv, batch)
+
+    requests = [parse_request({"state": TICKET, "questions": {"a": QUESTIONS["refund"]}}),
+                parse_request({"state": TICKET, "questions": {"b": QUESTIONS["team"]}})]
+    engine.backend.score = counting
+    try:
+        engine.run_many(requests)
+    finally:
+        engine.backend.score = original
+    alone = [engine.pack(engine.state(TICKET), engine.encode_questions(q)).num_tokens for _, q in requests]
+    assert len(calls) == 1 and calls[0] > max(alone)
+
+
+# -- fuzzing and load --------------------------------------------------------------------------------
+
+
+def test_fuzzed_bodies_never_yield_5xx(url):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(max_size=40)
+    json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+                              lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                              max_leaves=6)
+    kinds = st.sampled_from(["noul", "choice", "score", "box", "other"])
+    criteria = (st.dictionaries(text, st.none() | text, max_size=12) | st.lists(text, max_size=12) | json_value)
+    question = st.fixed_dictionaries({"type": kinds}, optional={"instructions": text | json_value,
+                                                                 "criteria": criteria})
+    plausible = st.fixed_dictionaries({"model": st.sampled_from(["jev-latest", "nope"]), "state": text | json_value,
+                                       "questions": st.dictionaries(text, question, min_size=1, max_size=3)},
+                                      optional={"assets": st.none() | json_value})
+    garbage = st.fixed_dictionaries({}, optional={
+        "model": json_value, "state": json_value, "questions": st.dictionaries(text, json_value) | json_value})
+    words = st.text(min_size=1, max_size=60).filter(str.strip)
+    answerable = st.fixed_dictionaries({"model": st.just("jev-latest"), "state": words, "questions": st.dictionaries(
+        text, st.fixed_dictionaries({"type": st.just("noul"), "instructions": words}), min_size=1, max_size=3)})
+    body = plausible | answerable | garbage | json_value
+    statuses = []
+
+    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body)
+    def check(b):
+        status, _, resp = post(url, b)
+        statuses.append(status)
+        assert status < 500, (b, resp)
+
+    check()
+    assert len(statuses) >= 1500 and get(url, "/healthz")[0] == 200
+    assert {200, 404, 422} <= set(statuses), "the generator should reach every outcome"
+    print("fuzz statuses:", {s: statuses.count(s) for s in sorted(set(statuses))})
+
+
+def test_bounded_load_loses_nothing(url):
+    body = {"model": "jev-latest", "state": TICKET, "questions": {"refund": QUESTIONS["refund"]}}
+    post(url, body)  # the state is cached from here on
+
+    def one(i):
+        t0 = time.perf_counter()
+        status, _, resp = post(url, {**body, "questions": {f"q{i}": QUESTIONS["refund"]}})
+        return status, resp, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(one, range(256)))
+    assert [s for s, _, _ in results].count(200) == 256
+    assert all(list(r["answers"]) == [f"q{i}"] for i, (_, r, _) in enumerate(results))
+    lat = np.array([t for _, _, t in results]) * 1000
+    print(f"load: 256 requests, 32 clients: p50 {np.percentile(lat, 50):.0f} ms, p99 {np.percentile(lat, 99):.0f} ms")
+
+
+def test_full_queue_answers_429_with_retry_after(engine):
+    body = {"model": "jev-latest", "state": TICKET, "questions": QUESTIONS}
+    with running(engine, max_queue=1, batch_window_ms=0) as base:
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(pool.map(lambda _: post(base, body), range(12)))
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 429} and statuses.count(429) >= 1 and statuses.count(200) >= 1
+    assert all(h["Retry-After"] == "1" for s, h, _ in results if s == 429)
+
+
+# -- MCP -------------------------------------------------------------------------------------------
+
+
+def test_mcp_tools_over_stdio(engine_dir, engine):
+    import asyncio
+
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable, args=["-m", "onepass", "mcp", "--engine",
+                                                                 str(engine_dir)])
+
+    async def session():
+        async with Client(params) as client:
+            tools = {t.name for t in (await client.list_tools()).tools}
+            picked = await client.call_tool("choice", {"state": TICKET, "instructions": "Which team?",
+                                                       "options": {"billing": None, "technical": None}})
+            bad = await client.call_tool("score", {"state": TICKET, "instructions": "How?", "levels": ["one"]})
+            return tools, picked.structured_content, bad.structured_content
+
+    tools, picked, bad = asyncio.run(asyncio.wait_for(session(), timeout=240))
+    assert tools == {"noul", "choice", "score"}
+    want = engine.ask(TICKET, {"q": Choice("Which team?", {"billing": None, "technical": None})})["q"]
+    assert picked["choice"] == want.choice
+    assert picked["probabilities"] == pytest.approx(want.probabilities, abs=1e-6)
+    assert "2 to 10 levels" in bad["error"]
