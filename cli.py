@@ -105,6 +105,22 @@ def cmd_mcp(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Fit calibration on labelled rows and store it in the engine manifest."""
+    try:
+        from .calibration.run import calibrate
+    except ImportError as err:
+        raise OnepassError(f"calibration needs the [calibrate] extra ({err.name} is missing): "
+                           "pip install 'onepass[calibrate]'") from None
+    report = calibrate(args.engine, args.data, holdout=args.holdout, seed=args.seed, report_dir=args.report)
+    for phase in ("before", "after"):
+        m = report[phase]["all"]
+        print(f"{phase:6s} held-out rows {m['rows']}: accuracy {m['accuracy']:.3f}  NLL {m['nll']:.3f}  "
+              f"Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
+    print(f"calibration written to {args.engine}/manifest.json" + (f"; report in {args.report}" if args.report else ""))
+    return 0
+
+
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
@@ -146,6 +162,13 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--engine", required=True, help="engine directory")
     check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     check.set_defaults(func=cmd_check)
+    cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
+    cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
+    cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    cal.add_argument("--holdout", type=float, default=0.3, help="share of rows kept out of the fit for the report")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
+    cal.set_defaults(func=cmd_calibrate)
     serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
     serve.add_argument("--engine", required=True, help="engine directory")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -193,18 +194,37 @@ class Engine:
                 out[i] = Result(self._answers(questions, encoded, mine, readout), state.num_tokens + own, own)
         return out
 
-    def _answers(self, questions, encoded, logprobs, readout) -> dict:
-        readout = readout or self.manifest.scoring.readout
-        priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
-        answers = {}
-        for (qid, q), tokens, lp, prior in zip(questions.items(), encoded, logprobs, priors):
-            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
-            answers[qid] = answer(q, softmax(option_scores(lp, lengths, prior, readout)))
-        return answers
+    def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True) -> dict:
+        scores = self.option_scores(questions, encoded, logprobs, readout, calibrated)
+        return {qid: answer(q, softmax(sc)) for (qid, q), sc in zip(questions.items(), scores)}
 
-    def ask(self, state, questions: Mapping[str, Question], readout: str | None = None) -> dict[str, Answer]:
-        """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON."""
-        return self.run(state, questions, readout).answers
+    def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True) -> list:
+        """Per question, the [K] scores that are soft-maxed: the read-out, then the manifest's calibration."""
+        readout = readout or self.manifest.scoring.readout
+        cal = self.manifest.calibration if calibrated else None
+        if cal is not None and cal.readout != readout:
+            cal = None  # fitted on another read-out: not applicable
+        priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
+        out = []
+        for q, tokens, lp, prior in zip(questions.values(), encoded, logprobs, priors):
+            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
+            scores = option_scores(lp, lengths, prior, readout)
+            out.append(cal.apply(q.type, scores) if cal is not None else scores)
+        return out
+
+    def ask(self, state, questions: Mapping[str, Question], readout: str | None = None,
+            min_confidence: float | None = None) -> dict[str, Answer]:
+        """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON.
+
+        With ``min_confidence``, answers whose confidence ((K p_max - 1)/(K - 1); for noul
+        |2p - 1|) is below it keep their value and are marked ``abstained``.
+        """
+        answers = self.run(state, questions, readout).answers
+        if min_confidence is None:
+            return answers
+        if not 0.0 <= min_confidence <= 1.0:
+            raise InvalidRequest(f"min_confidence must be within 0..1, got {min_confidence}", "min_confidence")
+        return {qid: dataclasses.replace(a, abstained=a.certainty < min_confidence) for qid, a in answers.items()}
 
     def request(self, body: Mapping) -> dict:
         """Answer a TypeSafe System One request body; returns the response body."""

@@ -12,10 +12,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 adds `calibration`; version 1 manifests are read as uncalibrated
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior")
 
@@ -89,11 +91,13 @@ class Manifest:
     prompt: PromptTemplate = field(default_factory=PromptTemplate)
     scoring: Scoring = field(default_factory=Scoring)
     source: dict = field(default_factory=dict)
+    calibration: Calibration | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
-        if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {self.schema_version} is not supported (this onepass reads {SCHEMA_VERSION})")
+        if self.schema_version not in READABLE_VERSIONS:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (this onepass reads "
+                             f"{READABLE_VERSIONS})")
         if self.dtype != "float32":
             raise ValueError(f"dtype {self.dtype!r} is not supported by this runtime (float32)")
         for role in ("tokenizer", "graph", "golden"):
@@ -101,8 +105,11 @@ class Manifest:
                 raise ValueError(f"{role} file {getattr(self, role)!r} is not listed in files")
 
     def to_json(self) -> str:
-        """The manifest as stable, indented JSON."""
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        """The manifest as stable, indented JSON (always written as the current schema version)."""
+        data = asdict(self)
+        data["calibration"] = self.calibration.to_dict() if self.calibration else None
+        data["schema_version"] = SCHEMA_VERSION
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -112,6 +119,7 @@ class Manifest:
         data["limits"] = Limits(**data.get("limits", {}))
         data["prompt"] = PromptTemplate(**data.get("prompt", {}))
         data["scoring"] = Scoring(**data.get("scoring", {}))
+        data["calibration"] = Calibration.from_dict(data["calibration"]) if data.get("calibration") else None
         return cls(**data)
 
 

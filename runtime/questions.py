@@ -158,10 +158,16 @@ class NoulAnswer:
     """``noul`` is P(yes)."""
 
     noul: float
+    abstained: bool = False
+
+    @property
+    def certainty(self) -> float:
+        """(K * p_max - 1) / (K - 1) with K = 2, as for choice and score."""
+        return abs(2.0 * self.noul - 1.0)
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form."""
-        return {"type": "noul", "noul": self.noul}
+        """The TypeSafe JSON form (``abstained`` only when set)."""
+        return {"type": "noul", "noul": self.noul, **({"abstained": True} if self.abstained else {})}
 
 
 @dataclass(frozen=True)
@@ -171,11 +177,17 @@ class ChoiceAnswer:
     choice: str
     probabilities: dict
     confidence: float
+    abstained: bool = False
+
+    @property
+    def certainty(self) -> float:
+        """The confidence."""
+        return self.confidence
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form."""
+        """The TypeSafe JSON form (``abstained`` only when set)."""
         return {"type": "choice", "choice": self.choice, "probabilities": dict(self.probabilities),
-                "confidence": self.confidence}
+                "confidence": self.confidence, **({"abstained": True} if self.abstained else {})}
 
 
 @dataclass(frozen=True)
@@ -186,11 +198,18 @@ class ScoreAnswer:
     legend: dict
     probabilities: dict
     confidence: float
+    abstained: bool = False
+
+    @property
+    def certainty(self) -> float:
+        """The confidence."""
+        return self.confidence
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form."""
+        """The TypeSafe JSON form (``abstained`` only when set)."""
         return {"type": "score", "score": self.score, "legend": dict(self.legend),
-                "probabilities": dict(self.probabilities), "confidence": self.confidence}
+                "probabilities": dict(self.probabilities), "confidence": self.confidence,
+                **({"abstained": True} if self.abstained else {})}
 
 
 Answer = Union[NoulAnswer, ChoiceAnswer, ScoreAnswer]

@@ -1,0 +1,123 @@
+"""`onepass calibrate`: labelled JSONL -> fitted calibration in the engine manifest + a report.
+
+Rows: ``{"state": ..., "question": {type, instructions, criteria}, "label": ...}`` where the
+label is "yes"/"no" (or true/false) for noul, an option name for choice, and a level index
+(or the level's text) for score. A seeded split keeps ``holdout`` of the rows out of the fit;
+every metric in the report is measured on those held-out rows only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import manifest as mf
+from ..runtime.engine import Engine
+from ..runtime.errors import InvalidRequest, OnepassError
+from ..runtime.questions import Noul, Score, as_text, from_wire
+from ..runtime.readout import softmax
+from . import metrics
+from .fit import fit
+
+
+def label_index(question, label) -> int:
+    """The option index of a label; InvalidRequest when it is not one of the question's options."""
+    if isinstance(question, Noul):
+        table = {"yes": 0, "true": 0, "1": 0, "no": 1, "false": 1, "0": 1}
+        key = str(label).strip().lower()
+        if key not in table:
+            raise InvalidRequest(f"a noul label must be yes/no or true/false, got {label!r}", "label")
+        return table[key]
+    names = [as_text(o) for o in question.criteria]
+    if isinstance(question, Score) and isinstance(label, int) and not isinstance(label, bool):
+        if 0 <= label < len(names):
+            return label
+        raise InvalidRequest(f"score label {label} is outside 0..{len(names) - 1}", "label")
+    if as_text(label) in names:
+        return names.index(as_text(label))
+    raise InvalidRequest(f"label {label!r} is not one of the options {names}", "label")
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Parse the JSONL file; errors name the line."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question = from_wire("question", row["question"])
+            rows.append({"state": row["state"], "question": question, "label": label_index(question, row["label"]),
+                         "dataset": row.get("dataset", "")})
+        except (json.JSONDecodeError, KeyError, TypeError, OnepassError) as err:
+            raise InvalidRequest(f"{path}:{n}: {err}") from None
+    if not rows:
+        raise InvalidRequest(f"{path} has no rows")
+    return rows
+
+
+def score_rows(engine: Engine, rows: list[dict]) -> list[dict]:
+    """Uncalibrated read-out scores of every row (one packed pass per row)."""
+    out = []
+    for row in rows:
+        questions = {"q": row["question"]}
+        encoded = engine.encode_questions(questions)
+        logprobs = engine.option_logprobs(row["state"], encoded)
+        scores = engine.option_scores(questions, encoded, logprobs, calibrated=False)[0]
+        out.append({"type": row["question"].type, "scores": scores.tolist(), "label": row["label"],
+                    "dataset": row["dataset"]})
+    return out
+
+
+def split(n: int, holdout: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded shuffle: (train indices, held-out indices)."""
+    if not 0.0 < holdout < 1.0:
+        raise ValueError(f"holdout must be between 0 and 1, got {holdout}")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    cut = int(round(n * (1 - holdout)))
+    return sorted(order[:cut]), sorted(order[cut:])
+
+
+def probabilities(rows: list[dict], calibration=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N, Kmax] probabilities (zero-padded), labels [N], option counts [N]."""
+    kmax = max(len(r["scores"]) for r in rows)
+    probs = np.zeros((len(rows), kmax))
+    for i, r in enumerate(rows):
+        s = np.array(r["scores"])
+        probs[i, :len(s)] = softmax(calibration.apply(r["type"], s) if calibration else s)
+    return probs, np.array([r["label"] for r in rows]), np.array([len(r["scores"]) for r in rows])
+
+
+def evaluate(rows: list[dict], calibration=None) -> dict:
+    """Metrics overall and per dataset, with reliability bins and the coverage curve."""
+    probs, labels, k = probabilities(rows, calibration)
+    out = {"all": {**metrics.summary(probs, labels), "reliability": metrics.reliability(probs, labels),
+                   "coverage": metrics.coverage_curve(probs, labels, k)}}
+    for name in sorted({r["dataset"] for r in rows} - {""}):
+        sel = np.array([r["dataset"] == name for r in rows])
+        out[name] = metrics.summary(probs[sel], labels[sel])
+    return out
+
+
+def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, seed: int = 0,
+              report_dir: str | Path | None = None) -> dict:
+    """Fit on the training split, report on the held-out split, write the calibration into the manifest."""
+    engine = Engine.load(engine_dir)
+    scored = score_rows(engine, load_rows(data))
+    train, test = split(len(scored), holdout, seed)
+    calibration = fit([scored[i] for i in train], engine.manifest.scoring.readout,
+                      source={"data": str(data), "rows": len(scored), "train": len(train), "holdout": len(test),
+                              "seed": seed})
+    held = [scored[i] for i in test]
+    report = {"before": evaluate(held), "after": evaluate(held, calibration), "calibration": calibration.to_dict()}
+    mf.write(engine_dir, dataclasses.replace(engine.manifest, calibration=calibration))
+    if report_dir:
+        from .report import write_report
+
+        write_report(report, Path(report_dir))
+    return report

@@ -1,0 +1,129 @@
+"""Calibration: fitting, metrics against hand computations, manifest round trip, runtime application."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("scipy")
+
+from onepass import Choice, Engine, Noul, Score  # noqa: E402
+from onepass.calibration import metrics  # noqa: E402
+from onepass.calibration.fit import fit, fit_group  # noqa: E402
+from onepass.runtime.calibration import Calibration, GroupCalibration, group_key  # noqa: E402
+from onepass.runtime.errors import InvalidRequest  # noqa: E402
+from onepass.runtime.manifest import Manifest, ModelInfo  # noqa: E402
+
+
+def _sample(rng, scores, true_scores):
+    p = np.exp(true_scores - true_scores.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    return np.array([rng.choice(len(row), p=row) for row in p])
+
+
+@pytest.mark.parametrize("t_true", [0.5, 2.5])
+def test_fitting_recovers_a_known_temperature(t_true):
+    rng = np.random.default_rng(0)
+    scores = rng.normal(0, 3, size=(6000, 4))
+    labels = _sample(rng, scores, scores / t_true)
+    got = fit_group(scores, labels, with_bias=False)
+    assert got.temperature == pytest.approx(t_true, rel=0.08)
+    control = fit_group(scores, _sample(rng, scores, scores), with_bias=False)  # labels drawn at T = 1
+    assert control.temperature == pytest.approx(1.0, rel=0.08)
+
+
+def test_fitting_recovers_a_yes_bias():
+    rng = np.random.default_rng(1)
+    scores = rng.normal(0, 2, size=(6000, 2))
+    labels = _sample(rng, scores, scores + np.array([1.5, 0.0]))
+    got = fit_group(scores, labels, with_bias=True)
+    assert got.temperature == pytest.approx(1.0, rel=0.1)
+    assert got.bias[0] == pytest.approx(1.5, abs=0.15) and got.bias[1] == 0.0
+
+
+def test_groups_and_minimum_rows():
+    assert [group_key("noul", 2), group_key("choice", 2), group_key("choice", 4), group_key("choice", 7),
+            group_key("choice", 12), group_key("score", 3)] == ["noul", "choice/2", "choice/3-4", "choice/5-8",
+                                                                 "choice/9+", "score/3"]
+    rows = [{"type": "choice", "scores": [0.0, 1.0, 2.0], "label": 2}] * 30 + [
+        {"type": "score", "scores": [0.0, 1.0], "label": 0}] * 5
+    cal = fit(rows, "mean")
+    assert set(cal.groups) == {"choice/3-4"} and cal.groups["choice/3-4"].bias == ()
+
+
+def test_metrics_against_hand_computations():
+    probs = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
+    labels = np.array([0, 1, 1, 1])
+    assert metrics.accuracy(probs, labels) == pytest.approx(0.75)
+    assert metrics.brier(probs, labels) == pytest.approx((0.02 + 0.72 + 0.18 + 0.08) / 4)
+    assert metrics.nll(probs, labels) == pytest.approx(-(np.log(0.9) + np.log(0.4) + np.log(0.7) + np.log(0.8)) / 4)
+    # 15 bins: 0.9 -> bin 13 (hit), 0.6 -> bin 9 (miss), 0.7 -> bin 10 (hit), 0.8 -> bin 12 (hit)
+    assert metrics.ece(probs, labels) == pytest.approx((0.1 + 0.6 + 0.3 + 0.2) / 4)
+    curve = metrics.coverage_curve(probs, labels, steps=4)
+    assert [c["accuracy"] for c in curve] == pytest.approx([1.0, 1.0, 1.0, 0.75])
+
+
+def test_manifest_round_trip_with_calibration():
+    cal = Calibration({"noul": GroupCalibration(1.7, (0.3, 0.0), 40), "choice/2": GroupCalibration(0.8, (), 25)},
+                      "mean", {"rows": 65})
+    m = Manifest(name="x", model=ModelInfo("llama", 1, 8, 2, 1, 4, 10, 64), tokenizer="t", graph="g", golden="h",
+                 files={"t": "0", "g": "0", "h": "0"}, calibration=cal)
+    again = Manifest.from_dict(json.loads(m.to_json()))
+    assert again == m and again.schema_version == 2
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        GroupCalibration(temperature=0.0)
+
+
+@pytest.mark.slow
+def test_temperature_only_calibration_keeps_every_argmax(engine):
+    groups = {k: GroupCalibration(t) for k, t in (("noul", 3.0), ("choice/3-4", 0.4), ("score/3", 5.0))}
+    calibrated = Engine(engine.root, dataclasses.replace(engine.manifest, calibration=Calibration(groups, "mean")),
+                        engine.backend)
+    questions = {"a": Noul("Is the customer angry?"),
+                 "b": Choice("Which team?", {"billing": None, "technical": None, "sales": None}),
+                 "c": Score("How urgent?", ["Low", "Medium", "High"])}
+    text = "I was charged twice and nobody answers. Fix it today!"
+    plain, cal = engine.ask(text, questions), calibrated.ask(text, questions)
+    assert (plain["a"].noul > 0.5) == (cal["a"].noul > 0.5) and plain["a"].noul != pytest.approx(cal["a"].noul)
+    assert plain["b"].choice == cal["b"].choice and plain["b"].probabilities != cal["b"].probabilities
+    assert np.argmax(list(plain["c"].probabilities.values())) == np.argmax(list(cal["c"].probabilities.values()))
+
+
+@pytest.mark.slow
+def test_abstain_flags_low_confidence_answers(engine):
+    q = {"b": Choice("Which team?", {"billing": None, "technical": None, "sales": None}), "a": Noul("Angry?")}
+    everything = engine.ask("Charged twice.", q, min_confidence=1.0)
+    nothing = engine.ask("Charged twice.", q, min_confidence=0.0)
+    assert all(a.abstained for a in everything.values()) and not any(a.abstained for a in nothing.values())
+    assert everything["b"].choice == nothing["b"].choice and everything["b"].to_wire()["abstained"] is True
+    assert "abstained" not in nothing["b"].to_wire()
+    with pytest.raises(InvalidRequest, match="within 0..1"):
+        engine.ask("Charged twice.", q, min_confidence=2.0)
+
+
+@pytest.mark.slow
+def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path):
+    from test_engine import _copy_engine
+
+    from onepass.calibration.run import calibrate
+
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    rows = []
+    for i in range(40):
+        happy = i % 2 == 0
+        text = f"Review {i}: " + ("I loved it, wonderful and fun." if happy else "Awful, boring, I hated it.")
+        rows.append({"state": text, "question": {"type": "noul", "instructions": "Is the review positive?"},
+                     "label": "yes" if happy else "no", "dataset": "toy"})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    report = calibrate(copy, data, holdout=0.25, seed=3, report_dir=tmp_path / "report")
+    assert report["before"]["all"]["rows"] == report["after"]["all"]["rows"] == 10
+    loaded = Engine.load(copy)  # hashes still verify; the manifest carries the fit
+    assert set(loaded.manifest.calibration.groups) == {"noul"} and loaded.manifest.calibration.groups["noul"].rows == 30
+    for name in ("report.json", "report.md", "reliability.png", "coverage.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"state": "x", "question": {"type": "noul", "instructions": "y"}, "label": "maybe"}))
+    with pytest.raises(InvalidRequest, match="bad.jsonl:1: .*yes/no"):
+        calibrate(copy, bad)
