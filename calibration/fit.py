@@ -40,16 +40,29 @@ def fit_group(scores: np.ndarray, labels: np.ndarray, with_bias: bool) -> GroupC
     return GroupCalibration(temperature=t, bias=tuple(b) if nb else (), rows=int(n))
 
 
+def _fit_members(key: str, members: list[dict]) -> GroupCalibration:
+    scores = np.array([m["scores"] for m in members], dtype=np.float64)
+    labels = np.array([m["label"] for m in members])
+    if not key.startswith("question/"):
+        return fit_group(scores, labels, with_bias=not key.startswith("choice"))
+    fitted = fit_group(scores, labels, with_bias=True)
+    if members[0]["type"] != "choice":
+        return fitted
+    names = members[0]["names"]  # one question: the same options (in its own order) on every row
+    return GroupCalibration(fitted.temperature, (), dict(zip(names, fitted.bias)), fitted.rows)
+
+
 def fit(rows: list[dict], readout: str, source: dict | None = None) -> Calibration:
-    """Rows of {"type", "scores": [K], "label": index} -> Calibration of every group with enough rows."""
+    """Rows of {"type", "scores": [K], "label", "qkey", "names"} -> Calibration of every group with enough rows.
+
+    Type groups (noul, choice/K, score/K) always; a question's own group when at least
+    MIN_ROWS rows ask exactly that question.
+    """
     by_group: dict = {}
     for r in rows:
         by_group.setdefault(group_key(r["type"], len(r["scores"])), []).append(r)
-    groups = {}
-    for key, members in sorted(by_group.items()):
-        if len(members) < MIN_ROWS:
-            continue
-        scores = np.array([m["scores"] for m in members], dtype=np.float64)
-        labels = np.array([m["label"] for m in members])
-        groups[key] = fit_group(scores, labels, with_bias=not key.startswith("choice"))
+        if r.get("qkey"):
+            by_group.setdefault(r["qkey"], []).append(r)
+    groups = {key: _fit_members(key, members) for key, members in sorted(by_group.items())
+              if len(members) >= MIN_ROWS}
     return Calibration(groups=groups, readout=readout, source=source or {})

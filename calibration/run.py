@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import manifest as mf
+from ..runtime.calibration import question_key
 from ..runtime.engine import Engine
 from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.questions import Noul, Score, as_text, from_wire
@@ -68,8 +69,10 @@ def score_rows(engine: Engine, rows: list[dict]) -> list[dict]:
         encoded = engine.encode_questions(questions)
         logprobs = engine.option_logprobs(row["state"], encoded)
         scores = engine.option_scores(questions, encoded, logprobs, calibrated=False)[0]
-        out.append({"type": row["question"].type, "scores": scores.tolist(), "label": row["label"],
-                    "dataset": row["dataset"]})
+        q = row["question"]
+        names = engine.encoder.options(q)
+        out.append({"type": q.type, "scores": scores.tolist(), "label": row["label"], "dataset": row["dataset"],
+                    "names": names, "qkey": question_key(q.type, engine.encoder.instructions(q), names)})
     return out
 
 
@@ -89,7 +92,8 @@ def probabilities(rows: list[dict], calibration=None) -> tuple[np.ndarray, np.nd
     probs = np.zeros((len(rows), kmax))
     for i, r in enumerate(rows):
         s = np.array(r["scores"])
-        probs[i, :len(s)] = softmax(calibration.apply(r["type"], s) if calibration else s)
+        probs[i, :len(s)] = softmax(calibration.apply(r["type"], s, r.get("names"), r.get("qkey"))
+                                    if calibration else s)
     return probs, np.array([r["label"] for r in rows]), np.array([len(r["scores"]) for r in rows])
 
 
@@ -98,10 +102,16 @@ def evaluate(rows: list[dict], calibration=None) -> dict:
     probs, labels, k = probabilities(rows, calibration)
     out = {"all": {**metrics.summary(probs, labels), "reliability": metrics.reliability(probs, labels),
                    "coverage": metrics.coverage_curve(probs, labels, k)}}
+    out["all"]["majority"] = _majority(labels)
     for name in sorted({r["dataset"] for r in rows} - {""}):
         sel = np.array([r["dataset"] == name for r in rows])
-        out[name] = metrics.summary(probs[sel], labels[sel])
+        out[name] = {**metrics.summary(probs[sel], labels[sel]), "majority": _majority(labels[sel])}
     return out
+
+
+def _majority(labels: np.ndarray) -> float:
+    """Accuracy of always answering the most frequent label."""
+    return float(np.bincount(labels).max() / len(labels))
 
 
 def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, seed: int = 0,

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
+from .calibration import question_key
 from .errors import InvalidRequest, LimitExceeded, OnepassError
 from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
@@ -209,7 +210,10 @@ class Engine:
         for q, tokens, lp, prior in zip(questions.values(), encoded, logprobs, priors):
             lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
             scores = option_scores(lp, lengths, prior, readout)
-            out.append(cal.apply(q.type, scores) if cal is not None else scores)
+            if cal is not None:
+                names = self.encoder.options(q)
+                scores = cal.apply(q.type, scores, names, question_key(q.type, self.encoder.instructions(q), names))
+            out.append(scores)
         return out
 
     def ask(self, state, questions: Mapping[str, Question], readout: str | None = None,

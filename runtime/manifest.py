@@ -16,7 +16,7 @@ from .calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 
-SCHEMA_VERSION = 2  # 2 adds `calibration`; version 1 manifests are read as uncalibrated
+SCHEMA_VERSION = 2  # 2 adds `calibration` and `plans`; version 1 manifests read as uncalibrated, no plans
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior")
@@ -92,6 +92,7 @@ class Manifest:
     scoring: Scoring = field(default_factory=Scoring)
     source: dict = field(default_factory=dict)
     calibration: Calibration | None = None
+    plans: list = field(default_factory=list)  # TensorRT plans: file, sha256, tensorrt version, compute capability
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):

@@ -52,6 +52,22 @@ def test_groups_and_minimum_rows():
     assert set(cal.groups) == {"choice/3-4"} and cal.groups["choice/3-4"].bias == ()
 
 
+def test_a_question_group_biases_option_names_not_positions():
+    rng = np.random.default_rng(2)
+    names = ["negative", "neutral", "positive"]
+    scores = rng.normal(0, 1, size=(300, 3)) + np.array([0.0, 0.0, 2.0])  # the model over-prefers "positive"
+    labels = _sample(rng, scores, np.zeros_like(scores) + np.array([1.0, 0.5, 0.0]))  # truth prefers "negative"
+    rows = [{"type": "choice", "scores": list(s), "label": int(y), "names": names, "qkey": "question/x"}
+            for s, y in zip(scores, labels)]
+    cal = fit(rows, "mean")
+    group = cal.groups["question/x"]
+    assert group.bias == () and group.option_bias["positive"] < group.option_bias["negative"]
+    probe = np.array([0.1, 0.2, 0.3])
+    shuffled = cal.apply("choice", probe[[2, 0, 1]], [names[i] for i in (2, 0, 1)], "question/x")
+    np.testing.assert_allclose(shuffled, cal.apply("choice", probe, names, "question/x")[[2, 0, 1]])
+    assert "choice/3-4" in cal.groups and cal.groups["choice/3-4"].option_bias == {}
+
+
 def test_metrics_against_hand_computations():
     probs = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
     labels = np.array([0, 1, 1, 1])
@@ -65,8 +81,9 @@ def test_metrics_against_hand_computations():
 
 
 def test_manifest_round_trip_with_calibration():
-    cal = Calibration({"noul": GroupCalibration(1.7, (0.3, 0.0), 40), "choice/2": GroupCalibration(0.8, (), 25)},
-                      "mean", {"rows": 65})
+    cal = Calibration({"noul": GroupCalibration(1.7, (0.3, 0.0), rows=40), "choice/2": GroupCalibration(0.8, rows=25),
+                       "question/0123456789abcdef": GroupCalibration(1.2, option_bias={"a": 0.5, "b": -0.5}, rows=30)},
+                      "mean", {"rows": 95})
     m = Manifest(name="x", model=ModelInfo("llama", 1, 8, 2, 1, 4, 10, 64), tokenizer="t", graph="g", golden="h",
                  files={"t": "0", "g": "0", "h": "0"}, calibration=cal)
     again = Manifest.from_dict(json.loads(m.to_json()))
@@ -120,7 +137,10 @@ def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path
     report = calibrate(copy, data, holdout=0.25, seed=3, report_dir=tmp_path / "report")
     assert report["before"]["all"]["rows"] == report["after"]["all"]["rows"] == 10
     loaded = Engine.load(copy)  # hashes still verify; the manifest carries the fit
-    assert set(loaded.manifest.calibration.groups) == {"noul"} and loaded.manifest.calibration.groups["noul"].rows == 30
+    groups = loaded.manifest.calibration.groups
+    assert groups["noul"].rows == 30 and len(groups) == 2  # the type group and this one question's group
+    (qkey,) = set(groups) - {"noul"}
+    assert qkey.startswith("question/") and groups[qkey].rows == 30
     for name in ("report.json", "report.md", "reliability.png", "coverage.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     bad = tmp_path / "bad.jsonl"

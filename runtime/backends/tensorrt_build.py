@@ -1,0 +1,97 @@
+"""Build TensorRT plans from an engine directory's ONNX graph (ahead of time; no GPU needed for RTX).
+
+A thin adapter serves both TensorRT flavours: standard ``tensorrt`` 10.x (data-centre GPUs,
+JetPack) and ``tensorrt_rtx`` (TensorRT for RTX, installable from PyPI, which compiles for
+chosen compute capabilities without a GPU). Networks are strongly typed: precision comes from
+the ONNX tensor types (fp32 graphs build fp32 plans). One optimisation profile spans the
+engine's limits: packed length 1..max_packed_tokens, state length 0..max_state_tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import contract
+from ..errors import BackendUnavailable, EngineFileError
+from ..manifest import Manifest
+
+FLAVOURS = ("tensorrt", "tensorrt_rtx")
+
+
+def import_tensorrt(flavour: str | None = None):
+    """The TensorRT module: ``flavour`` if given, else standard TensorRT, else TensorRT for RTX."""
+    names = [flavour] if flavour else list(FLAVOURS)
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise BackendUnavailable("TensorRT is not installed: use the TensorRT of JetPack/NGC (`tensorrt`), or "
+                             "`pip install tensorrt-rtx-cu13==1.7.1.116` to build plans for RTX/Ampere GPUs")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """min/opt/max of the three dynamic axes."""
+
+    packed: tuple
+    past: tuple
+    readout: tuple
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, opt_packed: int = 512, opt_past: int = 512) -> "Profile":
+        """Span the engine's limits; optimise for typical lengths."""
+        lim = manifest.limits
+        n_max, s_max = lim.max_packed_tokens, lim.max_state_tokens
+        return cls((1, min(opt_packed, n_max), n_max), (0, min(opt_past, s_max), s_max),
+                   (1, min(128, n_max), n_max))
+
+    def shapes(self, spec: contract.TensorSpec) -> tuple:
+        """(min, opt, max) shapes of one input."""
+        axis = {contract.PACKED: self.packed, contract.PAST: self.past, contract.READOUT: self.readout}
+        return tuple(tuple(d if isinstance(d, int) else axis[d][i] for d in spec.shape) for i in range(3))
+
+
+def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability: str | None = None,
+               flavour: str | None = None, profile: Profile | None = None, log=print) -> dict:
+    """Parse ``root/manifest.graph`` and write a serialized plan to ``out``; returns what to record."""
+    trt = import_tensorrt(flavour)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if strongly_typed is None or trt.__name__ == "tensorrt_rtx"
+                                     else 1 << int(strongly_typed))
+    parser = trt.OnnxParser(network, logger)
+    graph = root / manifest.graph
+    if not parser.parse_from_file(str(graph)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineFileError(f"TensorRT could not parse {graph}: {errors}")
+    config = builder.create_builder_config()
+    if compute_capability:
+        if not hasattr(config, "set_compute_capability"):
+            raise BackendUnavailable(f"{trt.__name__} cannot target {compute_capability} ahead of time; "
+                                     "build on the device or use tensorrt_rtx")
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
+    profile = profile or Profile.from_manifest(manifest)
+    opt = builder.create_optimization_profile()
+    m = manifest.model
+    for spec in contract.input_specs(m.num_layers, m.num_kv_heads, m.head_dim):
+        opt.set_shape(spec.name, *profile.shapes(spec))
+    config.add_optimization_profile(opt)
+    t0 = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineFileError(f"TensorRT failed to build a plan from {graph} (see the log above)")
+    data = bytes(plan)
+    out.write_bytes(data)
+    seconds = time.perf_counter() - t0
+    log(f"built {out.name}: {len(data) / 2**20:.1f} MiB in {seconds:.0f} s")
+    return {"file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+            "tensorrt": f"{trt.__name__} {trt.__version__}", "compute_capability": compute_capability or "current",
+            "precision": manifest.dtype, "profile": {"packed": profile.packed, "past": profile.past,
+                                                    "readout": profile.readout}, "build_seconds": round(seconds, 1)}

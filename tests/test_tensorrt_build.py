@@ -1,0 +1,37 @@
+"""The exported graph builds into TensorRT plans ahead of time (TensorRT for RTX; no GPU needed)."""
+
+import shutil
+
+import pytest
+
+from onepass.runtime import manifest as mf
+
+pytestmark = pytest.mark.slow
+ARCHS = ["sm80", "sm86", "sm89"]
+
+
+def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path):
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
+    from test_engine import _copy_engine
+
+    from onepass.cli import main
+
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    try:
+        assert main(["build-trt", "--engine", str(copy), "--arch", *ARCHS, "--flavour", "tensorrt_rtx"]) == 0
+        manifest = mf.load(copy)  # every plan is hashed and verified like the other files
+        assert [p["compute_capability"] for p in manifest.plans] == ARCHS
+        for record in manifest.plans:
+            plan = copy / record["file"]
+            assert plan.stat().st_size == record["bytes"] > 100 << 20  # fp32 weights are inside
+            assert record["tensorrt"].startswith("tensorrt_rtx ") and record["precision"] == "float32"
+            assert manifest.files[record["file"]] == record["sha256"]
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def test_precision_other_than_the_graphs_is_refused(engine_dir, capsys):
+    from onepass.cli import main
+
+    assert main(["build-trt", "--engine", str(engine_dir), "--precision", "fp16"]) == 2
+    assert "plans are built at the graph's precision" in capsys.readouterr().err
