@@ -88,6 +88,7 @@ def cmd_serve(args) -> int:
                                    max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                                    batch_window_ms=args.batch_window_ms)
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20)
+    engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     uvicorn.run(create_app(engine, config), host=config.host, port=config.port, access_log=False, log_level="info")
     return 0
@@ -229,6 +230,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-window-ms", type=float, default=2.0,
                        help="requests about one state arriving within this window share a pass (0: off)")
     serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")
+    serve.add_argument("--max-state-tokens", type=int, default=None, help="lower the engine's state limit")
+    serve.add_argument("--max-packed-tokens", type=int, default=None, help="lower the engine's packed-token limit")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     serve.set_defaults(func=cmd_serve)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")

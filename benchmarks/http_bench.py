@@ -24,7 +24,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET, THREADS, percentiles  # noqa: E402

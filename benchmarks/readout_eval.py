@@ -19,7 +19,6 @@ import bz2
 import csv
 import dataclasses
 import importlib.util
-import io
 import json
 import platform
 import random

@@ -72,6 +72,21 @@ class Engine:
         backend = OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads)
         return cls(root, manifest, backend, cache_bytes)
 
+    def with_limits(self, **lower) -> "Engine":
+        """This engine (same session and cache) with some limits lowered; raising one past the manifest is refused."""
+        lower = {k: v for k, v in lower.items() if v is not None}
+        if not lower:
+            return self
+        current = self.manifest.limits
+        for key, value in lower.items():
+            if value > getattr(current, key):
+                raise LimitExceeded(f"{key}={value} is above this engine's {getattr(current, key)}; "
+                                    "export an engine with a larger limit instead", key)
+        manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
+        engine = Engine(self.root, manifest, self.backend, self.cache.max_bytes)
+        engine.cache = self.cache
+        return engine
+
     @property
     def name(self) -> str:
         """The engine's name from its manifest."""

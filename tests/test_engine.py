@@ -1,6 +1,5 @@
 """Engine behaviour: state cache, read-only state K/V, limits, tampered files, wire requests, CLI."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +12,6 @@ import pytest
 
 from onepass import Choice, Engine, Noul, Score
 from onepass.runtime.errors import EngineFileError, InvalidRequest, LimitExceeded
-from onepass.runtime.manifest import Limits
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
@@ -24,9 +22,8 @@ QUESTIONS = {"refund": Noul("Does the customer request a refund?"),
 
 
 def limited(engine, **limits):
-    """The same loaded engine with other limits (shares the session and tokenizer)."""
-    manifest = dataclasses.replace(engine.manifest, limits=dataclasses.replace(engine.manifest.limits, **limits))
-    return Engine(engine.root, manifest, engine.backend)
+    """The same loaded engine with lower limits (shares the session, tokenizer and cache)."""
+    return engine.with_limits(**limits)
 
 
 def test_repeated_state_is_served_from_the_cache(engine):
@@ -198,3 +195,10 @@ def test_noul_criteria_reach_the_prompt(engine):
     assert len(with_criteria.trunk) > len(plain.trunk)
     text = engine.encoder._trusted.decode(list(with_criteria.trunk))
     assert "Yes means: advertising." in text
+
+
+def test_limits_can_be_lowered_not_raised(engine):
+    assert engine.with_limits(max_questions=3).manifest.limits.max_questions == 3
+    assert engine.with_limits().manifest is engine.manifest
+    with pytest.raises(LimitExceeded, match="above this engine's"):
+        engine.with_limits(max_state_tokens=10**6)
