@@ -156,6 +156,19 @@ def cmd_build_trt(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    """Build an INT8 engine that keeps its answers on labelled rows, or refuse."""
+    try:
+        from .calibration.quantize import quantize_engine
+    except ImportError as err:
+        raise OnepassError(f"quantize needs the [export] extra ({err.name} is missing)") from None
+    record = quantize_engine(args.engine, args.out, args.data, min_agreement=args.min_agreement,
+                             max_error=args.max_error)
+    print(f"INT8 engine written to {args.out}: agreement {record['agreement']:.1%} on {record['rows']} rows, "
+          f"max log-prob error {record['max_logprob_error']:.3f}, {record['speedup']:.2f}x")
+    return 0
+
+
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
@@ -220,6 +233,13 @@ def parser() -> argparse.ArgumentParser:
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
                      help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
     trt.set_defaults(func=cmd_build_trt)
+    qz = sub.add_parser("quantize", help="INT8 engine that must keep its answers on labelled rows (else refused)")
+    qz.add_argument("--engine", required=True, help="fp32 engine directory")
+    qz.add_argument("--out", required=True, help="INT8 engine directory to write")
+    qz.add_argument("--data", required=True, help="JSONL rows {state, question, label} to measure agreement on")
+    qz.add_argument("--min-agreement", type=float, default=0.99)
+    qz.add_argument("--max-error", type=float, default=0.1, help="largest allowed option log-prob error")
+    qz.set_defaults(func=cmd_quantize)
     serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
     serve.add_argument("--engine", required=True, help="engine directory")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

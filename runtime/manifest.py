@@ -93,6 +93,7 @@ class Manifest:
     source: dict = field(default_factory=dict)
     calibration: Calibration | None = None
     plans: list = field(default_factory=list)  # TensorRT plans: file, sha256, tensorrt version, compute capability
+    quantization: dict | None = None  # INT8 scheme and its measured agreement, error and speed-up
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):

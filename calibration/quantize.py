@@ -1,0 +1,98 @@
+"""`onepass quantize`: an INT8 engine that must keep its answers, or no engine at all.
+
+The graph's weight MatMuls are quantized to INT8 (ONNX Runtime dynamic quantization,
+per-channel weights), keeping the first and last blocks and the read-out in fp32. Then
+the INT8 and fp32 engines answer the labelled rows; the INT8 engine is written only if its
+argmax agreement and its largest option log-prob error meet the thresholds. Measured
+agreement, error and speed are recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.quantization import QuantType, quantize_dynamic
+
+from ..runtime import manifest as mf
+from ..runtime.engine import Engine
+from ..runtime.errors import OnepassError
+from .run import load_rows
+
+KEEP_BLOCKS = (0, 1, 28, 29)
+
+
+class QuantizationRefused(OnepassError):
+    """The INT8 graph changes too many answers; nothing was written."""
+
+
+def _excluded(model, keep_blocks) -> list[str]:
+    """Weight Gemms to keep in fp32 (their names, and the names the quantizer gives them as MatMul)."""
+    def weight(node):
+        return next((i for i in node.input if i.startswith("blocks.")), "")
+
+    keep = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and (
+        not weight(n) or any(weight(n).startswith(f"blocks.{b}.") for b in keep_blocks))]
+    return keep + [k + "_MatMul" for k in keep]
+
+
+def _compare(ref: Engine, q8: Engine, rows: list[dict]) -> dict:
+    agree, err, t_ref, t_q8 = 0, 0.0, [], []
+    for row in rows:
+        questions = {"q": row["question"]}
+        encoded = ref.encode_questions(questions)
+        ref.state(row["state"]), q8.state(row["state"])  # prefill outside the timed pass
+        t0 = time.perf_counter()
+        a = ref.option_logprobs(row["state"], encoded)[0]
+        t1 = time.perf_counter()
+        b = q8.option_logprobs(row["state"], encoded)[0]
+        t_ref.append(t1 - t0), t_q8.append(time.perf_counter() - t1)
+        agree += int(np.argmax(a) == np.argmax(b))
+        err = max(err, float(np.abs(a - b).max()))
+    return {"rows": len(rows), "agreement": agree / len(rows), "max_logprob_error": err,
+            "speedup": float(np.median(t_ref) / np.median(t_q8))}
+
+
+def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_agreement: float = 0.99,
+                    max_error: float = 0.1, keep_blocks=KEEP_BLOCKS) -> dict:
+    """Write an INT8 engine to ``out`` if it keeps its answers on ``data``; else raise QuantizationRefused."""
+    src, out = Path(src), Path(out)
+    ref = Engine.load(src)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name in (ref.manifest.tokenizer, ref.manifest.golden):
+            shutil.copy(src / name, tmp / name)
+        staging = tmp / "fp32"  # a private copy: onnx refuses external data that has other hard links
+        staging.mkdir()
+        for name in ref.manifest.files:
+            if name.startswith(Path(ref.manifest.graph).stem):
+                shutil.copy(src / name, staging / name)
+        graph = staging / ref.manifest.graph
+        model = onnx.load(str(graph), load_external_data=False)
+        quantize_dynamic(str(graph), str(tmp / ref.manifest.graph), weight_type=QuantType.QInt8, per_channel=True,
+                         nodes_to_exclude=_excluded(model, keep_blocks), op_types_to_quantize=["MatMul", "Gemm"],
+                         use_external_data_format=True, extra_options={"MatMulConstBOnly": True})
+        shutil.rmtree(staging)
+        files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
+        manifest = dataclasses.replace(ref.manifest, files=files, name=f"{ref.name}-int8")
+        mf.write(tmp, manifest)
+        measured = _compare(ref, Engine.load(tmp), load_rows(data))
+        if measured["agreement"] < min_agreement or measured["max_logprob_error"] > max_error:
+            raise QuantizationRefused(
+                f"INT8 agrees with fp32 on {measured['agreement']:.1%} of {measured['rows']} rows (need "
+                f">= {min_agreement:.1%}) with max log-prob error {measured['max_logprob_error']:.2f} (allowed "
+                f"{max_error}); no engine written. Keep more layers in fp32 or use static QDQ.")
+        record = {"scheme": "onnxruntime dynamic int8, per-channel weights", "fp32_blocks": list(keep_blocks),
+                  **measured, "data": str(data)}
+        mf.write(tmp, dataclasses.replace(manifest, quantization=record))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return record
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,39 @@
+"""INT8 engines must keep their answers: refusal below the thresholds, a recorded measurement above."""
+
+import json
+
+import pytest
+
+from onepass import Engine, Noul
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    texts = ["I was charged twice, refund me now!", "The app crashes on start.", "Thanks, all good.",
+             "Please cancel my plan.", "Where is my parcel?", "Love the new update!"]
+    q = {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "technical": None,
+                                                                      "shipping": None}}
+    path.write_text("\n".join(json.dumps({"state": t, "question": q, "label": "billing"}) for t in texts))
+    return path
+
+
+def test_int8_that_changes_answers_is_refused(engine_dir, rows, tmp_path):
+    from onepass.calibration.quantize import QuantizationRefused, quantize_engine
+
+    with pytest.raises(QuantizationRefused, match=r"max log-prob error .* \(allowed 0.1\); no engine written"):
+        quantize_engine(engine_dir, tmp_path / "int8", rows)
+    assert not (tmp_path / "int8").exists() and not (tmp_path / "int8.partial").exists()
+
+
+def test_int8_within_loose_thresholds_is_written_with_its_measurement(engine_dir, rows, tmp_path):
+    from onepass.calibration.quantize import quantize_engine
+
+    record = quantize_engine(engine_dir, tmp_path / "int8", rows, min_agreement=0.0, max_error=1e9)
+    engine = Engine.load(tmp_path / "int8")  # hashes of the INT8 graph verify
+    assert engine.manifest.quantization == record and record["rows"] == 6
+    assert 0.0 <= record["agreement"] <= 1.0 and record["max_logprob_error"] > 0 and record["speedup"] > 0
+    answer = engine.ask("I was charged twice.", {"q": Noul("Is it about money?")})["q"]
+    assert 0.0 <= answer.noul <= 1.0
