@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnxruntime.quantization import QuantType, quantize_dynamic
 
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
+from onepass.calibration.quantize import excluded_nodes, quantize_graph  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 EDGES = (0, 1, 28, 29)
@@ -40,17 +40,6 @@ TEXTS = ["I was charged twice, refund me now!", "The app crashes when I open rep
          "Can I upgrade to the team plan?", "My password reset email never arrives."]
 
 
-def excluded_nodes(model, blocks, parts) -> list[str]:
-    """Gemm nodes to keep in fp32 (their names, and the names the quantizer gives them as MatMul)."""
-    def weight(node):
-        return next((i for i in node.input if i.startswith("blocks.") or i == "embed"), "")
-
-    keep = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and (
-        not weight(n).startswith("blocks.") or any(weight(n).startswith(f"blocks.{b}.") for b in blocks)
-        or any(p in weight(n) for p in parts))]
-    return keep + [k + "_MatMul" for k in keep]
-
-
 def quantized_copy(src: Path, dst: Path, blocks, parts) -> int:
     """An engine directory whose graph is dynamically quantized; returns the number of quantized Gemms."""
     dst.mkdir()
@@ -59,9 +48,7 @@ def quantized_copy(src: Path, dst: Path, blocks, parts) -> int:
     model = onnx.load(str(src / "decoder.onnx"), load_external_data=False)
     exclude = excluded_nodes(model, blocks, parts)
     quantized = sum(n.op_type == "Gemm" and n.name not in exclude for n in model.graph.node)
-    quantize_dynamic(str(src / "decoder.onnx"), str(dst / "decoder.onnx"), weight_type=QuantType.QInt8,
-                     per_channel=True, nodes_to_exclude=exclude, op_types_to_quantize=["MatMul", "Gemm"],
-                     use_external_data_format=True, extra_options={"MatMulConstBOnly": True})
+    quantize_graph(src / "decoder.onnx", dst / "decoder.onnx", exclude)
     return quantized
 
 

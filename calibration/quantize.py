@@ -30,14 +30,24 @@ class QuantizationRefused(OnepassError):
     """The INT8 graph changes too many answers; nothing was written."""
 
 
-def _excluded(model, keep_blocks) -> list[str]:
-    """Weight Gemms to keep in fp32 (their names, and the names the quantizer gives them as MatMul)."""
+def excluded_nodes(model, keep_blocks, keep_parts=()) -> list[str]:
+    """MatMul/Gemm nodes to keep in fp32: those without a block weight (attention, read-out), those of
+    ``keep_blocks``, and those whose weight name contains one of ``keep_parts`` (e.g. ".down.").
+    Both their names and the names the quantizer gives a Gemm once it is a MatMul are listed."""
     def weight(node):
         return next((i for i in node.input if i.startswith("blocks.")), "")
 
     keep = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and (
-        not weight(n) or any(weight(n).startswith(f"blocks.{b}.") for b in keep_blocks))]
+        not weight(n) or any(weight(n).startswith(f"blocks.{b}.") for b in keep_blocks)
+        or any(p in weight(n) for p in keep_parts))]
     return keep + [k + "_MatMul" for k in keep]
+
+
+def quantize_graph(graph: Path, out: Path, exclude: list[str]) -> None:
+    """Dynamic INT8 (per-channel weights) of every weight MatMul/Gemm not in ``exclude``."""
+    quantize_dynamic(str(graph), str(out), weight_type=QuantType.QInt8, per_channel=True, nodes_to_exclude=exclude,
+                     op_types_to_quantize=["MatMul", "Gemm"], use_external_data_format=True,
+                     extra_options={"MatMulConstBOnly": True})
 
 
 def _compare(ref: Engine, q8: Engine, rows: list[dict]) -> dict:
@@ -75,9 +85,7 @@ def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_a
                 shutil.copy(src / name, staging / name)
         graph = staging / ref.manifest.graph
         model = onnx.load(str(graph), load_external_data=False)
-        quantize_dynamic(str(graph), str(tmp / ref.manifest.graph), weight_type=QuantType.QInt8, per_channel=True,
-                         nodes_to_exclude=_excluded(model, keep_blocks), op_types_to_quantize=["MatMul", "Gemm"],
-                         use_external_data_format=True, extra_options={"MatMulConstBOnly": True})
+        quantize_graph(graph, tmp / ref.manifest.graph, excluded_nodes(model, keep_blocks))
         shutil.rmtree(staging)
         files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
         manifest = dataclasses.replace(ref.manifest, files=files, name=f"{ref.name}-int8")

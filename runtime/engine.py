@@ -150,9 +150,11 @@ class Engine:
 
     def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Summed log-likelihood of every option of every question, from ONE packed pass."""
-        state = self.state(state)
+        return self._score(self.state(state), encoded)[1]
+
+    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[PackedBatch, list[np.ndarray]]:
         batch = self.pack(state, encoded)
-        return option_logprobs(batch, self.backend.score(state.kv, batch))
+        return batch, option_logprobs(batch, self.backend.score(state.kv, batch))
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
@@ -174,8 +176,7 @@ class Engine:
         """Answer questions about a state in one packed forward pass."""
         encoded = self.encode_questions(questions)
         state = self.state(state)
-        batch = self.pack(state, encoded)
-        logprobs = option_logprobs(batch, self.backend.score(state.kv, batch))
+        batch, logprobs = self._score(state, encoded)
         answers = self._answers(questions, encoded, logprobs, readout)
         return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
 
@@ -199,12 +200,12 @@ class Engine:
         for members in groups.values():
             state = members[0][1]
             try:
-                batch = self.pack(state, [q for m in members for q in m[3]])
+                _, merged = self._score(state, [q for m in members for q in m[3]])
             except LimitExceeded:  # merged too large: run these one by one
                 for i, _, questions, _, _ in members:
                     out[i] = self.run(state, questions, readout)
                 continue
-            logprobs = iter(option_logprobs(batch, self.backend.score(state.kv, batch)))
+            logprobs = iter(merged)
             for i, _, questions, encoded, own in members:
                 mine = [next(logprobs) for _ in encoded]
                 out[i] = Result(self._answers(questions, encoded, mine, readout), state.num_tokens + own, own)

@@ -8,7 +8,6 @@ text so a caller can never close the template's turns.
 
 from __future__ import annotations
 
-import json
 import string
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -16,7 +15,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from .errors import InvalidRequest
-from .questions import Noul, Question, Score, as_text
+from .questions import Noul, Question, Score, as_text, check_utf8
 from .tree import QuestionTokens
 
 Piece = tuple  # (text, trusted)
@@ -77,21 +76,13 @@ def state_text(state) -> str:
         text = state
     else:
         try:
-            text = json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+            text = as_text(state)
         except (TypeError, ValueError) as err:
             raise InvalidRequest(f"the state must be a string or JSON-serialisable: {err}", "state") from None
-    check_utf8(text, "state")
+    check_utf8(text, "the state", "state")
     if not text.strip():
         raise InvalidRequest("the state must not be empty", "state")
     return text
-
-
-def check_utf8(text: str, field: str) -> None:
-    """Reject strings that cannot be encoded as UTF-8 (lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InvalidRequest(f"text is not valid UTF-8 at character {err.start}; send UTF-8 text", field) from None
 
 
 class PromptEncoder:

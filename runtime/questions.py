@@ -28,7 +28,7 @@ def _content(value, what: str, field_path: str | None, optional: bool = False):
         if not value:
             raise InvalidRequest(f"{what} must not be empty", field_path)
         try:
-            _utf8(as_text(value), what, field_path)
+            check_utf8(as_text(value), what, field_path)
         except (TypeError, ValueError) as err:
             if isinstance(err, InvalidRequest):
                 raise
@@ -39,11 +39,12 @@ def _content(value, what: str, field_path: str | None, optional: bool = False):
         raise InvalidRequest(f"{what} must be {allowed}; got {type(value).__name__}", field_path)
     if not value.strip():
         raise InvalidRequest(f"{what} must not be empty", field_path)
-    _utf8(value, what, field_path)
+    check_utf8(value, what, field_path)
     return value.strip()
 
 
-def _utf8(text: str, what: str, field_path: str | None) -> None:
+def check_utf8(text: str, what: str, field_path: str | None) -> None:
+    """Reject strings that cannot be encoded as UTF-8 (lone surrogates)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
