@@ -87,11 +87,32 @@ def cmd_serve(args) -> int:
     config = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                    max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                                    batch_window_ms=args.batch_window_ms)
-    engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20)
+    if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
+        try:
+            from .export.build import export_engine
+        except ImportError as err:
+            raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
+        export_engine(args.engine)  # first start on this device: the default model, cached in the volume
+    engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
+                         backend=backend_factory(args.backend))
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     uvicorn.run(create_app(engine, config), host=config.host, port=config.port, access_log=False, log_level="info")
     return 0
+
+
+BACKENDS = ("onnxruntime", "torch-cpu", "torch-cuda")
+
+
+def backend_factory(name: str):
+    """None (ONNX Runtime on CPU) or the Engine.load factory of a PyTorch backend, imported lazily."""
+    if name == "onnxruntime":
+        return None
+    try:
+        from .export.torch_backend import factory
+    except ImportError as err:
+        raise OnepassError(f"the {name} backend needs PyTorch and onnx ({err.name} is missing)") from None
+    return factory(name.split("-", 1)[1])
 
 
 def cmd_mcp(args) -> int:
@@ -180,7 +201,13 @@ def cmd_export(args) -> int:
 
     limits = Limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
                     max_questions=args.max_questions, max_options=args.max_options)
-    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout))
+    head = head_info = None
+    if args.head:
+        from .calibration.head import load_head_info
+
+        head, head_info = load_head_info(args.head)
+    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout),
+                  head=head, head_info=head_info)
     return 0
 
 
@@ -198,6 +225,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-options", type=int, default=32)
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="mean",
                     help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
+    ex.add_argument("--head", help="a trained decision head (.pt from benchmarks/decision_head.py) to export into "
+                                   "the graph; the engine then answers with the 'head' read-out")
     ex.set_defaults(func=cmd_export)
     ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
     ask.add_argument("--engine", required=True, help="engine directory")
@@ -252,6 +281,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")
     serve.add_argument("--max-state-tokens", type=int, default=None, help="lower the engine's state limit")
     serve.add_argument("--max-packed-tokens", type=int, default=None, help="lower the engine's packed-token limit")
+    serve.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
+                       help="onnxruntime (CPU, default) or the PyTorch backend on CPU or CUDA")
+    serve.add_argument("--export-if-missing", action="store_true",
+                       help="export the default model into --engine first if it holds no engine (first start)")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     serve.set_defaults(func=cmd_serve)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")

@@ -40,11 +40,22 @@ def fit_group(scores: np.ndarray, labels: np.ndarray, with_bias: bool) -> GroupC
     return GroupCalibration(temperature=t, bias=tuple(b) if nb else (), rows=int(n))
 
 
+def _padded(rows: list) -> np.ndarray:
+    """[N, Kmax] scores; missing options (a choice group mixes 3 and 4 options) are -inf: probability 0."""
+    k = max(len(r) for r in rows)
+    out = np.full((len(rows), k), -np.inf)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
 def _fit_members(key: str, members: list[dict]) -> GroupCalibration:
-    scores = np.array([m["scores"] for m in members], dtype=np.float64)
     labels = np.array([m["label"] for m in members])
+    if key.startswith("choice"):  # temperature only, so option counts may differ within the group
+        return fit_group(_padded([m["scores"] for m in members]), labels, with_bias=False)
+    scores = np.array([m["scores"] for m in members], dtype=np.float64)
     if not key.startswith("question/"):
-        return fit_group(scores, labels, with_bias=not key.startswith("choice"))
+        return fit_group(scores, labels, with_bias=True)
     fitted = fit_group(scores, labels, with_bias=True)
     if members[0]["type"] != "choice":
         return fitted

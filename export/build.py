@@ -38,10 +38,10 @@ class _Steps:
         print(f"[{self.n}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {what}", file=sys.stderr, flush=True)
 
 
-def name_dynamic_axes(path: Path, dims) -> None:
+def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
     """Give the graph's dynamic axes the contract's names (packed, past, readout)."""
     model = onnx.load(str(path), load_external_data=False)
-    specs = contract.input_specs(*dims) + contract.output_specs(*dims)
+    specs = contract.input_specs(*dims) + contract.output_specs(*dims, head=head)
     by_name = {s.name: s for s in specs}
     for value in list(model.graph.input) + list(model.graph.output):
         for dim, want in zip(value.type.tensor_type.shape.dim, by_name[value.name].shape):
@@ -53,21 +53,29 @@ def name_dynamic_axes(path: Path, dims) -> None:
 
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
                   limits: mf.Limits = mf.Limits(), scoring: mf.Scoring = mf.Scoring(),
-                  prompt: PromptTemplate = PromptTemplate()) -> Path:
-    """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``."""
+                  prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None) -> Path:
+    """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
+
+    ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
+    ``head`` the engine's read-out.
+    """
+    if (head is None) != (head_info is None):
+        raise ValueError("a decision head needs its HeadInfo (and the other way round)")
     out = Path(out)
     step = _Steps(6)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     step("loading model weights")
     loaded = load_model(model)
-    decoder = PackedDecoder(loaded.model).eval()
+    decoder = PackedDecoder(loaded.model).attach_head(head).eval()
     dims = decoder.dims
+    if head is not None:
+        scoring = mf.Scoring(readout="head")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
     export_decoder(decoder, tmp / GRAPH)
-    name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim))
+    name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
     step("writing tokenizer and golden file")
     loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
     write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
@@ -76,7 +84,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
                         dims.head_dim, dims.vocab_size, dims.max_position)
     manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
-                           files=files, limits=limits, prompt=prompt, scoring=scoring,
+                           files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
                            source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "dims": asdict(dims)})

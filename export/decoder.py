@@ -9,6 +9,7 @@ stays the independent reference the tests compare against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -153,9 +154,58 @@ class PackedDecoder(nn.Module):
             self.lm_head = nn.Parameter(head.detach().float().clone(), requires_grad=False)
         inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head: DecisionHead | None = None
 
-    def forward(self, input_ids, position_ids, tree_mask, *args):
-        """See onepass.runtime.contract for the inputs and outputs."""
+    @classmethod
+    def from_state_dict(cls, dims: DecoderDims, state: dict) -> "PackedDecoder":
+        """The decoder rebuilt from its own state dict (e.g. the ONNX graph's initializers) and dims.
+
+        A ``head.*`` entry set adds the decision head. No Hugging Face model is needed.
+        """
+        ns = SimpleNamespace
+
+        def linear(prefix):
+            w, b = state[prefix + ".weight"], state.get(prefix + ".bias")
+            m = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+            m.weight.data = w
+            if b is not None:
+                m.bias.data = b
+            return m
+
+        def norm(name):
+            return ns(weight=state[name]) if name in state else None
+
+        layers = [ns(self_attn=ns(q_proj=linear(f"blocks.{i}.q"), k_proj=linear(f"blocks.{i}.k"),
+                                  v_proj=linear(f"blocks.{i}.v"), o_proj=linear(f"blocks.{i}.o"),
+                                  q_norm=norm(f"blocks.{i}.q_norm.weight"), k_norm=norm(f"blocks.{i}.k_norm.weight")),
+                     mlp=ns(gate_proj=linear(f"blocks.{i}.gate"), up_proj=linear(f"blocks.{i}.up"),
+                            down_proj=linear(f"blocks.{i}.down")),
+                     input_layernorm=norm(f"blocks.{i}.input_norm.weight"),
+                     post_attention_layernorm=norm(f"blocks.{i}.post_norm.weight"))
+                  for i in range(dims.num_layers)]
+        embed = ns(weight=state["embed"])
+        config = ns(model_type=dims.architecture, rope_parameters={"rope_type": "default", "rope_theta": dims.rope_theta},
+                    hidden_act="silu", num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
+                    head_dim=dims.head_dim, hidden_size=dims.hidden_size, intermediate_size=dims.intermediate_size,
+                    num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size, rms_norm_eps=dims.rms_norm_eps,
+                    max_position_embeddings=dims.max_position, attention_bias=dims.qkv_bias)
+        hf = ns(config=config, model=ns(embed_tokens=embed, layers=layers, norm=norm("norm.weight")),
+                lm_head=ns(weight=state.get("lm_head", embed.weight)))
+        decoder = cls(hf)
+        if "head.out.weight" in state:
+            width = state["head.inner.weight"].shape[0] if "head.inner.weight" in state else 0
+            head = DecisionHead(dims.hidden_size, width)
+            head.load_state_dict({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")})
+            decoder.attach_head(head)
+        return decoder
+
+    def attach_head(self, head: "DecisionHead | None") -> "PackedDecoder":
+        """Add (or remove) a decision head: the graph then also outputs ``head_score`` [R]."""
+        self.head = head
+        return self
+
+    def readout(self, input_ids, position_ids, tree_mask, *args):
+        """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents)."""
         layers = self.dims.num_layers
         past = args[: 2 * layers]
         readout_index, readout_target = args[2 * layers], args[2 * layers + 1]
@@ -175,4 +225,35 @@ class PackedDecoder(nn.Module):
         logits = h @ head.t()  # [R, V]
         logprobs = torch.log_softmax(logits, dim=-1)
         target = logprobs.gather(1, readout_target[:, None])[:, 0]  # [R]
-        return (target, *presents)
+        return h, target, presents
+
+    def forward(self, input_ids, position_ids, tree_mask, *args):
+        """See onepass.runtime.contract for the inputs and outputs."""
+        h, target, presents = self.readout(input_ids, position_ids, tree_mask, *args)
+        if self.head is None:
+            return (target, *presents)
+        return (target, *presents, self.head(h))
+
+
+class DecisionHead(nn.Module):
+    """A small MLP (or, with ``width=0``, a linear map) over the final-normed hidden state at a read-out row.
+
+    An option's head score is the value at its last read-out row (the row that predicts
+    the option's end token, i.e. the hidden state after reading the whole option).
+    """
+
+    def __init__(self, hidden_size: int, width: int = 32, shift=None, scale=None):
+        super().__init__()
+        self.hidden_size, self.width = hidden_size, width
+        # Standardisation of the hidden state (fitted on training data), part of the graph.
+        self.register_buffer("shift", torch.as_tensor(shift if shift is not None else torch.zeros(hidden_size)).float())
+        self.register_buffer("scale", torch.as_tensor(scale if scale is not None else torch.ones(hidden_size)).float())
+        self.inner = nn.Linear(hidden_size, width) if width else None  # width 0: a linear head
+        self.out = nn.Linear(width or hidden_size, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, d] -> [R]."""
+        z = (h - self.shift) / self.scale
+        if self.inner is not None:
+            z = nn.functional.silu(self.inner(z))
+        return self.out(z)[:, 0]

@@ -39,9 +39,10 @@ def write_golden(decoder, encoder: PromptEncoder, path: Path) -> None:
     empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim) for _ in range(2 * dims.num_layers)]
     with torch.no_grad():
         prefill = decoder(*_feed(causal(state_ids, 0), empty))
-        past = list(prefill[1:])
+        past = list(prefill[1:1 + 2 * dims.num_layers])
         batch = pack([encoder.question(q) for q in SAMPLE_QUESTIONS], len(state_ids))
         score = decoder(*_feed(batch, past))
+    head = {"head_score": score[-1].numpy()} if decoder.head is not None else {}
     np.savez(
         path,
         version=np.array(GOLDEN_VERSION),
@@ -50,4 +51,5 @@ def write_golden(decoder, encoder: PromptEncoder, path: Path) -> None:
         input_ids=batch.input_ids, position_ids=batch.position_ids, tree_mask=batch.tree_mask,
         readout_index=batch.readout_index, readout_target=batch.readout_target,
         target_logprob=score[0].numpy(),
+        **head,
     )

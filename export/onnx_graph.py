@@ -43,7 +43,8 @@ def export_decoder(decoder: PackedDecoder, path: Path) -> None:
     """Write ``path`` (+ ``path.data`` external weights) with the contract's names."""
     dims = decoder.dims
     names_in = [s.name for s in contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
-    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
+    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                                       head=decoder.head is not None)]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

@@ -28,6 +28,8 @@ Outputs:
 target_logprob      float32    [R]                    log p(target | prefix), full-vocab softmax
 present_key.{l}     float32    [Hkv, N, D]            keys of the N new tokens (not the past)
 present_value.{l}   float32    [Hkv, N, D]            values of the N new tokens
+head_score          float32    [R]                    decision-head score per read-out row
+                                                      (only in engines with a decision head)
 ==================  =========  =====================  =========================================
 
 Every packed token sees the whole past; ``tree_mask`` says which packed tokens
@@ -66,10 +68,12 @@ def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[Tenso
     return specs
 
 
-def output_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[TensorSpec]:
-    """The graph outputs, in order, for a model of the given dimensions."""
+def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool = False) -> list[TensorSpec]:
+    """The graph outputs, in order, for a model of the given dimensions (``head``: with a decision head)."""
     specs = [TensorSpec("target_logprob", "float32", (READOUT,))]
     for layer in range(num_layers):
         specs.append(TensorSpec(f"present_key.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
         specs.append(TensorSpec(f"present_value.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
+    if head:
+        specs.append(TensorSpec("head_score", "float32", (READOUT,)))
     return specs

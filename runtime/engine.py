@@ -20,7 +20,7 @@ from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
-from .tree import PackedBatch, QuestionTokens, option_logprobs, pack
+from .tree import PackedBatch, QuestionTokens, option_head_scores, option_logprobs, pack
 
 DEFAULT_CACHE_BYTES = 512 << 20
 PRIOR_CACHE_ITEMS = 4096
@@ -63,14 +63,20 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
-             cache_bytes: int = DEFAULT_CACHE_BYTES) -> "Engine":
-        """Open an engine directory: read and (by default) hash-verify the manifest's files."""
+             cache_bytes: int = DEFAULT_CACHE_BYTES, backend=None) -> "Engine":
+        """Open an engine directory: read and (by default) hash-verify the manifest's files.
+
+        ``backend``: None for ONNX Runtime on CPU, or a factory ``(root, manifest, threads) -> Backend``
+        (e.g. ``onepass.export.torch_backend.factory("cuda")``).
+        """
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
-        from .backends.onnxruntime_cpu import OrtCpuBackend
+        if backend is None:
+            from .backends.onnxruntime_cpu import OrtCpuBackend
 
-        backend = OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads)
-        return cls(root, manifest, backend, cache_bytes)
+            return cls(root, manifest, OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads),
+                       cache_bytes)
+        return cls(root, manifest, backend(root, manifest, threads), cache_bytes)
 
     def with_limits(self, **lower) -> "Engine":
         """This engine (same session and cache) with some limits lowered; raising one past the manifest is refused."""
@@ -152,9 +158,16 @@ class Engine:
         """Summed log-likelihood of every option of every question, from ONE packed pass."""
         return self._score(self.state(state), encoded)[1]
 
-    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[PackedBatch, list[np.ndarray]]:
+    def option_values(self, state, encoded: list[QuestionTokens]) -> tuple[list, list | None]:
+        """(summed log-likelihoods, decision-head scores or None) of every option, from ONE packed pass."""
+        _, logprobs, heads = self._score(self.state(state), encoded)
+        return logprobs, heads
+
+    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[PackedBatch, list, list | None]:
         batch = self.pack(state, encoded)
-        return batch, option_logprobs(batch, self.backend.score(state.kv, batch))
+        logprob, head = self.backend.score_all(state.kv, batch)
+        heads = option_head_scores(batch, head) if head is not None else None
+        return batch, option_logprobs(batch, logprob), heads
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
@@ -176,8 +189,8 @@ class Engine:
         """Answer questions about a state in one packed forward pass."""
         encoded = self.encode_questions(questions)
         state = self.state(state)
-        batch, logprobs = self._score(state, encoded)
-        answers = self._answers(questions, encoded, logprobs, readout)
+        batch, logprobs, heads = self._score(state, encoded)
+        answers = self._answers(questions, encoded, logprobs, readout, heads=heads)
         return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
 
     def run_many(self, requests: list, readout: str | None = None) -> list:
@@ -200,32 +213,47 @@ class Engine:
         for members in groups.values():
             state = members[0][1]
             try:
-                _, merged = self._score(state, [q for m in members for q in m[3]])
+                _, merged, merged_heads = self._score(state, [q for m in members for q in m[3]])
             except LimitExceeded:  # merged too large: run these one by one
                 for i, _, questions, _, _ in members:
                     out[i] = self.run(state, questions, readout)
                 continue
             logprobs = iter(merged)
+            heads = iter(merged_heads) if merged_heads is not None else None
             for i, _, questions, encoded, own in members:
                 mine = [next(logprobs) for _ in encoded]
-                out[i] = Result(self._answers(questions, encoded, mine, readout), state.num_tokens + own, own)
+                my_heads = [next(heads) for _ in encoded] if heads is not None else None
+                out[i] = Result(self._answers(questions, encoded, mine, readout, heads=my_heads),
+                                state.num_tokens + own, own)
         return out
 
-    def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True) -> dict:
-        scores = self.option_scores(questions, encoded, logprobs, readout, calibrated)
+    def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
+        scores = self.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
         return {qid: answer(q, softmax(sc)) for (qid, q), sc in zip(questions.items(), scores)}
 
-    def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True) -> list:
-        """Per question, the [K] scores that are soft-maxed: the read-out, then the manifest's calibration."""
+    def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True,
+                      heads=None) -> list:
+        """Per question, the [K] scores that are soft-maxed: the read-out, then the manifest's calibration.
+
+        The ``head`` read-out is ``beta * mean + head score`` and needs ``heads`` (from a graph
+        with a decision head).
+        """
         readout = readout or self.manifest.scoring.readout
+        if readout == "head" and (self.manifest.head is None or heads is None):
+            raise InvalidRequest("the 'head' read-out needs an engine with a decision head "
+                                 "(`onepass fit-head`); this one has none", "readout")
         cal = self.manifest.calibration if calibrated else None
         if cal is not None and cal.readout != readout:
             cal = None  # fitted on another read-out: not applicable
         priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
+        head_iter = iter(heads) if heads is not None else None
         out = []
         for q, tokens, lp, prior in zip(questions.values(), encoded, logprobs, priors):
             lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
-            scores = option_scores(lp, lengths, prior, readout)
+            if readout == "head":
+                scores = self.manifest.head.beta * (lp / lengths) + next(head_iter)
+            else:
+                scores = option_scores(lp, lengths, prior, readout)
             if cal is not None:
                 names = self.encoder.options(q)
                 scores = cal.apply(q.type, scores, names, question_key(q.type, self.encoder.instructions(q), names))

@@ -16,10 +16,10 @@ from .calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 
-SCHEMA_VERSION = 2  # 2 adds `calibration` and `plans`; version 1 manifests read as uncalibrated, no plans
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3  # 2 adds `calibration` and `plans`; 3 adds `head` (decision head). Older ones read without them
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
-READOUTS = ("sum", "mean", "prior")
+READOUTS = ("sum", "mean", "prior", "head")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Scoring:
     """How option log-likelihoods become probabilities.
 
     ``sum``: the option's summed token log-likelihood; ``mean``: divided by its
-    token count; ``prior``: minus the same sum given a content-free state.
+    token count; ``prior``: minus the same sum given a content-free state; ``head``:
+    ``beta * mean`` plus the graph's decision-head score (engines with a head only).
     """
 
     readout: str = "mean"  # chosen by measurement: benchmarks/results/readout_eval.md
@@ -74,6 +75,19 @@ class Scoring:
     def __post_init__(self):
         if self.readout not in READOUTS:
             raise ValueError(f"scoring.readout must be one of {READOUTS}, got {self.readout!r}")
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """A decision head exported into the graph (output ``head_score``) and how it was trained."""
+
+    beta: float  # weight of the zero-shot mean read-out in the option score
+    width: int
+    training: dict = field(default_factory=dict)  # data, tasks, recipe, measured metrics
+
+    def __post_init__(self):
+        if not isinstance(self.beta, (int, float)) or self.beta != self.beta:
+            raise ValueError("head.beta must be a number")
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,7 @@ class Manifest:
     calibration: Calibration | None = None
     plans: list = field(default_factory=list)  # TensorRT plans: file, sha256, tensorrt version, compute capability
     quantization: dict | None = None  # INT8 scheme and its measured agreement, error and speed-up
+    head: HeadInfo | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -105,6 +120,8 @@ class Manifest:
         for role in ("tokenizer", "graph", "golden"):
             if getattr(self, role) not in self.files:
                 raise ValueError(f"{role} file {getattr(self, role)!r} is not listed in files")
+        if self.scoring.readout == "head" and self.head is None:
+            raise ValueError("scoring.readout is 'head' but the engine has no decision head")
 
     def to_json(self) -> str:
         """The manifest as stable, indented JSON (always written as the current schema version)."""
@@ -122,6 +139,7 @@ class Manifest:
         data["prompt"] = PromptTemplate(**data.get("prompt", {}))
         data["scoring"] = Scoring(**data.get("scoring", {}))
         data["calibration"] = Calibration.from_dict(data["calibration"]) if data.get("calibration") else None
+        data["head"] = HeadInfo(**data["head"]) if data.get("head") else None
         return cls(**data)
 
 

@@ -12,7 +12,7 @@ from .errors import EngineFileError
 from .tree import PackedBatch
 
 GOLDEN_VERSION = 1
-TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4}
+TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4, "head_score": 1e-3}
 
 
 def run_golden(engine, position_shift: int = 0) -> dict:
@@ -23,8 +23,13 @@ def run_golden(engine, position_shift: int = 0) -> dict:
     kv = engine.backend.prefill(g["state_ids"].tolist(), engine.manifest.limits.prefill_chunk)
     batch = PackedBatch(g["input_ids"], g["position_ids"] + position_shift, g["tree_mask"],
                         g["readout_index"], g["readout_target"])
+    logprob, head = engine.backend.score_all(kv, batch)
     got = {"prefill_key_first": kv.layers[0][0].numpy(), "prefill_value_last": kv.layers[-1][1].numpy(),
-           "target_logprob": engine.backend.score(kv, batch)}
+           "target_logprob": logprob}
+    if ("head_score" in g) != (head is not None):
+        raise EngineFileError("the graph and its golden file disagree on having a decision head; re-export the engine")
+    if head is not None:
+        got["head_score"] = head
     return {name: float(np.abs(value - g[name]).max()) for name, value in got.items()}
 
 

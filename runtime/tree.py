@@ -148,3 +148,9 @@ def option_logprobs(batch: PackedBatch, target_logprob: np.ndarray) -> list[np.n
     """Per question, the summed log-likelihood of each option: [question] -> [K] float64."""
     lp = target_logprob.astype(np.float64)
     return [np.array([lp[r].sum() for r in q]) for q in batch.option_readouts]
+
+
+def option_head_scores(batch: PackedBatch, head_score: np.ndarray) -> list[np.ndarray]:
+    """Per question, each option's decision-head score: the value at its last read-out row."""
+    hs = head_score.astype(np.float64)
+    return [np.array([hs[r[-1]] for r in q]) for q in batch.option_readouts]

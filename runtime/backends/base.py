@@ -33,27 +33,31 @@ class Backend(ABC):
             raise ValueError("a state needs at least one token")
         kv = self.empty()
         for start in range(0, len(ids), chunk):
-            _, new = self._run(causal(ids[start:start + chunk], start), kv)
+            _, new, _ = self._run(causal(ids[start:start + chunk], start), kv)
             kv = self._append(kv, new)
         return kv
 
     def score(self, kv: StateKV, batch: PackedBatch) -> np.ndarray:
         """[R] float32 log-probs of the batch's targets, given the state's K/V (read-only)."""
+        return self.score_all(kv, batch)[0]
+
+    def score_all(self, kv: StateKV, batch: PackedBatch) -> tuple[np.ndarray, np.ndarray | None]:
+        """([R] target log-probs, [R] decision-head scores or None for a graph without a head)."""
         n, r = batch.num_tokens, batch.readout_index.shape[0]
         if batch.tree_mask.shape != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
             raise ValueError("packed batch arrays disagree in shape")
         if r and (batch.readout_index.min() < 0 or batch.readout_index.max() >= n):
             raise ValueError("read-out index outside the packed sequence")
-        logprob, _ = self._run(batch, kv)
-        return logprob
+        logprob, _, head = self._run(batch, kv)
+        return logprob, head
 
     @abstractmethod
     def empty(self) -> StateKV:
         """A K/V of length 0."""
 
     @abstractmethod
-    def _run(self, batch: PackedBatch, kv: StateKV) -> tuple[np.ndarray, Any]:
-        """One graph call: (target log-probs [R], the new tokens' K/V as backend values)."""
+    def _run(self, batch: PackedBatch, kv: StateKV) -> tuple[np.ndarray, Any, np.ndarray | None]:
+        """One graph call: (target log-probs [R], the new tokens' K/V as backend values, head scores [R] or None)."""
 
     @abstractmethod
     def _append(self, kv: StateKV, new: Any) -> StateKV:

@@ -27,7 +27,9 @@ class OrtCpuBackend(Backend):
         self.session = ort.InferenceSession(graph_path, opts, providers=["CPUExecutionProvider"])
         dims = (model.num_layers, model.num_kv_heads, model.head_dim)
         self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
-        self.output_names = [s.name for s in contract.output_specs(*dims)]
+        graph_outputs = {o.name for o in self.session.get_outputs()}
+        self.has_head = "head_score" in graph_outputs
+        self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = ort.OrtValue.ortvalue_from_numpy(zeros)
 
@@ -49,7 +51,9 @@ class OrtCpuBackend(Backend):
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        return outputs[0].numpy(), outputs[1:]
+        layers = 2 * self.model.num_layers
+        head = outputs[1 + layers].numpy() if self.has_head else None
+        return outputs[0].numpy(), outputs[1:1 + layers], head
 
     def _append(self, kv: StateKV, new) -> StateKV:
         n = new[0].shape()[1]

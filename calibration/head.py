@@ -1,0 +1,218 @@
+"""Train a decision head with cross-entropy plus the RLCD recipe (torch at fit time only).
+
+An option's score is ``beta * zero_shot + head(h)``: the zero-shot read-out (per-token
+mean log-likelihood) plus a small MLP over the hidden state after the option (see
+:class:`onepass.export.decoder.DecisionHead`). ``beta`` lives in the manifest; the MLP is
+exported into the score graph, so answering stays one pass.
+
+RLCD (reward-learned calibrated decisions): per question, ``G`` perturbed score vectors
+``s + sigma * eps`` are sampled around the current scores; each sample's probabilities
+earn a reward of a proper scoring rule — log score plus spherical score, minus the ranked
+probability score for ordinal questions —, rewards are normalised within the group
+(advantage), and the scores move towards the samples with positive advantage (the
+Gaussian policy gradient). Cross-entropy keeps the head on the labels; the RLCD term
+rewards well-shaped probability vectors rather than only the label's probability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import torch
+
+from ..export.decoder import DecisionHead
+from .head_features import OptionFeatures
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Hyper-parameters of one training run."""
+
+    width: int = 32
+    rlcd_weight: float = 1.0  # 0 = cross-entropy only
+    group: int = 16  # perturbed samples per question
+    sigma: float = 0.5  # perturbation scale of the scores
+    lr: float = 1e-2
+    weight_decay: float = 1e-2
+    epochs: int = 60
+    batch: int = 64
+    patience: int = 8
+    seed: int = 0
+
+
+def spherical_score(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """p_y / ||p||_2 for [..., K] probabilities and [...] labels (higher is better)."""
+    return p.gather(-1, y[..., None])[..., 0] / p.norm(dim=-1).clamp_min(1e-12)
+
+
+def ranked_probability_score(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference of the cumulative distributions (ordinal; lower is better), [..., K] -> [...]."""
+    k = p.shape[-1]
+    onehot = torch.nn.functional.one_hot(y, k).to(p.dtype)
+    return ((p.cumsum(-1) - onehot.cumsum(-1)) ** 2)[..., :-1].sum(-1) / max(k - 1, 1)
+
+
+def rlcd_reward(p: torch.Tensor, y: torch.Tensor, ordinal: bool) -> torch.Tensor:
+    """log p_y + spherical score (- RPS for ordinal questions)."""
+    reward = torch.log(p.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)) + spherical_score(p, y)
+    if ordinal:
+        reward = reward - ranked_probability_score(p, y)
+    return reward
+
+
+def rlcd_loss(scores: torch.Tensor, y: torch.Tensor, group: int, sigma: float, ordinal: bool = False,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Group-normalised Gaussian policy-gradient loss for one question's [K] scores.
+
+    Samples ``scores.detach() + sigma * eps`` (G of them), rewards each sample's softmax, and
+    returns ``-mean(A_g * log pi(sample_g))`` with ``log pi = -||sample - scores||^2 / (2 sigma^2)``,
+    so the gradient moves the scores towards samples with above-average reward.
+    """
+    eps = torch.randn((group, scores.shape[-1]), generator=generator, dtype=scores.dtype)
+    samples = scores.detach() + sigma * eps
+    with torch.no_grad():
+        reward = rlcd_reward(torch.softmax(samples, -1), y.expand(group), ordinal)
+        advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
+    log_pi = -((samples - scores) ** 2).sum(-1) / (2 * sigma**2)
+    return -(advantage * log_pi).mean()
+
+
+class HeadModel(torch.nn.Module):
+    """beta * zero_shot + head(standardised hidden): the trainable form of the exported head."""
+
+    def __init__(self, hidden_size: int, width: int, shift: np.ndarray, scale: np.ndarray):
+        super().__init__()
+        self.head = DecisionHead(hidden_size, width, shift=shift, scale=scale)
+        self.beta = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, hidden: torch.Tensor, zero_shot: torch.Tensor) -> torch.Tensor:
+        return self.beta * zero_shot + self.head(hidden)
+
+
+def _question_scores(model, feats: OptionFeatures, hidden, zero_shot) -> list[torch.Tensor]:
+    s = model(hidden, zero_shot)
+    return [s[feats.offsets[i]:feats.offsets[i + 1]] for i in range(feats.num_questions)]
+
+
+def probabilities(model, feats: OptionFeatures) -> list[np.ndarray]:
+    """Per question, the softmax of the model's option scores."""
+    with torch.no_grad():
+        scores = _question_scores(model, feats, torch.from_numpy(feats.hidden),
+                                  torch.from_numpy(feats.mean_logprob()).float())
+    return [torch.softmax(s.double(), 0).numpy() for s in scores]
+
+
+def mean_nll(probs: list[np.ndarray], labels: np.ndarray) -> float:
+    """Mean negative log-likelihood of the labels."""
+    return float(-np.mean([np.log(max(p[y], 1e-12)) for p, y in zip(probs, labels)]))
+
+
+def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig = HeadConfig(), log=None,
+          on_epoch=None) -> tuple:
+    """Fit a HeadModel; early stopping on validation NLL (``val=None``: exactly ``config.epochs``).
+
+    Returns (model, history of validation NLL per epoch).
+    """
+    torch.manual_seed(config.seed)
+    gen = torch.Generator().manual_seed(config.seed)
+    shift = train.hidden.mean(0)
+    scale = train.hidden.std(0) + 1e-3
+    model = HeadModel(train.hidden.shape[1], config.width, shift, scale)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    hidden, zero_shot = torch.from_numpy(train.hidden), torch.from_numpy(train.mean_logprob()).float()
+    labels = torch.from_numpy(train.label)
+    best, best_state, bad, history = float("inf"), None, 0, []
+    order = np.arange(train.num_questions)
+    rng = np.random.default_rng(config.seed)
+    for epoch in range(config.epochs):
+        rng.shuffle(order)
+        model.train()
+        for start in range(0, len(order), config.batch):
+            scores = _question_scores(model, train, hidden, zero_shot)
+            idx = order[start:start + config.batch]
+            ce = torch.stack([torch.nn.functional.cross_entropy(scores[i][None], labels[i][None]) for i in idx]).mean()
+            loss = ce
+            if config.rlcd_weight:
+                rl = torch.stack([rlcd_loss(scores[i], labels[i], config.group, config.sigma, generator=gen)
+                                  for i in idx]).mean()
+                loss = ce + config.rlcd_weight * rl
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        if on_epoch is not None:
+            on_epoch(model)
+        if val is None:
+            continue
+        v = mean_nll(probabilities(model, val), val.label)
+        history.append({"epoch": epoch, "val_nll": v})
+        if log:
+            log(f"  epoch {epoch:2d} val NLL {v:.4f}")
+        if v < best - 1e-4:
+            best, bad = v, 0
+            best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        else:
+            bad += 1
+            if bad >= config.patience:
+                break
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return model, history
+
+
+def cross_validate(feats: OptionFeatures, config: HeadConfig, folds: int = 5, seed: int = 0) -> dict:
+    """Leave-tasks-out cross-validation: mean held-out NLL per epoch over ``folds`` task folds.
+
+    Returns {"nll": best mean NLL, "epochs": the epoch count that reaches it, "accuracy": at that epoch}.
+    """
+    tasks = sorted(set(feats.task.tolist()))
+    np.random.default_rng(seed).shuffle(tasks)
+    curves, accs = [], []
+    for k in range(folds):
+        held = tasks[k::folds]
+        inside = ~np.isin(feats.task, held)
+        fold_cfg = replace(config, patience=config.epochs)  # full curve, no early stop
+        tr, va = feats.select(inside), feats.select(~inside)
+        curve, acc = [], []
+        model = None
+
+        def record(m, va=va, curve=curve, acc=acc):
+            probs = probabilities(m, va)
+            curve.append(mean_nll(probs, va.label))
+            acc.append(float(np.mean([p.argmax() == y for p, y in zip(probs, va.label)])))
+        model, _ = train(tr, None, fold_cfg, on_epoch=record)
+        curves.append(curve)
+        accs.append(acc)
+    mean = np.mean(curves, axis=0)
+    best = int(np.argmin(mean))
+    return {"nll": float(mean[best]), "epochs": best + 1, "accuracy": float(np.mean(accs, axis=0)[best]),
+            "curve": [float(x) for x in mean]}
+
+
+def save(model: HeadModel, config: HeadConfig, path, info: dict) -> None:
+    """The trained head (state dict, config, provenance) as one torch file."""
+    torch.save({"state_dict": model.state_dict(), "config": asdict(config), "hidden_size": model.head.hidden_size,
+                "info": info}, path)
+
+
+def load(path) -> tuple[HeadModel, dict]:
+    """A saved head and its provenance."""
+    blob = torch.load(path, weights_only=True)
+    cfg = HeadConfig(**blob["config"])
+    hidden = blob["hidden_size"]
+    model = HeadModel(hidden, cfg.width, np.zeros(hidden, np.float32), np.ones(hidden, np.float32))
+    model.load_state_dict(blob["state_dict"])
+    return model, blob["info"]
+
+
+def load_head_info(path) -> tuple:
+    """(DecisionHead, manifest HeadInfo) of a saved head; a missing or broken file is an OnepassError."""
+    from ..runtime.errors import OnepassError
+    from ..runtime.manifest import HeadInfo
+
+    try:
+        model, info = load(path)
+    except (OSError, KeyError, RuntimeError, TypeError, ValueError) as err:
+        raise OnepassError(f"{path} is not a decision head saved by onepass: {err}") from None
+    return model.head, HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)

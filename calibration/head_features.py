@@ -1,0 +1,91 @@
+"""What a decision head sees: the decoder's hidden state after each option, from the exported decoder in PyTorch.
+
+For one (state, question) the state and the question's trunk form one causal trunk and
+the options hang below it (the same packed tree the engine runs, with the state inside
+the tree instead of in the past: identical attention, so identical values up to float
+rounding). Per option we keep the final-normed hidden state at its last read-out row
+(the row that predicts the option's end token) and its summed log-likelihood.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..runtime.tree import QuestionTokens, pack
+
+
+@dataclass
+class OptionFeatures:
+    """Options of many questions, flattened; ``offsets[i]:offsets[i+1]`` are question i's options."""
+
+    hidden: np.ndarray  # [O, d] float32
+    logprob: np.ndarray  # [O] float64, summed over the option's tokens
+    length: np.ndarray  # [O] tokens per option (end token included)
+    offsets: np.ndarray  # [Q+1]
+    label: np.ndarray  # [Q] index of the correct option
+    task: np.ndarray  # [Q] task names
+
+    @property
+    def num_questions(self) -> int:
+        return int(self.label.shape[0])
+
+    def mean_logprob(self) -> np.ndarray:
+        """The zero-shot read-out (per-token mean log-likelihood), [O]."""
+        return self.logprob / self.length
+
+    def select(self, mask: np.ndarray) -> "OptionFeatures":
+        """The questions where ``mask`` [Q] is True."""
+        keep = np.flatnonzero(mask)
+        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in keep]) if len(keep) else []
+        sizes = np.diff(self.offsets)[keep]
+        return OptionFeatures(self.hidden[rows], self.logprob[rows], self.length[rows],
+                              np.concatenate([[0], np.cumsum(sizes)]), self.label[keep], self.task[keep])
+
+    def save(self, path) -> None:
+        np.savez_compressed(path, hidden=self.hidden, logprob=self.logprob, length=self.length,
+                            offsets=self.offsets, label=self.label, task=self.task)
+
+    @classmethod
+    def load(cls, path) -> "OptionFeatures":
+        z = np.load(path, allow_pickle=False)
+        return cls(z["hidden"], z["logprob"], z["length"], z["offsets"], z["label"], z["task"])
+
+
+def last_readouts(batch, question: int = 0) -> list[int]:
+    """Per option of ``question``, the read-out row of its last token."""
+    return [int(r[-1]) for r in batch.option_readouts[question]]
+
+
+@torch.inference_mode()
+def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures:
+    """Run every example through ``decoder`` (a PackedDecoder) and keep the option features."""
+    dims = decoder.dims
+    empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim) for _ in range(2 * dims.num_layers)]
+    hidden, logprob, length, sizes, label, task = [], [], [], [], [], []
+    t0 = time.perf_counter()
+    for i, ex in enumerate(examples):
+        qt = encoder.question(ex.question)
+        tokens = QuestionTokens(tuple(encoder.state(ex.state)) + qt.trunk, qt.options)
+        batch = pack([tokens], 0)
+        h, target, _ = decoder.readout(
+            torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids),
+            torch.from_numpy(batch.tree_mask), *empty,
+            torch.from_numpy(batch.readout_index), torch.from_numpy(batch.readout_target))
+        target = target.double().numpy()
+        hidden.append(h[last_readouts(batch)].numpy())
+        logprob.append([target[r].sum() for r in batch.option_readouts[0]])
+        length.append([len(o) for o in qt.options])
+        sizes.append(len(qt.options))
+        label.append(ex.label)
+        task.append(ex.task)
+        if progress and (i + 1) % 100 == 0:
+            rate = (i + 1) / (time.perf_counter() - t0)
+            print(f"  features {i + 1}/{len(examples)} ({rate:.1f}/s)", file=sys.stderr, flush=True)
+    return OptionFeatures(np.concatenate(hidden).astype(np.float32), np.concatenate(logprob).astype(np.float64),
+                          np.concatenate(length).astype(np.float64), np.concatenate([[0], np.cumsum(sizes)]),
+                          np.array(label, dtype=np.int64), np.array(task, dtype=str))

@@ -1,0 +1,165 @@
+"""The decision head: RLCD scoring rules, training on synthetic features, the BIG-bench wall, and the
+exported head against its PyTorch form (with a negative control)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onepass import Choice, Engine, Noul  # noqa: E402
+from onepass.calibration import bigbench as bb  # noqa: E402
+from onepass.calibration import head as hd  # noqa: E402
+from onepass.calibration.head_features import OptionFeatures  # noqa: E402
+from onepass.runtime import manifest as mf  # noqa: E402
+from onepass.runtime.errors import InvalidRequest  # noqa: E402
+
+
+def test_spherical_and_ranked_probability_scores_match_hand_computations():
+    p = torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float64)
+    y = torch.tensor([1])
+    assert hd.spherical_score(p, y).item() == pytest.approx(0.3 / np.sqrt(0.36 + 0.09 + 0.01))
+    # CDF p: .6 .9 1 ; CDF y: 0 1 1 -> (.36 + .01) / 2
+    assert hd.ranked_probability_score(p, y).item() == pytest.approx(0.37 / 2)
+    assert hd.rlcd_reward(p, y, ordinal=True).item() == pytest.approx(
+        np.log(0.3) + 0.3 / np.sqrt(0.46) - 0.185)
+
+
+def test_rlcd_policy_gradient_moves_scores_towards_the_label():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([scores], lr=0.05)
+    label = torch.tensor(2)
+    for _ in range(200):
+        opt.zero_grad()
+        hd.rlcd_loss(scores, label, group=16, sigma=0.5, generator=gen).backward()
+        opt.step()
+    p = torch.softmax(scores.detach(), 0)
+    assert p.argmax().item() == 2 and p[2] > 0.6
+    # control: the same steps with the sign of the loss flipped push the label down
+    scores2 = torch.zeros(4, requires_grad=True)
+    opt2 = torch.optim.SGD([scores2], lr=0.05)
+    for _ in range(200):
+        opt2.zero_grad()
+        (-hd.rlcd_loss(scores2, label, group=16, sigma=0.5, generator=gen)).backward()
+        opt2.step()
+    assert torch.softmax(scores2.detach(), 0)[2] < 0.25
+
+
+def _synthetic(n: int, seed: int, d: int = 24) -> OptionFeatures:
+    """Questions of 3 options where hidden dimension 0 marks the correct option; the zero-shot score is noise."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(3 * n, d)).astype(np.float32)
+    label = rng.integers(0, 3, n)
+    for i, y in enumerate(label):
+        hidden[3 * i + y, 0] += 2.5
+    return OptionFeatures(hidden, rng.normal(size=3 * n), np.ones(3 * n), np.arange(0, 3 * n + 1, 3), label,
+                          np.array(["t"] * n))
+
+
+def test_head_learns_a_signal_the_zero_shot_read_out_lacks():
+    train, val, test = _synthetic(400, 0), _synthetic(100, 1), _synthetic(200, 2)
+    model, history = hd.train(train, val, hd.HeadConfig(width=8, epochs=40, rlcd_weight=0.3))
+    probs = hd.probabilities(model, test)
+    acc = np.mean([p.argmax() == y for p, y in zip(probs, test.label)])
+    zero = np.mean([test.mean_logprob()[3 * i:3 * i + 3].argmax() == y for i, y in enumerate(test.label)])
+    assert acc > 0.85 and zero < 0.5 and history
+
+
+def _fake_tasks(root):
+    for name in ("alpha_task", "zeta_task"):
+        (root / name).mkdir(parents=True)
+        ex = [{"input": f"Is {i} even?", "target_scores": {"yes": int(i % 2 == 0), "no": int(i % 2 == 1)}}
+              for i in range(12)]
+        ex.append({"input": "tie", "target_scores": {"a": 1, "b": 1}})  # no single best option: skipped
+        (root / name / "task.json").write_text(json.dumps({"examples": ex}))
+    return root
+
+
+def test_bigbench_tasks_after_g_are_refused_for_training(tmp_path):
+    root = _fake_tasks(tmp_path)
+    got = bb.load_tasks(root, ["alpha_task"], "train", per_task=100)
+    assert len(got) == 12 and all(isinstance(e.question, Choice) for e in got)
+    for e in got:
+        even = int(e.state.split()[1].rstrip("?")) % 2 == 0
+        assert list(e.question.criteria)[e.label] == ("yes" if even else "no")
+    with pytest.raises(bb.ReservedTask, match="reserved for independent evaluation"):
+        bb.load_tasks(root, ["alpha_task", "zeta_task"], "train", per_task=5)
+    assert len(bb.load_tasks(root, ["zeta_task"], "evaluate", per_task=5)) == 5
+    split = bb.split_tasks(["a1", "b2", "c3", "d4", "e5", "f6", "g7", "h8", "z9"], seed=3)
+    used = [t for part in split.values() for t in part]
+    assert sorted(used) == ["a1", "b2", "c3", "d4", "e5", "f6", "g7"] and len(set(used)) == len(used)
+
+
+def test_manifest_round_trip_with_a_head_and_head_readout_needs_one(engine_dir):
+    manifest = mf.load(engine_dir, verify=False)
+    info = mf.HeadInfo(0.5, 16, {"tasks": ["a"]})
+    text = dataclasses.replace(manifest, head=info, scoring=mf.Scoring("head")).to_json()
+    with_head = mf.Manifest.from_dict(json.loads(text))
+    assert with_head.head == info and with_head.scoring.readout == "head"
+    assert json.loads(text)["schema_version"] == mf.SCHEMA_VERSION == 3
+    with pytest.raises(ValueError, match="no decision head"):
+        dataclasses.replace(manifest, scoring=mf.Scoring("head"))
+
+
+def test_head_readout_on_an_engine_without_head_is_a_clear_error(engine):
+    with pytest.raises(InvalidRequest, match="decision head"):
+        engine.run("The parcel arrived broken.", {"q": Noul("Is the customer unhappy?")}, readout="head")
+
+
+@pytest.fixture(scope="module")
+def head_engine(tmp_path_factory, engine_dir):
+    """An engine exported with a seeded random head (what `onepass export --head` does)."""
+    from onepass.export.build import export_engine
+
+    torch.manual_seed(7)
+    model = hd.HeadModel(576, 16, np.random.default_rng(0).normal(0, 0.1, 576).astype(np.float32),
+                         np.full(576, 2.0, np.float32))
+    with torch.no_grad():
+        model.beta.fill_(0.7)
+        model.head.out.weight.mul_(20.0)  # head scores of a few units: they move the answers
+    path = tmp_path_factory.mktemp("head") / "head.pt"
+    hd.save(model, hd.HeadConfig(width=16), path, {"data": "test"})
+    head, info = hd.load_head_info(path)
+    manifest = mf.load(engine_dir, verify=False)
+    out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", manifest.source.get("path"), head=head,
+                        head_info=info)
+    return Engine.load(out), model
+
+
+@pytest.mark.slow
+def test_exported_head_matches_its_pytorch_form(head_engine, hf_model):
+    from onepass.calibration.head_features import extract
+    from onepass.export.decoder import PackedDecoder
+
+    engine, model = head_engine
+    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.beta == pytest.approx(0.7)
+    examples = [bb.Example("t", "t", "Ticket: I was charged twice for one order, please refund.",
+                           Choice("Which team?", ["billing", "technical support", "shipping"]), 0),
+                bb.Example("t", "t", "The screen stays black after the update.",
+                           Choice("Which answer is correct?", ["hardware", "software"]), 1)]
+    feats = extract(PackedDecoder(hf_model).eval(), engine.encoder, examples, progress=False)
+    want = hd.probabilities(model, feats)
+    for ex, p in zip(examples, want):
+        got = engine.ask(ex.state, {"q": ex.question})["q"]
+        np.testing.assert_allclose([got.probabilities[n] for n in ex.question.criteria], p, atol=1e-4)
+    # negative control: the same head with its output weights negated gives other answers than the graph's
+    broken = hd.HeadModel(576, 16, model.head.shift.numpy(), model.head.scale.numpy())
+    broken.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        broken.head.out.weight.mul_(-1.0)
+    off = hd.probabilities(broken, feats)
+    assert max(np.abs(a - b).max() for a, b in zip(off, want)) > 1e-2
+    # the PyTorch backend rebuilds the head from the graph's initializers and answers the same
+    from onepass.export.torch_backend import factory
+
+    rebuilt = Engine.load(engine.root, backend=factory("cpu"), verify=False)
+    ex = examples[0]
+    a, b = rebuilt.ask(ex.state, {"q": ex.question})["q"], engine.ask(ex.state, {"q": ex.question})["q"]
+    assert max(abs(a.probabilities[n] - b.probabilities[n]) for n in ex.question.criteria) < 1e-4
+    # the golden file carries head scores and the check holds them to their tolerance
+    from onepass.runtime.selfcheck import check_golden
+
+    assert check_golden(engine)["head_score"] <= 1e-3
