@@ -125,16 +125,17 @@ def many_questions(k: int) -> dict:
 
 
 class HFBaselines:
-    """Transformers (float32, CPU) with the same weights."""
+    """Transformers (float32, eager) with the same weights, on ``device``."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         import torch
         from onepass.export.model_source import load_model
 
         torch.set_num_threads(THREADS)
         self.torch = torch
+        self.device = device
         loaded = load_model(None)
-        self.model, self.tok = loaded.model, loaded.tokenizer
+        self.model, self.tok = loaded.model.to(device), loaded.tokenizer
         self.model.generation_config.pad_token_id = self.tok.eos_token_id
 
     def prompt_json(self, state: str) -> str:
@@ -153,7 +154,7 @@ class HFBaselines:
                                             add_generation_prompt=True)
 
     def generate_json(self, state: str, max_new_tokens: int) -> int:
-        ids = self.tok(self.prompt_json(state), return_tensors="pt", add_special_tokens=False)
+        ids = self.tok(self.prompt_json(state), return_tensors="pt", add_special_tokens=False).to(self.device)
         with self.torch.no_grad():
             out = self.model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens)
         return int(out.shape[1] - ids["input_ids"].shape[1])
@@ -162,10 +163,10 @@ class HFBaselines:
         state_ids = engine.encoder.state(state)
         for q in engine.encode_questions(QUESTIONS):
             for option in q.options:
-                seq = self.torch.tensor([list(state_ids) + list(q.trunk) + list(option)])
+                seq = self.torch.tensor([list(state_ids) + list(q.trunk) + list(option)], device=self.device)
                 with self.torch.no_grad():
                     logits = self.model(seq).logits[0]
-                self.torch.log_softmax(logits[-len(option) - 1:-1], dim=-1)
+                self.torch.log_softmax(logits[-len(option) - 1:-1], dim=-1).cpu()
 
 
 def run(args) -> dict:

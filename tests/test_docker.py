@@ -12,8 +12,17 @@ ROOT = Path(__file__).parent.parent
 DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile*"))
 
 
-def test_there_is_a_cpu_image():
-    assert ROOT / "docker" / "Dockerfile.cpu" in DOCKERFILES
+def test_there_are_cpu_gpu_and_jetson_images():
+    assert {p.name for p in DOCKERFILES} >= {"Dockerfile.cpu", "Dockerfile.gpu", "Dockerfile.jetson"}
+    assert "nvcr.io/nvidia/" in (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    assert "l4t-jetpack" in (ROOT / "docker" / "Dockerfile.jetson").read_text()
+
+
+def test_gpu_images_never_reinstall_the_bases_torch_with_the_export_extra():
+    for name in ("Dockerfile.gpu", "Dockerfile.jetson"):
+        text = (ROOT / "docker" / name).read_text()
+        assert not re.search(r"pip install[^\n]*\[export", text), f"{name} would replace the base image's torch"
+        assert re.search(r"pip install[^\n]*torch==|FROM nvcr.io/nvidia/pytorch:", text), f"{name} has no CUDA torch"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)

@@ -1,0 +1,204 @@
+"""GPU check: environment, parity of every available GPU backend with the golden file, latency percentiles.
+
+    python benchmarks/gpu_check.py --engine engines/smollm2 --out OUT [--device cuda] [--budget-s 420]
+
+Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``. Latency is p50/p90/p99 over timed runs
+after warm-up, each run bracketed by CUDA events on the device's stream (wall clock on CPU) and
+synchronised, so it is the full call: host packing, transfers and kernels. Side by side in one
+run: onepass on each backend (warm 13 questions on a cached 512-token state; 1/4/13/64
+questions; prefill of 64/512/2048 tokens; 13 separate cold calls) and Hugging Face transformers
+eager on the same device (per-option forwards, and greedy generation of a JSON answer).
+Backends that cannot run here are listed with the reason. ``--device cpu`` runs the same script
+on CPU torch (a dry run: it proves the script, not GPU speed). Stops adding measurements when
+the time budget is spent and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from latency import QUESTIONS, HFBaselines, many_questions, percentiles, state_of_tokens  # noqa: E402
+
+import torch  # noqa: E402
+
+from onepass import Engine  # noqa: E402
+from onepass.runtime.selfcheck import TOLERANCES, run_golden  # noqa: E402
+
+TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+           "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                   cuda=torch.version.cuda)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total",
+                                            "--format=csv,noheader"], capture_output=True, text=True,
+                                           timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as err:
+            env["driver"] = f"nvidia-smi failed: {err}"
+    for mod in ("onnxruntime", "onnx", "transformers", "tensorrt", "tensorrt_rtx", "cuda.bindings"):
+        try:
+            m = importlib.import_module(mod)
+            env[mod] = getattr(m, "__version__", "present")
+        except ImportError as err:
+            env[mod] = f"missing ({err.name})"
+    return env
+
+
+class Timer:
+    """Times a call with CUDA events (synchronised) on CUDA, with perf_counter on CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, fn, iters: int, warmup: int = 2) -> dict:
+        for _ in range(warmup):
+            fn()
+        samples = []
+        for _ in range(iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / 1000.0)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+        return percentiles(samples)
+
+
+def backends(device: str) -> tuple[dict, dict]:
+    """(name -> Engine.load backend factory, name -> why it cannot run here)."""
+    from onepass.export.torch_backend import factory
+
+    ok, skipped = {}, {}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        skipped[f"torch-{device}"] = "torch.cuda.is_available() is False"
+    else:
+        ok[f"torch-{device}"] = factory(device)
+    skipped["tensorrt"] = ("no TensorRT runtime backend yet (plans are built by `onepass build-trt`; running them "
+                           "needs the cuda-python backend of issue 5)")
+    return ok, skipped
+
+
+def measure(engine: Engine, hf, timer: Timer, iters: int, deadline: float, log) -> dict:
+    out: dict = {}
+
+    def left() -> bool:
+        return time.perf_counter() < deadline
+
+    text512 = state_of_tokens(engine, 512)
+    state = engine.state(text512)
+    engine.ask(state, QUESTIONS)
+    out["warm_13_questions_512_state"] = timer(lambda: engine.ask(state, QUESTIONS), iters)
+    log("warm 13 questions", out["warm_13_questions_512_state"])
+    out["questions"] = {}
+    for k in (1, 4, 13, 64):
+        if not left():
+            break
+        qs = many_questions(k)
+        out["questions"][k] = timer(lambda: engine.ask(state, qs), iters)
+        log(f"{k} questions", out["questions"][k])
+    out["prefill"] = {}
+    for n in (64, 512, 2048):
+        if not left():
+            break
+        ids = engine.encoder.state(state_of_tokens(engine, n))
+        chunk = engine.manifest.limits.prefill_chunk
+        out["prefill"][n] = timer(lambda: engine.backend.prefill(ids, chunk), iters)
+        out["prefill"][n]["tokens"] = len(ids)
+        log(f"prefill {len(ids)}", out["prefill"][n])
+    if left():
+        nocache = Engine(engine.root, engine.manifest, engine.backend, cache_bytes=0)
+        out["13_separate_cold_calls"] = timer(
+            lambda: [nocache.ask(text512, {k: q}) for k, q in QUESTIONS.items()], max(3, iters // 10))
+        log("13 separate calls", out["13_separate_cold_calls"])
+    if hf is not None and left():
+        out["hf_eager_score_options"] = timer(lambda: hf.score_options(engine, text512), max(3, iters // 10))
+        log("HF eager per-option forwards", out["hf_eager_score_options"])
+    if hf is not None and left():
+        out["hf_eager_generate_json"] = timer(lambda: hf.generate_json(text512, 160), 3, warmup=1)
+        log("HF eager generate JSON", out["hf_eager_generate_json"])
+    if not left():
+        out["budget"] = "time budget spent: later measurements skipped"
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = ["# GPU check", "", "Produced by `bash benchmarks/gpu_check.sh`.", "", "## Environment", ""]
+    lines += [f"- {k}: {v}" for k, v in report["environment"].items()]
+    lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES) + ")", ""]
+    for name, p in report["parity"].items():
+        lines.append(f"- {name}: {p}")
+    for name, why in report["skipped"].items():
+        lines.append(f"- {name}: not run ({why})")
+    lines += ["", "## Latency (ms)", "", "| backend | measurement | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|"]
+    for name, m in report["latency"].items():
+        flat = [(k, v) for k, v in m.items() if isinstance(v, dict) and "p50" in v]
+        for group in ("questions", "prefill"):
+            flat += [(f"{group} {k}", v) for k, v in m.get(group, {}).items()]
+        for what, r in flat:
+            lines.append(f"| {name} | {what} | {r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | {r['n']} |")
+    lines += ["", TARGETS, ""]
+    for name, m in report["latency"].items():
+        warm = m["warm_13_questions_512_state"]["p50"]
+        for base in ("hf_eager_score_options", "hf_eager_generate_json", "13_separate_cold_calls"):
+            if base in m:
+                lines.append(f"- {name}: {base} / warm 13 questions = {m[base]['p50'] / warm:.1f}x")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="engines/smollm2")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    deadline = t0 + args.budget_s
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(what, r=None):
+        tail = f" p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms" if r else ""
+        print(f"[{time.perf_counter() - t0:6.1f}s] {what}{tail}", flush=True)
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
+    report = {"environment": environment(args.device), "parity": {}, "latency": {}}
+    log(json.dumps(report["environment"]))
+    ok, report["skipped"] = backends(args.device)
+    hf = None if args.skip_hf else HFBaselines(args.device)
+    for name, make in ok.items():
+        engine = Engine.load(args.engine, backend=make, verify=False)
+        diffs = run_golden(engine)
+        report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= TOLERANCES[k]} for k, v in diffs.items()}
+        log(f"{name} parity {diffs}")
+        report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)
+        hf = None  # HF baselines once, beside the first backend
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

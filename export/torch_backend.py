@@ -1,0 +1,98 @@
+"""PyTorch backend: the engine's own graph weights in the exported decoder module, on CPU or CUDA.
+
+For machines with PyTorch but no TensorRT, and the reference for GPU latency. The weights
+come from the engine directory's ONNX initializers (their names are the module's state-dict
+names), so nothing but the engine directory is needed; the manifest's ``source.dims`` gives
+the architecture. Same packed tree, same contract, same answers as the ONNX Runtime engine
+(tests/test_torch_backend.py). A state's K/V is prefilled into buffers allocated once at
+its full length (chunks are written in place); a score pass reads them without copying
+them to the host.
+
+Lives beside the exporter (it is the exporter's module) so that the runtime never imports
+torch; ``onepass serve --backend torch`` loads it lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+import torch
+from onnx import numpy_helper
+
+from ..runtime.backends.base import Backend, StateKV
+from ..runtime.errors import EngineFileError
+from ..runtime.tree import PackedBatch, causal
+from .decoder import DecoderDims, PackedDecoder
+
+
+def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
+    """Rebuild the exported decoder (and its decision head, if any) from an engine directory."""
+    dims = manifest.source.get("dims")
+    if not dims:
+        raise EngineFileError(f"{root}: the manifest records no model dims (source.dims); re-export the engine")
+    graph = onnx.load(str(root / manifest.graph))  # with its external weights
+    state = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in graph.graph.initializer
+             if i.name == "embed" or "." in i.name}
+    return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
+
+
+class TorchBackend(Backend):
+    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...)."""
+
+    def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None):
+        super().__init__(manifest.model)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineFileError("the torch backend was asked for CUDA but torch.cuda.is_available() is False")
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)
+        self.decoder = decoder_from_engine(Path(root), manifest).to(self.device)
+        m = manifest.model
+        self._empty = torch.zeros(m.num_kv_heads, 0, m.head_dim, device=self.device)
+
+    def empty(self) -> StateKV:
+        return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
+
+    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+        """K/V buffers allocated once at the state's length; each chunk is written into them in place."""
+        if len(ids) == 0:
+            raise ValueError("a state needs at least one token")
+        m = self.model
+        buffers = [torch.empty(m.num_kv_heads, len(ids), m.head_dim, device=self.device) for _ in range(2 * m.num_layers)]
+        for start in range(0, len(ids), chunk):
+            past = [b[:, :start] for b in buffers]
+            kv = StateKV(tuple((past[2 * i], past[2 * i + 1]) for i in range(m.num_layers)), start, 0)
+            _, new, _ = self._run(causal(ids[start:start + chunk], start), kv)
+            for b, n in zip(buffers, new):
+                b[:, start:start + n.shape[1]].copy_(n)
+        layers = tuple((buffers[2 * i], buffers[2 * i + 1]) for i in range(m.num_layers))
+        return StateKV(layers, len(ids), len(ids) * m.kv_bytes_per_token())
+
+    @torch.inference_mode()
+    def _run(self, batch: PackedBatch, kv: StateKV):
+        def t(a):
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        past = [value for pair in kv.layers for value in pair]
+        out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                           t(batch.readout_index), t(batch.readout_target))
+        layers = 2 * self.model.num_layers
+        head = out[1 + layers].float().cpu().numpy() if self.decoder.head is not None else None
+        return out[0].float().cpu().numpy(), list(out[1:1 + layers]), head
+
+    def _append(self, kv: StateKV, new) -> StateKV:
+        """``kv`` followed by ``new`` (the base-class prefill path; this backend's prefill writes in place)."""
+        m = self.model
+        layers = tuple((torch.cat([kv.layers[i][0], new[2 * i]], 1), torch.cat([kv.layers[i][1], new[2 * i + 1]], 1))
+                       for i in range(m.num_layers))
+        length = kv.length + new[0].shape[1]
+        return StateKV(layers, length, length * m.kv_bytes_per_token())
+
+
+def factory(device: str = "cpu"):
+    """An Engine.load backend factory for this backend on ``device``."""
+    def make(root, manifest, threads=None):
+        return TorchBackend(root, manifest, device=device, threads=threads)
+    return make
