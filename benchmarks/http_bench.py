@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET, THREADS, percentiles  # noqa: E402
 
 from onepass import Engine  # noqa: E402
+from onepass.runtime.questions import to_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LEVELS = (1, 4, 16)
 
 
 def wire_questions() -> dict:
-    return {qid: {"type": q.type, "instructions": q.instructions,
-                  **({"criteria": q.criteria} if hasattr(q, "criteria") else {})} for qid, q in QUESTIONS.items()}
+    return {qid: to_wire(q) for qid, q in QUESTIONS.items()}
 
 
 def states(shape: str, clients: int) -> list[str]:

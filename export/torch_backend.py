@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
@@ -32,10 +33,29 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     dims = manifest.source.get("dims")
     if not dims:
         raise EngineFileError(f"{root}: the manifest records no model dims (source.dims); re-export the engine")
-    graph = onnx.load(str(root / manifest.graph))  # with its external weights
-    state = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in graph.graph.initializer
+    graph = onnx.load(str(root / manifest.graph), load_external_data=False)
+    state = {i.name: torch.from_numpy(_initializer(root, i)) for i in graph.graph.initializer
              if i.name == "embed" or "." in i.name}
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
+
+
+def _initializer(root: Path, tensor) -> np.ndarray:
+    """An initializer's values, read from its external-data file by offset and length when it has one.
+
+    (onnx's own loader refuses external data with several hard links, which engine copies have.)
+    """
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor).copy()
+    info = {e.key: e.value for e in tensor.external_data}
+    path = (root / info["location"]).resolve()
+    if root.resolve() not in path.parents:
+        raise EngineFileError(f"initializer {tensor.name} points outside the engine directory: {info['location']}")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    count = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
+    with open(path, "rb") as fh:
+        fh.seek(int(info.get("offset", 0)))
+        data = fh.read(int(info.get("length", count * np.dtype(dtype).itemsize)))
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
 class TorchBackend(Backend):

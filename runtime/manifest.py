@@ -180,6 +180,29 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             )
 
 
+def copy_engine(src: str | os.PathLike, dst: str | os.PathLike, link_above: int = 10 << 20) -> Path:
+    """A copy of an engine directory whose files can be changed without touching ``src``.
+
+    Files larger than ``link_above`` bytes (the weights) are hard links where the file system
+    allows (ONNX Runtime refuses external data symlinked from elsewhere); every other file,
+    the manifest included, is copied.
+    """
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.stat().st_size > link_above:
+            try:
+                os.link(f.resolve(), dst / f.name)
+                continue
+            except OSError:
+                pass
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 def write(directory: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (temp file + rename)."""
     path = Path(directory) / MANIFEST

@@ -133,6 +133,18 @@ class Score:
 Question = Union[Noul, Choice, Score]
 
 
+def to_wire(question: Question) -> dict:
+    """The TypeSafe JSON form ``{type, instructions[, criteria]}`` of a question (inverse of from_wire)."""
+    body = {"type": question.type, "instructions": question.instructions}
+    if isinstance(question, Choice):
+        body["criteria"] = dict(question.criteria)
+    elif isinstance(question, Score):
+        body["criteria"] = list(question.criteria)
+    elif question.criteria:
+        body["criteria"] = dict(question.criteria)
+    return body
+
+
 def from_wire(qid: str, body) -> Question:
     """Build a question from its TypeSafe JSON form ``{type, instructions, criteria}``."""
     path = f"questions.{qid}"

@@ -1,8 +1,6 @@
 """Engine behaviour: state cache, read-only state K/V, limits, tampered files, wire requests, CLI."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,16 +104,9 @@ def test_request_response_and_usage(engine):
 
 
 def _copy_engine(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.stat().st_size > 10 << 20:  # big weights: a hard link where possible (ORT refuses symlinks out)
-            try:
-                os.link(f.resolve(), dst / f.name)
-            except OSError:
-                shutil.copy(f, dst / f.name)
-        else:
-            shutil.copy(f, dst / f.name)
-    return dst
+    from onepass.runtime.manifest import copy_engine
+
+    return copy_engine(src, dst)
 
 
 def test_tampered_engine_file_is_refused(engine_dir, tmp_path):

@@ -1,9 +1,11 @@
 """Question validation: every bad input gets a typed error that names the rule."""
 
+import json
+
 import pytest
 
 from onepass.runtime.errors import InvalidRequest
-from onepass.runtime.questions import Choice, Noul, Score, from_wire
+from onepass.runtime.questions import Choice, Noul, Score, from_wire, to_wire
 from onepass.runtime.readout import answer, confidence
 
 import numpy as np
@@ -77,3 +79,11 @@ def test_wire_shapes_of_the_official_format_are_accepted():
     assert c.instructions is None and c.criteria["angry"] == {"tone": "hostile"}
     s = from_wire("q", {"type": "score", "criteria": ["Can wait", {"level": "today"}]})
     assert answer(s, np.array([0.5, 0.5])).legend == {"0": "Can wait", "1": {"level": "today"}}
+
+
+@pytest.mark.parametrize("question", [
+    Noul("Is it spam?"), Noul(criteria={"true": "asks for money"}), Choice("Team?", ["billing", "tech"]),
+    Choice("Team?", {"billing": "payments", "tech": None}), Score("Urgency?", ["low", {"level": "high"}])],
+    ids=lambda q: q.type)
+def test_to_wire_is_the_inverse_of_from_wire(question):
+    assert from_wire("q", json.loads(json.dumps(to_wire(question)))) == question
