@@ -162,9 +162,10 @@ def cmd_build_trt(args) -> int:
 
     root = Path(args.engine)
     manifest = mf.load(root)
-    if args.precision != manifest.dtype.replace("float32", "fp32"):
-        raise OnepassError(f"this engine's graph is {manifest.dtype}; plans are built at the graph's precision "
-                           f"(strongly typed networks), so --precision {args.precision} needs a graph exported at it")
+    if args.precision != manifest.precision:
+        raise OnepassError(f"this engine's graph is {manifest.precision}; plans are built at the graph's precision "
+                           f"(strongly typed networks), so --precision {args.precision} needs a graph exported at it "
+                           f"(onepass export --precision {args.precision})")
     plans = [p for p in manifest.plans if p["compute_capability"] not in args.arch]
     files = dict(manifest.files)
     for arch in args.arch:
@@ -207,7 +208,7 @@ def cmd_export(args) -> int:
 
         head, head_info = load_head_info(args.head)
     export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout),
-                  head=head, head_info=head_info)
+                  head=head, head_info=head_info, precision=args.precision)
     return 0
 
 
@@ -225,6 +226,9 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-options", type=int, default=32)
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="mean",
                     help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
+    ex.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                    help="fp16: block weights and GEMMs in fp16 (half the weight bytes; norms, softmax, residual "
+                         "stream, read-out and K/V stay float32)")
     ex.add_argument("--head", help="a trained decision head (.pt from benchmarks/decision_head.py) to export into "
                                    "the graph; the engine then answers with the 'head' read-out")
     ex.set_defaults(func=cmd_export)

@@ -30,7 +30,7 @@ from latency import QUESTIONS, HFBaselines, many_questions, percentiles, state_o
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.selfcheck import TOLERANCES, run_golden  # noqa: E402
+from onepass.runtime.selfcheck import FP16_TOLERANCES, TOLERANCES, run_golden  # noqa: E402
 
 TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
 
@@ -90,7 +90,10 @@ def backends(device: str) -> tuple[dict, dict]:
     if device.startswith("cuda") and not torch.cuda.is_available():
         skipped[f"torch-{device}"] = "torch.cuda.is_available() is False"
     else:
-        ok[f"torch-{device}"] = factory(device)
+        ok[f"torch-{device}"] = factory(device, "fp32")
+        if device.startswith("cuda"):  # mixed precision: block GEMMs in fp16/bf16, the rest float32
+            ok[f"torch-{device}-fp16"] = factory(device, "fp16")
+            ok[f"torch-{device}-bf16"] = factory(device, "bf16")
     skipped["tensorrt"] = ("no TensorRT runtime backend yet (plans are built by `onepass build-trt`; running them "
                            "needs the cuda-python backend of issue 5)")
     return ok, skipped
@@ -142,7 +145,8 @@ def measure(engine: Engine, hf, timer: Timer, iters: int, deadline: float, log) 
 def markdown(report: dict) -> str:
     lines = ["# GPU check", "", "Produced by `bash benchmarks/gpu_check.sh`.", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in report["environment"].items()]
-    lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES) + ")", ""]
+    lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES)
+              + ", fp16/bf16 backends " + json.dumps(FP16_TOLERANCES) + ")", ""]
     for name, p in report["parity"].items():
         lines.append(f"- {name}: {p}")
     for name, why in report["skipped"].items():
@@ -189,7 +193,8 @@ def main(argv=None) -> int:
     for name, make in ok.items():
         engine = Engine.load(args.engine, backend=make, verify=False)
         diffs = run_golden(engine)
-        report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= TOLERANCES[k]} for k, v in diffs.items()}
+        tol = FP16_TOLERANCES if name.endswith(("fp16", "bf16")) else TOLERANCES
+        report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in diffs.items()}
         log(f"{name} parity {diffs}")
         report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)
         hf = None  # HF baselines once, beside the first backend

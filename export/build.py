@@ -17,7 +17,7 @@ from ..runtime import manifest as mf
 from ..runtime.engine import Engine
 from ..runtime.prompt import PromptEncoder, PromptTemplate
 from ..runtime.selfcheck import check_golden
-from .decoder import PackedDecoder
+from .decoder import PackedDecoder, lower_precision
 from .golden import write_golden
 from .model_source import load_model
 from .onnx_graph import export_decoder
@@ -53,12 +53,16 @@ def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
 
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
                   limits: mf.Limits = mf.Limits(), scoring: mf.Scoring = mf.Scoring(),
-                  prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None) -> Path:
+                  prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
+                  precision: str = "fp32") -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
     ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
-    ``head`` the engine's read-out.
+    ``head`` the engine's read-out. ``precision="fp16"`` stores the block weights in fp16 and runs
+    their GEMMs in fp16; embedding, norms, softmax, residual stream, read-out and K/V stay float32.
     """
+    if precision not in mf.PRECISIONS:
+        raise ValueError(f"precision must be one of {mf.PRECISIONS}, got {precision!r}")
     if (head is None) != (head_info is None):
         raise ValueError("a decision head needs its HeadInfo (and the other way round)")
     out = Path(out)
@@ -66,7 +70,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     step("loading model weights")
     loaded = load_model(model)
-    decoder = PackedDecoder(loaded.model).attach_head(head).eval()
+    decoder = lower_precision(PackedDecoder(loaded.model).attach_head(head), precision).eval()
     dims = decoder.dims
     if head is not None:
         scoring = mf.Scoring(readout="head")
@@ -85,6 +89,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                         dims.head_dim, dims.vocab_size, dims.max_position)
     manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
                            files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
+                           precision=precision,
                            source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "dims": asdict(dims)})

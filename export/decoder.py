@@ -257,3 +257,31 @@ class DecisionHead(nn.Module):
         if self.inner is not None:
             z = nn.functional.silu(self.inner(z))
         return self.out(z)[:, 0]
+
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class LowPrecisionLinear(torch.nn.Module):
+    """A linear layer whose weights and GEMM are fp16/bf16; input and output stay float32."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.inner = linear.to(dtype)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(self.dtype)).float()
+
+
+def lower_precision(decoder: PackedDecoder, precision: str) -> PackedDecoder:
+    """Mixed precision: every block's weight GEMMs in ``precision``; embedding, norms, rotary,
+    attention softmax, residual stream, read-out and K/V stay float32 (the residual stream of
+    SmolLM2 reaches ~25,000, where fp16 has a resolution of 16)."""
+    if precision == "fp32":
+        return decoder
+    dtype = PRECISIONS[precision]
+    for block in decoder.blocks:
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            setattr(block, name, LowPrecisionLinear(getattr(block, name), dtype))
+    return decoder

@@ -25,7 +25,7 @@ from onnx import numpy_helper
 from ..runtime.backends.base import Backend, StateKV
 from ..runtime.errors import EngineFileError
 from ..runtime.tree import PackedBatch, causal
-from .decoder import DecoderDims, PackedDecoder
+from .decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 
 def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
@@ -34,8 +34,10 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     if not dims:
         raise EngineFileError(f"{root}: the manifest records no model dims (source.dims); re-export the engine")
     graph = onnx.load(str(root / manifest.graph), load_external_data=False)
-    state = {i.name: torch.from_numpy(_initializer(root, i)) for i in graph.graph.initializer
-             if i.name == "embed" or "." in i.name}
+    # a mixed-precision graph names its wrapped GEMM weights "<layer>.inner.weight" and stores them in fp16/bf16
+    state = {(i.name.replace(".inner.", ".") if i.name.startswith("blocks.") else i.name):
+             torch.from_numpy(_initializer(root, i)).float()
+             for i in graph.graph.initializer if i.name == "embed" or "." in i.name}
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
 
 
@@ -59,16 +61,21 @@ def _initializer(root: Path, tensor) -> np.ndarray:
 
 
 class TorchBackend(Backend):
-    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...)."""
+    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...) at ``precision`` (fp32, fp16, bf16)."""
 
-    def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None):
+    def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None,
+                 precision: str | None = None):
         super().__init__(manifest.model)
+        precision = precision or manifest.precision
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineFileError("the torch backend was asked for CUDA but torch.cuda.is_available() is False")
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
-        self.decoder = decoder_from_engine(Path(root), manifest).to(self.device)
+        self.decoder = lower_precision(decoder_from_engine(Path(root), manifest), precision).to(self.device)
         m = manifest.model
         self._empty = torch.zeros(m.num_kv_heads, 0, m.head_dim, device=self.device)
 
@@ -111,8 +118,8 @@ class TorchBackend(Backend):
         return StateKV(layers, length, length * m.kv_bytes_per_token())
 
 
-def factory(device: str = "cpu"):
-    """An Engine.load backend factory for this backend on ``device``."""
+def factory(device: str = "cpu", precision: str | None = None):
+    """An Engine.load backend factory for this backend on ``device`` at ``precision`` (default: the engine's)."""
     def make(root, manifest, threads=None):
-        return TorchBackend(root, manifest, device=device, threads=threads)
+        return TorchBackend(root, manifest, device=device, threads=threads, precision=precision)
     return make

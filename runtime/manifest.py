@@ -20,6 +20,7 @@ SCHEMA_VERSION = 3  # 2 adds `calibration` and `plans`; 3 adds `head` (decision 
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
+PRECISIONS = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Manifest:
     plans: list = field(default_factory=list)  # TensorRT plans: file, sha256, tensorrt version, compute capability
     quantization: dict | None = None  # INT8 scheme and its measured agreement, error and speed-up
     head: HeadInfo | None = None
+    precision: str = "fp32"  # of the block GEMMs; "fp16": fp16 weights and GEMMs, everything else float32
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -120,6 +122,8 @@ class Manifest:
         for role in ("tokenizer", "graph", "golden"):
             if getattr(self, role) not in self.files:
                 raise ValueError(f"{role} file {getattr(self, role)!r} is not listed in files")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.scoring.readout == "head" and self.head is None:
             raise ValueError("scoring.readout is 'head' but the engine has no decision head")
 

@@ -13,6 +13,13 @@ from .tree import PackedBatch
 
 GOLDEN_VERSION = 1
 TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4, "head_score": 1e-3}
+# fp16 GEMMs: ONNX Runtime and PyTorch accumulate in different orders (measured 0.004 / 0.015 / 0.018)
+FP16_TOLERANCES = {"prefill_key_first": 0.05, "prefill_value_last": 0.05, "target_logprob": 0.05, "head_score": 0.05}
+
+
+def tolerances(engine) -> dict:
+    """The golden tolerances for the engine's precision."""
+    return FP16_TOLERANCES if getattr(engine.manifest, "precision", "fp32") == "fp16" else TOLERANCES
 
 
 def run_golden(engine, position_shift: int = 0) -> dict:
@@ -36,7 +43,8 @@ def run_golden(engine, position_shift: int = 0) -> dict:
 def check_golden(engine) -> dict:
     """Raise EngineFileError when an output is off by more than its tolerance; return the differences."""
     diffs = run_golden(engine)
-    bad = {k: v for k, v in diffs.items() if not v <= TOLERANCES[k]}
+    tol = tolerances(engine)
+    bad = {k: v for k, v in diffs.items() if not v <= tol[k]}
     if bad:
-        raise EngineFileError(f"the graph does not reproduce its golden file: {bad} (tolerances {TOLERANCES})")
+        raise EngineFileError(f"the graph does not reproduce its golden file: {bad} (tolerances {tol})")
     return diffs

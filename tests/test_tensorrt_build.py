@@ -24,7 +24,7 @@ def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path):
         for record in manifest.plans:
             plan = copy / record["file"]
             assert plan.stat().st_size == record["bytes"] > 100 << 20  # fp32 weights are inside
-            assert record["tensorrt"].startswith("tensorrt_rtx ") and record["precision"] == "float32"
+            assert record["tensorrt"].startswith("tensorrt_rtx ") and record["precision"] == "fp32"
             assert manifest.files[record["file"]] == record["sha256"]
     finally:
         shutil.rmtree(copy, ignore_errors=True)

@@ -93,5 +93,5 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     log(f"built {out.name}: {len(data) / 2**20:.1f} MiB in {seconds:.0f} s")
     return {"file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
             "tensorrt": f"{trt.__name__} {trt.__version__}", "compute_capability": compute_capability or "current",
-            "precision": manifest.dtype, "profile": {"packed": profile.packed, "past": profile.past,
+            "precision": manifest.precision, "profile": {"packed": profile.packed, "past": profile.past,
                                                     "readout": profile.readout}, "build_seconds": round(seconds, 1)}

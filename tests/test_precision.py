@@ -1,0 +1,74 @@
+"""fp16 engines: fp16 block GEMMs, everything else float32. Close to fp32, measurably not fp32, TensorRT-buildable."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onepass import Engine
+from onepass.runtime.questions import from_wire
+from onepass.runtime.selfcheck import FP16_TOLERANCES, check_golden
+
+pytestmark = pytest.mark.slow
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def fp16_dir(tmp_path_factory, engine_dir):
+    pytest.importorskip("torch")
+    from onepass.export.build import export_engine
+    from onepass.runtime import manifest as mf
+
+    source = mf.load(engine_dir, verify=False).source.get("path")
+    return export_engine(tmp_path_factory.mktemp("fp16") / "smollm2-fp16", source, precision="fp16")
+
+
+def _workload():
+    state = (DATA / "ticket.txt").read_text()
+    questions = {qid: from_wire(qid, q) for qid, q in json.loads((DATA / "questions.json").read_text()).items()}
+    return state, questions
+
+
+def test_fp16_engine_is_close_to_fp32_but_not_fp32(fp16_dir, engine):
+    fp16 = Engine.load(fp16_dir)
+    assert fp16.manifest.precision == "fp16"
+    diffs = check_golden(fp16)  # against its own (PyTorch fp16-GEMM) golden file, fp16 tolerances
+    assert all(v <= FP16_TOLERANCES[k] for k, v in diffs.items())
+    state, questions = _workload()
+    encoded = engine.encode_questions(questions)
+    errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
+                                                  fp16.option_logprobs(state, encoded))]
+    assert max(errors) <= 0.1  # measured 0.02 on the 78-question benchmark
+    assert max(errors) > 1e-4  # control: the GEMMs really ran in fp16
+    weights = sum(p.stat().st_size for p in fp16_dir.glob("decoder.onnx*"))
+    assert weights < 0.7 * sum(p.stat().st_size for p in Path(engine.root).glob("decoder.onnx*"))
+
+
+def test_torch_backend_runs_an_fp16_engine_at_its_precision(fp16_dir):
+    from onepass.export.torch_backend import factory
+
+    ort_engine = Engine.load(fp16_dir, verify=False)
+    torch_engine = Engine.load(fp16_dir, verify=False, backend=factory("cpu"))
+    assert torch_engine.backend.precision == "fp16"
+    state, questions = _workload()
+    encoded = ort_engine.encode_questions(questions)
+    for a, b in zip(ort_engine.option_logprobs(state, encoded), torch_engine.option_logprobs(state, encoded)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
+
+
+def test_fp16_plan_builds_ahead_of_time_at_half_the_size(fp16_dir, tmp_path):
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
+    from onepass.cli import main
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.manifest import copy_engine
+
+    copy = copy_engine(fp16_dir, tmp_path / "engine")
+    try:
+        assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", "fp16",
+                     "--flavour", "tensorrt_rtx"]) == 0
+        record = mf.load(copy).plans[0]
+        assert record["precision"] == "fp16" and 100 << 20 < record["bytes"] < 400 << 20
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
