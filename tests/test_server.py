@@ -269,7 +269,7 @@ def test_merged_pass_is_really_shared(engine):
     from onepass.runtime.engine import parse_request
 
     calls = []
-    original = engine.backend.score
+    original = engine.backend.score_all
 
     def counting(kv, batch):
         calls.append(batch.num_tokens)
@@ -277,11 +277,11 @@ def test_merged_pass_is_really_shared(engine):
 
     requests = [parse_request({"state": TICKET, "questions": {"a": QUESTIONS["refund"]}}),
                 parse_request({"state": TICKET, "questions": {"b": QUESTIONS["team"]}})]
-    engine.backend.score = counting
+    engine.backend.score_all = counting
     try:
         engine.run_many(requests)
     finally:
-        engine.backend.score = original
+        engine.backend.score_all = original
     alone = [engine.pack(engine.state(TICKET), engine.encode_questions(q)).num_tokens for _, q in requests]
     assert len(calls) == 1 and calls[0] > max(alone)
 
