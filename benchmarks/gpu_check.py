@@ -90,8 +90,9 @@ def backends(device: str) -> tuple[dict, dict]:
     if device.startswith("cuda") and not torch.cuda.is_available():
         skipped[f"torch-{device}"] = "torch.cuda.is_available() is False"
     else:
-        ok[f"torch-{device}"] = factory(device, "fp32")
-        if device.startswith("cuda"):  # mixed precision: block GEMMs in fp16/bf16, the rest float32
+        ok[f"torch-{device}"] = factory(device, "fp32")  # on CUDA: bucketed shapes + CUDA graphs
+        if device.startswith("cuda"):  # eager for comparison; mixed precision: block GEMMs in fp16/bf16
+            ok[f"torch-{device}-eager"] = factory(device, "fp32", cuda_graphs=False, buckets=False)
             ok[f"torch-{device}-fp16"] = factory(device, "fp16")
             ok[f"torch-{device}-bf16"] = factory(device, "bf16")
     skipped["tensorrt"] = ("no TensorRT runtime backend yet (plans are built by `onepass build-trt`; running them "

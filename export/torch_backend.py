@@ -14,6 +14,7 @@ torch; ``onepass serve --backend torch`` loads it lazily.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -60,11 +61,48 @@ def _initializer(root: Path, tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MAX_GRAPHS = 32
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket size >= n (n itself above the largest bucket)."""
+    return next((b for b in BUCKETS if b >= n), n)
+
+
+def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
+    """``batch`` padded to ``packed`` tokens and ``readout`` read-outs without changing any real output.
+
+    A padding token sees the state and itself only, and no real token sees it; padding
+    read-outs read row 0. Real outputs are the first N / R entries.
+    """
+    n, r = batch.num_tokens, batch.readout_index.shape[0]
+    if packed < n or readout < r:
+        raise ValueError("padding must not shrink a batch")
+    mask = np.zeros((packed, packed), dtype=bool)
+    mask[:n, :n] = batch.tree_mask
+    mask[np.arange(n, packed), np.arange(n, packed)] = True
+    last = int(batch.position_ids.max()) if n else 0
+    return PackedBatch(
+        input_ids=np.concatenate([batch.input_ids, np.zeros(packed - n, np.int64)]),
+        position_ids=np.concatenate([batch.position_ids, np.full(packed - n, last, np.int64)]),
+        tree_mask=mask,
+        readout_index=np.concatenate([batch.readout_index, np.zeros(readout - r, np.int64)]),
+        readout_target=np.concatenate([batch.readout_target, np.zeros(readout - r, np.int64)]),
+        option_readouts=batch.option_readouts,
+    )
+
+
 class TorchBackend(Backend):
-    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...) at ``precision`` (fp32, fp16, bf16)."""
+    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...) at ``precision`` (fp32, fp16, bf16).
+
+    ``buckets`` pads every score pass to bucketed packed/read-out sizes (default: on CUDA),
+    so a few shapes repeat; with ``cuda_graphs`` (default: on CUDA) the score pass of each
+    (state, bucket) is captured once as a CUDA graph and replayed (at most MAX_GRAPHS kept).
+    """
 
     def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None,
-                 precision: str | None = None):
+                 precision: str | None = None, buckets: bool | None = None, cuda_graphs: bool | None = None):
         super().__init__(manifest.model)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
@@ -78,6 +116,57 @@ class TorchBackend(Backend):
         self.decoder = lower_precision(decoder_from_engine(Path(root), manifest), precision).to(self.device)
         m = manifest.model
         self._empty = torch.zeros(m.num_kv_heads, 0, m.head_dim, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not on_cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.buckets = (on_cuda if buckets is None else buckets) or self.cuda_graphs
+        self._graphs: OrderedDict = OrderedDict()
+
+    def score_all(self, kv: StateKV, batch: PackedBatch):
+        """Score pass, padded to a bucket (and replayed from a CUDA graph) when configured."""
+        if not self.buckets:
+            return super().score_all(kv, batch)
+        self.check(batch)
+        n, r = batch.num_tokens, batch.readout_index.shape[0]
+        padded = pad_batch(batch, bucket(n), bucket(r))
+        if self.cuda_graphs:
+            logprob, head = self._replay(kv, padded)
+        else:
+            logprob, _, head = self._run(padded, kv)
+        return logprob[:r], (head[:r] if head is not None else None)
+
+    @torch.inference_mode()
+    def _replay(self, kv: StateKV, batch: PackedBatch):
+        """Run ``batch`` through the CUDA graph of (this state's buffers, this shape), capturing it once."""
+        key = (kv.layers[0][0].data_ptr(), kv.length, batch.num_tokens, batch.readout_index.shape[0])
+        entry = self._graphs.get(key)
+        arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target)
+        if entry is None:
+            static = [torch.from_numpy(a).to(self.device) for a in arrays]
+            past = [value for pair in kv.layers for value in pair]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (allocator, kernels)
+                    self.decoder(*static[:3], *past, *static[3:])
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.decoder(*static[:3], *past, *static[3:])
+            entry = (graph, static, out, kv)  # kv: keeps the state's buffers alive while the graph exists
+            self._graphs[key] = entry
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph, static, out, _ = entry
+        for dst, src in zip(static, arrays):
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+        graph.replay()
+        layers = 2 * self.model.num_layers
+        head = out[1 + layers].float().cpu().numpy() if self.decoder.head is not None else None
+        return out[0].float().cpu().numpy(), head
 
     def empty(self) -> StateKV:
         return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
@@ -118,8 +207,9 @@ class TorchBackend(Backend):
         return StateKV(layers, length, length * m.kv_bytes_per_token())
 
 
-def factory(device: str = "cpu", precision: str | None = None):
-    """An Engine.load backend factory for this backend on ``device`` at ``precision`` (default: the engine's)."""
+def factory(device: str = "cpu", precision: str | None = None, **options):
+    """An Engine.load backend factory for this backend on ``device`` at ``precision`` (default: the engine's);
+    ``options``: ``buckets``, ``cuda_graphs``."""
     def make(root, manifest, threads=None):
-        return TorchBackend(root, manifest, device=device, threads=threads, precision=precision)
+        return TorchBackend(root, manifest, device=device, threads=threads, precision=precision, **options)
     return make

@@ -65,6 +65,43 @@ def test_golden_check_catches_a_broken_weight(engine_dir):
     assert run_golden(broken)["target_logprob"] > 1e-2
 
 
+def test_bucket_padding_changes_no_real_output(engine_dir, torch_engine):
+    from onepass.export.torch_backend import bucket, factory, pad_batch
+
+    padded = Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False)
+    padded.cache = torch_engine.cache  # the same prefilled state
+    encoded = torch_engine.encode_questions(QUESTIONS)
+    state = torch_engine.state(STATE)
+    batch = torch_engine.pack(state, encoded)
+    assert bucket(batch.num_tokens) > batch.num_tokens  # the pass really is padded
+    got, _ = padded.backend.score_all(state.kv, batch)
+    want, _ = torch_engine.backend.score_all(state.kv, batch)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    big = pad_batch(batch, bucket(batch.num_tokens), 64)
+    assert big.tree_mask[batch.num_tokens:, :batch.num_tokens].sum() == 0  # padding sees no real token
+    assert big.tree_mask[:batch.num_tokens, batch.num_tokens:].sum() == 0  # and no real token sees it
+    with pytest.raises(ValueError, match="must not shrink"):
+        pad_batch(batch, batch.num_tokens - 1, 64)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_equal_eager_passes(engine_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: run benchmarks/gpu_check.sh on a GPU machine")
+    from onepass.export.torch_backend import factory
+
+    graphs = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=True), verify=False)
+    eager = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=False, buckets=True), verify=False)
+    encoded = graphs.encode_questions(QUESTIONS)
+    first = graphs.option_logprobs(STATE, encoded)  # captures
+    second = graphs.option_logprobs(STATE, encoded)  # replays
+    for a, b, c in zip(first, second, eager.option_logprobs(STATE, encoded)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
+    assert len(graphs.backend._graphs) == 1
+
+
 @pytest.mark.gpu
 def test_torch_backend_on_cuda_answers_like_cpu(engine_dir, torch_engine):
     if not torch.cuda.is_available():

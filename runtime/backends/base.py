@@ -43,13 +43,18 @@ class Backend(ABC):
 
     def score_all(self, kv: StateKV, batch: PackedBatch) -> tuple[np.ndarray, np.ndarray | None]:
         """([R] target log-probs, [R] decision-head scores or None for a graph without a head)."""
+        self.check(batch)
+        logprob, _, head = self._run(batch, kv)
+        return logprob, head
+
+    @staticmethod
+    def check(batch: PackedBatch) -> None:
+        """Raise ValueError when the batch's arrays disagree in shape or a read-out points outside it."""
         n, r = batch.num_tokens, batch.readout_index.shape[0]
         if batch.tree_mask.shape != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
             raise ValueError("packed batch arrays disagree in shape")
         if r and (batch.readout_index.min() < 0 or batch.readout_index.max() >= n):
             raise ValueError("read-out index outside the packed sequence")
-        logprob, _, head = self._run(batch, kv)
-        return logprob, head
 
     @abstractmethod
     def empty(self) -> StateKV:
