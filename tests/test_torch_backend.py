@@ -112,3 +112,13 @@ def test_torch_backend_on_cuda_answers_like_cpu(engine_dir, torch_engine):
     encoded = gpu.encode_questions(QUESTIONS)
     for x, y in zip(gpu.option_logprobs(STATE, encoded), torch_engine.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
+
+
+def test_serving_on_cuda_without_a_gpu_is_a_one_line_error(engine_dir, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from onepass.cli import main
+
+    assert main(["serve", "--engine", str(engine_dir), "--backend", "torch-cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "CUDA" in err and err.count("\n") == 1
