@@ -90,9 +90,13 @@ class HeadModel(torch.nn.Module):
         return self.beta * zero_shot + self.head(hidden)
 
 
-def _question_scores(model, feats: OptionFeatures, hidden, zero_shot) -> list[torch.Tensor]:
-    s = model(hidden, zero_shot)
-    return [s[feats.offsets[i]:feats.offsets[i + 1]] for i in range(feats.num_questions)]
+def _question_scores(model, feats: OptionFeatures, hidden, zero_shot, questions=None) -> list[torch.Tensor]:
+    """Per question (all, or those listed), the model's [K] option scores; only their rows are computed."""
+    questions = range(feats.num_questions) if questions is None else questions
+    spans = [(int(feats.offsets[i]), int(feats.offsets[i + 1])) for i in questions]
+    rows = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
+    s = model(hidden[rows], zero_shot[rows])
+    return list(torch.split(s, [b - a for a, b in spans]))
 
 
 def probabilities(model, feats: OptionFeatures) -> list[np.ndarray]:
@@ -129,13 +133,14 @@ def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig 
         rng.shuffle(order)
         model.train()
         for start in range(0, len(order), config.batch):
-            scores = _question_scores(model, train, hidden, zero_shot)
             idx = order[start:start + config.batch]
-            ce = torch.stack([torch.nn.functional.cross_entropy(scores[i][None], labels[i][None]) for i in idx]).mean()
+            scores = _question_scores(model, train, hidden, zero_shot, idx)  # this minibatch's questions only
+            ce = torch.stack([torch.nn.functional.cross_entropy(s[None], labels[i][None])
+                              for s, i in zip(scores, idx)]).mean()
             loss = ce
             if config.rlcd_weight:
-                rl = torch.stack([rlcd_loss(scores[i], labels[i], config.group, config.sigma, generator=gen)
-                                  for i in idx]).mean()
+                rl = torch.stack([rlcd_loss(s, labels[i], config.group, config.sigma, generator=gen)
+                                  for s, i in zip(scores, idx)]).mean()
                 loss = ce + config.rlcd_weight * rl
             opt.zero_grad()
             loss.backward()

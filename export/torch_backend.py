@@ -164,9 +164,8 @@ class TorchBackend(Backend):
         for dst, src in zip(static, arrays):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
         graph.replay()
-        layers = 2 * self.model.num_layers
-        head = out[1 + layers].float().cpu().numpy() if self.decoder.head is not None else None
-        return out[0].float().cpu().numpy(), head
+        logprob, _, head = self._outputs(out)
+        return logprob, head
 
     def empty(self) -> StateKV:
         return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
@@ -192,8 +191,11 @@ class TorchBackend(Backend):
             return torch.from_numpy(a).to(self.device, non_blocking=True)
 
         past = [value for pair in kv.layers for value in pair]
-        out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
-                           t(batch.readout_index), t(batch.readout_target))
+        return self._outputs(self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                                          t(batch.readout_index), t(batch.readout_target)))
+
+    def _outputs(self, out) -> tuple:
+        """(target log-probs on the host, presents on the device, head scores on the host or None)."""
         layers = 2 * self.model.num_layers
         head = out[1 + layers].float().cpu().numpy() if self.decoder.head is not None else None
         return out[0].float().cpu().numpy(), list(out[1:1 + layers]), head
