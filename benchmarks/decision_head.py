@@ -102,14 +102,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
 
-    root = bb.fetch(cache_root())
-    allowed = [n for n in bb.task_names(root) if bb.is_train_task(n)]
-    examples = bb.load_tasks(root, allowed, "train", per_task=args.per_task, seed=args.seed)
-    counts = Counter(e.task for e in examples)
-    usable = [n for n in allowed if counts[n] >= 10]
-    examples = [e for e in examples if e.task in usable]
-    split = bb.split_tasks(usable, seed=args.seed)
-    log(f"{len(usable)} usable a..g tasks, {len(examples)} examples; split "
+    examples, split = bb.training_examples(bb.fetch(cache_root()), args.per_task, args.seed)
+    log(f"{sum(map(len, split.values()))} usable a..g tasks, {len(examples)} examples; split "
         + ", ".join(f"{k} {len(v)} tasks" for k, v in split.items()))
 
     engine_dir = Path(args.engine)

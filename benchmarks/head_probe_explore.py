@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,24 +25,14 @@ import torch
 
 from onepass.calibration import bigbench as bb
 from onepass.calibration import head as hd
-from onepass.calibration.head_features import OptionFeatures, extract, last_readouts
+from onepass.calibration.head_features import OptionFeatures, example_pass, extract, last_readouts
 from onepass.export.model_source import cache_root
 from onepass.export.torch_backend import decoder_from_engine
 from onepass.runtime import manifest as mf
 from onepass.runtime.prompt import PromptEncoder
-from onepass.runtime.tree import QuestionTokens, pack
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (6, 10, 14, 18, 22, 26)
-
-
-def examples(per_task: int, seed: int):
-    root = bb.fetch(cache_root())
-    allowed = [n for n in bb.task_names(root) if bb.is_train_task(n)]
-    ex = bb.load_tasks(root, allowed, "train", per_task=per_task, seed=seed)
-    counts = Counter(e.task for e in ex)
-    usable = [n for n in allowed if counts[n] >= 10]
-    return [e for e in ex if e.task in usable], bb.split_tasks(usable, seed=seed)
 
 
 @torch.inference_mode()
@@ -56,11 +45,7 @@ def mid_layer_features(decoder, encoder, exs) -> dict:
     empty = [torch.zeros(d.num_kv_heads, 0, d.head_dim) for _ in range(2 * d.num_layers)]
     out = {layer: [] for layer in LAYERS}
     for e in exs:
-        qt = encoder.question(e.question)
-        b = pack([QuestionTokens(tuple(encoder.state(e.state)) + qt.trunk, qt.options)], 0)
-        t = torch.from_numpy
-        decoder.readout(t(b.input_ids), t(b.position_ids), t(b.tree_mask), *empty, t(b.readout_index),
-                        t(b.readout_target))
+        b, _, _, _ = example_pass(decoder, encoder, e, empty)
         rows = b.readout_index[last_readouts(b)]
         for layer in LAYERS:
             x = captured[layer][rows]
@@ -126,7 +111,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    exs, split = examples(args.per_task, args.seed)
+    exs, split = bb.training_examples(bb.fetch(cache_root()), args.per_task, args.seed)
     dev_tasks = split["train"] + split["val"]
     engine = Path(args.engine)
     manifest = mf.load(engine, verify=False)

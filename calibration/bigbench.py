@@ -142,6 +142,17 @@ def _example(task, sub, prefix, ex, max_state_chars, max_options, max_option_cha
     return Example(task, sub, state, question, values.index(best))
 
 
+def training_examples(root: Path, per_task: int, seed: int = 0, min_examples: int = 10) -> tuple[list, dict]:
+    """(examples, task split) of every a..g task with at least ``min_examples`` usable examples."""
+    allowed = [n for n in task_names(root) if is_train_task(n)]
+    examples = load_tasks(root, allowed, "train", per_task=per_task, seed=seed)
+    counts: dict = {}
+    for e in examples:
+        counts[e.task] = counts.get(e.task, 0) + 1
+    usable = [n for n in allowed if counts.get(n, 0) >= min_examples]
+    return [e for e in examples if e.task in usable], split_tasks(usable, seed=seed)
+
+
 def split_tasks(names, seed: int = 0, fractions=(0.6, 0.15)) -> dict[str, list[str]]:
     """Split training-allowed task names into train / val / test (whole tasks, seeded).
 

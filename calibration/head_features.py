@@ -61,6 +61,16 @@ def last_readouts(batch, question: int = 0) -> list[int]:
     return [int(r[-1]) for r in batch.option_readouts[question]]
 
 
+def example_pass(decoder, encoder, example, empty_past: list):
+    """One example through ``decoder``: (packed batch, option token ids, hidden [R, d], target log-probs [R])."""
+    qt = encoder.question(example.question)
+    batch = pack([QuestionTokens(tuple(encoder.state(example.state)) + qt.trunk, qt.options)], 0)
+    t = torch.from_numpy
+    h, target, _ = decoder.readout(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *empty_past,
+                                   t(batch.readout_index), t(batch.readout_target))
+    return batch, qt.options, h, target
+
+
 @torch.inference_mode()
 def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures:
     """Run every example through ``decoder`` (a PackedDecoder) and keep the option features."""
@@ -69,18 +79,12 @@ def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures
     hidden, logprob, length, sizes, label, task = [], [], [], [], [], []
     t0 = time.perf_counter()
     for i, ex in enumerate(examples):
-        qt = encoder.question(ex.question)
-        tokens = QuestionTokens(tuple(encoder.state(ex.state)) + qt.trunk, qt.options)
-        batch = pack([tokens], 0)
-        h, target, _ = decoder.readout(
-            torch.from_numpy(batch.input_ids), torch.from_numpy(batch.position_ids),
-            torch.from_numpy(batch.tree_mask), *empty,
-            torch.from_numpy(batch.readout_index), torch.from_numpy(batch.readout_target))
+        batch, options, h, target = example_pass(decoder, encoder, ex, empty)
         target = target.double().numpy()
         hidden.append(h[last_readouts(batch)].numpy())
         logprob.append([target[r].sum() for r in batch.option_readouts[0]])
-        length.append([len(o) for o in qt.options])
-        sizes.append(len(qt.options))
+        length.append([len(o) for o in options])
+        sizes.append(len(options))
         label.append(ex.label)
         task.append(ex.task)
         if progress and (i + 1) % 100 == 0:
