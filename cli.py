@@ -93,6 +93,8 @@ def cmd_serve(args) -> int:
         except ImportError as err:
             raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
         export_engine(args.engine)  # first start on this device: the default model, cached in the volume
+    if args.build_trt_if_missing:
+        _build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=backend_factory(args.backend))
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
@@ -101,13 +103,17 @@ def cmd_serve(args) -> int:
     return 0
 
 
-BACKENDS = ("onnxruntime", "torch-cpu", "torch-cuda")
+BACKENDS = ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda")
 
 
 def backend_factory(name: str):
-    """None (ONNX Runtime on CPU) or the Engine.load factory of a PyTorch backend, imported lazily."""
+    """None (ONNX Runtime on CPU) or the Engine.load factory of the TensorRT or a PyTorch backend, imported lazily."""
     if name == "onnxruntime":
         return None
+    if name == "tensorrt":
+        from .runtime.backends.tensorrt import factory as trt_factory
+
+        return trt_factory()
     try:
         from .export.torch_backend import factory
     except ImportError as err:
@@ -166,16 +172,39 @@ def cmd_build_trt(args) -> int:
         raise OnepassError(f"this engine's graph is {manifest.precision}; plans are built at the graph's precision "
                            f"(strongly typed networks), so --precision {args.precision} needs a graph exported at it "
                            f"(onepass export --precision {args.precision})")
-    plans = [p for p in manifest.plans if p["compute_capability"] not in args.arch]
-    files = dict(manifest.files)
-    for arch in args.arch:
+    native = None
+    if "native" in args.arch:  # build on this device, for this device; record its real compute capability
+        from .runtime.backends.cuda_device import CudaDevice
+
+        native = CudaDevice().compute_capability
+    archs = [native if a == "native" else a for a in args.arch]
+    plans, files = list(manifest.plans), dict(manifest.files)
+    for arch, asked in zip(archs, args.arch):
         out = root / f"decoder.{arch}.plan"
-        record = build_plan(root, manifest, out, compute_capability=arch, flavour=args.flavour)
+        record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
+                            flavour=args.flavour)
+        record["compute_capability"] = arch
+        plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
         plans.append(record)
         files[out.name] = record["sha256"]
     mf.write(root, dataclasses.replace(manifest, plans=plans, files=files))
-    print(f"recorded {len(args.arch)} plan(s) in {root / mf.MANIFEST}")
+    print(f"recorded {len(archs)} plan(s) in {root / mf.MANIFEST}")
     return 0
+
+
+def _build_native_plan_if_missing(root: Path) -> None:
+    """First start on a GPU: build this device's TensorRT plan unless the engine already has one that loads."""
+    from .runtime import manifest as mf
+    from .runtime.backends.cuda_device import CudaDevice
+    from .runtime.backends.tensorrt import select_plan, tensorrt_version
+    from .runtime.backends.tensorrt_build import import_tensorrt
+
+    manifest = mf.load(root)
+    try:
+        select_plan(manifest, tensorrt_version(import_tensorrt()), CudaDevice().compute_capability)
+    except OnepassError:
+        cmd_build_trt(argparse.Namespace(engine=str(root), arch=["native"], precision=manifest.precision,
+                                         flavour=None))
 
 
 def cmd_quantize(args) -> int:
@@ -261,7 +290,8 @@ def parser() -> argparse.ArgumentParser:
     trt = sub.add_parser("build-trt", help="build TensorRT plans from the engine's ONNX graph (ahead of time)")
     trt.add_argument("--engine", required=True, help="engine directory (plans are added and recorded)")
     trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"],
-                     help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121)")
+                     help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121), or native: "
+                          "this machine's GPU (standard TensorRT on NGC/JetPack builds on the device)")
     trt.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
                      help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
@@ -286,7 +316,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-state-tokens", type=int, default=None, help="lower the engine's state limit")
     serve.add_argument("--max-packed-tokens", type=int, default=None, help="lower the engine's packed-token limit")
     serve.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
-                       help="onnxruntime (CPU, default) or the PyTorch backend on CPU or CUDA")
+                       help="onnxruntime (CPU, default), tensorrt (the engine's plan for this GPU), "
+                            "or the PyTorch backend on CPU or CUDA")
+    serve.add_argument("--build-trt-if-missing", action="store_true",
+                       help="build this GPU's TensorRT plan into --engine first if it has none (first start)")
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")

@@ -30,6 +30,7 @@ from latency import QUESTIONS, HFBaselines, many_questions, percentiles, state_o
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
+from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
 from onepass.runtime.selfcheck import FP16_TOLERANCES, TOLERANCES, run_golden  # noqa: E402
 
 TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
@@ -82,22 +83,39 @@ class Timer:
         return percentiles(samples)
 
 
-def backends(device: str) -> tuple[dict, dict]:
-    """(name -> Engine.load backend factory, name -> why it cannot run here)."""
+def backends(device: str, engine: Path, out: Path) -> tuple[dict, dict]:
+    """(name -> (engine directory, Engine.load backend factory), name -> why it cannot run here)."""
     from onepass.export.torch_backend import factory
 
     ok, skipped = {}, {}
     if device.startswith("cuda") and not torch.cuda.is_available():
         skipped[f"torch-{device}"] = "torch.cuda.is_available() is False"
     else:
-        ok[f"torch-{device}"] = factory(device, "fp32")  # on CUDA: bucketed shapes + CUDA graphs
+        ok[f"torch-{device}"] = (engine, factory(device, "fp32"))  # on CUDA: bucketed shapes + CUDA graphs
         if device.startswith("cuda"):  # eager for comparison; mixed precision: block GEMMs in fp16/bf16
-            ok[f"torch-{device}-eager"] = factory(device, "fp32", cuda_graphs=False, buckets=False)
-            ok[f"torch-{device}-fp16"] = factory(device, "fp16")
-            ok[f"torch-{device}-bf16"] = factory(device, "bf16")
-    skipped["tensorrt"] = ("no TensorRT runtime backend yet (plans are built by `onepass build-trt`; running them "
-                           "needs the cuda-python backend of issue 5)")
+            ok[f"torch-{device}-eager"] = (engine, factory(device, "fp32", cuda_graphs=False, buckets=False))
+            ok[f"torch-{device}-fp16"] = (engine, factory(device, "fp16"))
+            ok[f"torch-{device}-bf16"] = (engine, factory(device, "bf16"))
+    try:
+        ok["tensorrt"] = (tensorrt_engine(engine, out / "trt-engine"), trt_factory())
+    except Exception as err:  # noqa: BLE001 -- any reason TensorRT cannot run here is reported, not fatal
+        skipped["tensorrt"] = f"{type(err).__name__}: {err}"
     return ok, skipped
+
+
+def tensorrt_engine(engine: Path, copy: Path) -> Path:
+    """A copy of ``engine`` with a TensorRT plan built on this GPU (``onepass build-trt --arch native``)."""
+    from onepass.cli import cmd_build_trt
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.backends.cuda_device import CudaDevice
+    from onepass.runtime.backends.tensorrt_build import import_tensorrt
+
+    import_tensorrt(), CudaDevice()  # fail fast, before copying, where either is missing
+    if not (copy / "manifest.json").exists():
+        mf.copy_engine(engine, copy)
+    cmd_build_trt(argparse.Namespace(engine=str(copy), arch=["native"], precision=mf.load(copy).precision,
+                                     flavour=None))
+    return copy
 
 
 def measure(engine: Engine, hf, timer: Timer, iters: int, deadline: float, log) -> dict:
@@ -189,10 +207,11 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
     report = {"environment": environment(args.device), "parity": {}, "latency": {}}
     log(json.dumps(report["environment"]))
-    ok, report["skipped"] = backends(args.device)
+    ok, report["skipped"] = backends(args.device, Path(args.engine), out)
+    log(f"backends: {sorted(ok)}; skipped: {report['skipped']}")
     hf = None if args.skip_hf else HFBaselines(args.device)
-    for name, make in ok.items():
-        engine = Engine.load(args.engine, backend=make, verify=False)
+    for name, (root, make) in ok.items():
+        engine = Engine.load(root, backend=make, verify=False)
         diffs = run_golden(engine)
         tol = FP16_TOLERANCES if name.endswith(("fp16", "bf16")) else TOLERANCES
         report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in diffs.items()}

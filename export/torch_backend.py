@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 from ..runtime.backends.base import Backend, StateKV
 from ..runtime.errors import EngineFileError
-from ..runtime.tree import PackedBatch, causal
+from ..runtime.tree import PackedBatch, bucket, causal, pad_batch
 from .decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 
@@ -61,36 +61,7 @@ def _initializer(root: Path, tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MAX_GRAPHS = 32
-
-
-def bucket(n: int) -> int:
-    """The smallest bucket size >= n (n itself above the largest bucket)."""
-    return next((b for b in BUCKETS if b >= n), n)
-
-
-def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
-    """``batch`` padded to ``packed`` tokens and ``readout`` read-outs without changing any real output.
-
-    A padding token sees the state and itself only, and no real token sees it; padding
-    read-outs read row 0. Real outputs are the first N / R entries.
-    """
-    n, r = batch.num_tokens, batch.readout_index.shape[0]
-    if packed < n or readout < r:
-        raise ValueError("padding must not shrink a batch")
-    mask = np.zeros((packed, packed), dtype=bool)
-    mask[:n, :n] = batch.tree_mask
-    mask[np.arange(n, packed), np.arange(n, packed)] = True
-    last = int(batch.position_ids.max()) if n else 0
-    return PackedBatch(
-        input_ids=np.concatenate([batch.input_ids, np.zeros(packed - n, np.int64)]),
-        position_ids=np.concatenate([batch.position_ids, np.full(packed - n, last, np.int64)]),
-        tree_mask=mask,
-        readout_index=np.concatenate([batch.readout_index, np.zeros(readout - r, np.int64)]),
-        readout_target=np.concatenate([batch.readout_target, np.zeros(readout - r, np.int64)]),
-        option_readouts=batch.option_readouts,
-    )
 
 
 class TorchBackend(Backend):
@@ -166,6 +137,9 @@ class TorchBackend(Backend):
         graph.replay()
         logprob, _, head = self._outputs(out)
         return logprob, head
+
+    def to_host(self, value) -> np.ndarray:
+        return value.float().cpu().numpy()
 
     def empty(self) -> StateKV:
         return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)

@@ -31,7 +31,8 @@ def run_golden(engine, position_shift: int = 0) -> dict:
     batch = PackedBatch(g["input_ids"], g["position_ids"] + position_shift, g["tree_mask"],
                         g["readout_index"], g["readout_target"])
     logprob, head = engine.backend.score_all(kv, batch)
-    got = {"prefill_key_first": kv.layers[0][0].numpy(), "prefill_value_last": kv.layers[-1][1].numpy(),
+    host = engine.backend.to_host
+    got = {"prefill_key_first": host(kv.layers[0][0]), "prefill_value_last": host(kv.layers[-1][1]),
            "target_logprob": logprob}
     if ("head_score" in g) != (head is not None):
         raise EngineFileError("the graph and its golden file disagree on having a decision head; re-export the engine")

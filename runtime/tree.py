@@ -154,3 +154,34 @@ def option_head_scores(batch: PackedBatch, head_score: np.ndarray) -> list[np.nd
     """Per question, each option's decision-head score: the value at its last read-out row."""
     hs = head_score.astype(np.float64)
     return [np.array([hs[r[-1]] for r in q]) for q in batch.option_readouts]
+
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket size >= n (n itself above the largest bucket)."""
+    return next((b for b in BUCKETS if b >= n), n)
+
+
+def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
+    """``batch`` padded to ``packed`` tokens and ``readout`` read-outs without changing any real output.
+
+    A padding token sees the state and itself only, and no real token sees it; padding
+    read-outs read row 0. Real outputs are the first N / R entries.
+    """
+    n, r = batch.num_tokens, batch.readout_index.shape[0]
+    if packed < n or readout < r:
+        raise ValueError("padding must not shrink a batch")
+    mask = np.zeros((packed, packed), dtype=bool)
+    mask[:n, :n] = batch.tree_mask
+    mask[np.arange(n, packed), np.arange(n, packed)] = True
+    last = int(batch.position_ids.max()) if n else 0
+    return PackedBatch(
+        input_ids=np.concatenate([batch.input_ids, np.zeros(packed - n, np.int64)]),
+        position_ids=np.concatenate([batch.position_ids, np.full(packed - n, last, np.int64)]),
+        tree_mask=mask,
+        readout_index=np.concatenate([batch.readout_index, np.zeros(readout - r, np.int64)]),
+        readout_target=np.concatenate([batch.readout_target, np.zeros(readout - r, np.int64)]),
+        option_readouts=batch.option_readouts,
+    )

@@ -66,7 +66,8 @@ def test_golden_check_catches_a_broken_weight(engine_dir):
 
 
 def test_bucket_padding_changes_no_real_output(engine_dir, torch_engine):
-    from onepass.export.torch_backend import bucket, factory, pad_batch
+    from onepass.export.torch_backend import factory
+    from onepass.runtime.tree import bucket, pad_batch
 
     padded = Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False)
     padded.cache = torch_engine.cache  # the same prefilled state

@@ -56,6 +56,10 @@ class Backend(ABC):
         if r and (batch.readout_index.min() < 0 or batch.readout_index.max() >= n):
             raise ValueError("read-out index outside the packed sequence")
 
+    def to_host(self, value) -> np.ndarray:
+        """One K/V tensor of a ``StateKV`` as a float32 numpy array (for checks, never on the answer path)."""
+        return np.asarray(value.numpy(), dtype=np.float32)
+
     @abstractmethod
     def empty(self) -> StateKV:
         """A K/V of length 0."""

@@ -1,0 +1,116 @@
+"""Device memory, streams and CUDA graphs through ``cuda.bindings`` (cuda-python): no torch.
+
+``CudaDevice`` is the only place the TensorRT backend touches CUDA. It offers the few
+operations that backend needs: allocate/free, host<->device copies, a strided
+device-to-device copy (rows of a [H, S, D] cache), one stream, and stream capture into a
+CUDA graph that is replayed later. Every driver call is checked; a failure raises
+``BackendUnavailable`` (no device, no driver) or ``DeviceError`` with the driver's message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BackendUnavailable, OnepassError
+
+
+class DeviceError(OnepassError):
+    """A CUDA driver call failed."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendUnavailable("the TensorRT backend needs cuda-python: pip install 'onepass[trt]' "
+                                 "(on JetPack: cuda-bindings matching its CUDA 12)") from exc
+    return driver
+
+
+class CudaDevice:
+    """One CUDA device (``ordinal``) with its primary context current on this thread."""
+
+    def __init__(self, ordinal: int = 0):
+        cu = self.cu = _driver()
+        try:
+            self._check(cu.cuInit(0), "cuInit")
+        except RuntimeError as exc:  # libcuda.so.1 missing: no driver on this machine
+            raise BackendUnavailable(f"no CUDA driver on this machine ({exc})") from exc
+        count = self._check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if ordinal >= count:
+            raise BackendUnavailable(f"CUDA device {ordinal} asked for, this machine has {count}")
+        self.device = self._check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.context = self._check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self._check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        attr = cu.CUdevice_attribute
+        major = self._check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device), "")
+        minor = self._check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device), "")
+        self.compute_capability = f"sm{major}{minor}"
+        name = self._check(cu.cuDeviceGetName(128, self.device), "cuDeviceGetName")
+        self.name = bytes(name).split(b"\0", 1)[0].decode()
+
+    def _check(self, result, what: str):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            _, msg = self.cu.cuGetErrorString(err)
+            text = msg.decode() if isinstance(msg, bytes) else str(err)
+            if err == self.cu.CUresult.CUDA_ERROR_NO_DEVICE:
+                raise BackendUnavailable(f"no CUDA device: {text}")
+            raise DeviceError(f"{what} failed: {text}")
+        return rest[0] if len(rest) == 1 else (tuple(rest) or None)
+
+    def alloc(self, nbytes: int) -> int:
+        return int(self._check(self.cu.cuMemAlloc(max(int(nbytes), 1)), "cuMemAlloc"))
+
+    def free(self, ptr: int) -> None:
+        self._check(self.cu.cuMemFree(ptr), "cuMemFree")
+
+    def stream(self):
+        return self._check(self.cu.cuStreamCreate(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    @staticmethod
+    def handle(stream) -> int:
+        """The stream as the integer TensorRT's ``execute_async_v3`` takes."""
+        return int(stream)
+
+    def upload(self, ptr: int, array: np.ndarray, stream) -> None:
+        """Host -> device (``array`` must stay alive until the stream is synchronised)."""
+        self._check(self.cu.cuMemcpyHtoDAsync(ptr, array.ctypes.data, array.nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def download(self, array: np.ndarray, ptr: int, stream) -> None:
+        """Device -> host into ``array`` (complete after ``synchronize``)."""
+        self._check(self.cu.cuMemcpyDtoHAsync(array.ctypes.data, ptr, array.nbytes, stream), "cuMemcpyDtoHAsync")
+
+    def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream) -> None:
+        """``rows`` rows of ``width`` bytes, device to device, each side with its own row pitch."""
+        if rows == 0 or width == 0:
+            return
+        p = self.cu.CUDA_MEMCPY2D()
+        p.srcMemoryType = p.dstMemoryType = self.cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.srcDevice, p.srcPitch = src, src_pitch
+        p.dstDevice, p.dstPitch = dst, dst_pitch
+        p.WidthInBytes, p.Height = width, rows
+        self._check(self.cu.cuMemcpy2DAsync(p, stream), "cuMemcpy2DAsync")
+
+    def synchronize(self, stream) -> None:
+        self._check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def capture(self, stream, enqueue) -> object:
+        """Record what ``enqueue()`` puts on ``stream`` as an executable CUDA graph (nothing runs now)."""
+        cu = self.cu
+        self._check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                    "cuStreamBeginCapture")
+        try:
+            enqueue()
+        finally:
+            graph = self._check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        try:
+            return self._check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        finally:
+            self._check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
+    def launch(self, graph, stream) -> None:
+        self._check(self.cu.cuGraphLaunch(graph, stream), "cuGraphLaunch")
+
+    def release_graph(self, graph) -> None:
+        self._check(self.cu.cuGraphExecDestroy(graph), "cuGraphExecDestroy")

@@ -1,0 +1,352 @@
+"""TensorRT backend: the engine's plan on one GPU, with the state's K/V resident on the device.
+
+No torch: device memory, the stream and CUDA graphs go through ``cuda.bindings``
+(``cuda_device.CudaDevice``); TensorRT is either standard ``tensorrt`` (NGC, JetPack) or
+``tensorrt_rtx``. The plan comes from the manifest's ``plans`` and must have been built for
+this device's compute capability with this TensorRT; any other plan is refused with the
+command that builds the right one.
+
+Memory:
+
+* **State K/V** live in device blocks from a ``StatePool``: one block per state holds its
+  2L tensors, each [Hkv, S, D] contiguous. A prefill chunk writes its K/V into a fresh
+  block; a single-chunk state *is* that block (no copy), later chunks are appended by a
+  strided device-to-device copy. Score passes bind the state's tensors as ``past_*``
+  inputs by address: read in place, never copied, never on the host. Blocks of evicted
+  states go back to the pool and serve later states of the same size class.
+* **Score passes** are padded to bucketed (packed, read-out) shapes (``tree.pad_batch``;
+  padding changes no real output). Each bucket has its own input/output buffers; the
+  present K/V a score pass must write go to one scratch block. With ``cuda_graphs`` the
+  pass of each (state, bucket) is captured once and replayed: only the inputs are
+  uploaded and the two [R] outputs read back.
+
+One execution context and one stream per backend; calls are serialised by the engine.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .. import contract
+from ..errors import EngineFileError
+from ..manifest import Manifest
+from ..tree import PackedBatch, bucket, pad_batch
+from .base import Backend, StateKV
+from .tensorrt_build import import_tensorrt
+
+MAX_GRAPHS = 32
+FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
+_INPUT_DTYPES = {"int64": np.int64, "bool": np.bool_}
+
+
+def tensorrt_version(trt) -> str:
+    """How a plan records the TensorRT that built it, e.g. ``tensorrt 10.13.3.9``."""
+    return f"{trt.__name__} {trt.__version__}"
+
+
+def select_plan(manifest: Manifest, tensorrt: str, compute_capability: str) -> dict:
+    """The manifest's plan for this device and TensorRT, or a clear refusal saying how to build one."""
+    build = "onepass build-trt --engine DIR --arch native (on this device)"
+    for_device = [p for p in manifest.plans if p.get("compute_capability") == compute_capability]
+    if not for_device:
+        have = ", ".join(sorted(f"{p.get('compute_capability')} ({p.get('tensorrt')})" for p in manifest.plans))
+        raise EngineFileError(f"this engine has no TensorRT plan for {compute_capability}"
+                              f"{'; it has ' + have if have else ''}: run {build}")
+    for plan in for_device:
+        if plan.get("tensorrt") == tensorrt:
+            return plan
+    raise EngineFileError(f"the {compute_capability} plan was built with {for_device[0].get('tensorrt')}, "
+                          f"this machine runs {tensorrt}; plans do not move between TensorRT versions: run {build}")
+
+
+class Block:
+    """One device allocation lent by a ``StatePool``; it goes back to the pool when no longer referenced."""
+
+    def __init__(self, pool: "StatePool", ptr: int, size: int):
+        self.ptr, self.size = ptr, size
+        self._finalizer = weakref.finalize(self, pool._give_back, ptr, size)
+        self._finalizer.atexit = False
+
+
+class StatePool:
+    """Device blocks for state K/V, rounded up to ``granule`` bytes and reused by size.
+
+    Freed blocks are kept (up to ``keep_bytes`` in all) for the next state of the same
+    size class; beyond that they are freed.
+    """
+
+    def __init__(self, device, granule: int, keep_bytes: int):
+        self.device, self.granule, self.keep_bytes = device, max(int(granule), 1), keep_bytes
+        self._free: dict[int, list[int]] = {}
+        self.kept_bytes = 0
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> Block:
+        size = -(-max(int(nbytes), 1) // self.granule) * self.granule
+        free = self._free.get(size)
+        if free:
+            self.kept_bytes -= size
+            return Block(self, free.pop(), size)
+        self.allocations += 1
+        return Block(self, self.device.alloc(size), size)
+
+    def _give_back(self, ptr: int, size: int) -> None:
+        if self.kept_bytes + size <= self.keep_bytes:
+            self._free.setdefault(size, []).append(ptr)
+            self.kept_bytes += size
+        else:
+            self.device.free(ptr)
+
+    def clear(self) -> None:
+        """Free every kept block."""
+        for ptrs in self._free.values():
+            for ptr in ptrs:
+                self.device.free(ptr)
+        self._free.clear()
+        self.kept_bytes = 0
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A float32 tensor in device memory: ``ptr`` into ``block`` (which it keeps alive)."""
+
+    ptr: int
+    shape: tuple
+    block: object = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * FLOAT
+
+
+class TensorRTBackend(Backend):
+    """The manifest's TensorRT plan for this device. ``device``/``tensorrt`` default to the real ones."""
+
+    def __init__(self, root: Path, manifest: Manifest, *, device=None, tensorrt=None, ordinal: int = 0,
+                 cuda_graphs: bool = True, pool_bytes: int = 1 << 30):
+        super().__init__(manifest.model)
+        trt = tensorrt or import_tensorrt()
+        if device is None:
+            from .cuda_device import CudaDevice
+
+            device = CudaDevice(ordinal)
+        self.device = device
+        self.plan = select_plan(manifest, tensorrt_version(trt), device.compute_capability)
+        data = (Path(root) / self.plan["file"]).read_bytes()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(data)
+        if self.engine is None:
+            raise EngineFileError(f"TensorRT could not load {self.plan['file']} (see its log above)")
+        self.context = self.engine.create_execution_context()
+        self.stream = device.stream()
+        self._handle = device.handle(self.stream)
+        m = manifest.model
+        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        self.has_head = "head_score" in names
+        dims = (m.num_layers, m.num_kv_heads, m.head_dim)
+        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
+        self.present_names = [s.name for s in contract.output_specs(*dims) if s.name.startswith("present_")]
+        self.cuda_graphs = cuda_graphs
+        self._row = m.head_dim * FLOAT  # bytes of one token's K or V in one KV head
+        self.pool = StatePool(device, granule=64 * m.kv_bytes_per_token(), keep_bytes=pool_bytes)
+        self._nothing = device.alloc(256)  # the address of every zero-length tensor
+        self._io: dict = {}  # (packed, readout) -> (device pointers, host output arrays)
+        self._scratch: tuple[int, int] | None = None  # (ptr, bytes): present K/V a score pass writes
+        self._graphs: OrderedDict = OrderedDict()
+
+    # -- state K/V ---------------------------------------------------------------------------------
+
+    def _tensors(self, block: Block, base: int, length: int) -> list[DeviceTensor]:
+        """The 2L tensors [Hkv, length, D] laid out one after another from ``base``."""
+        m = self.model
+        shape = (m.num_kv_heads, length, m.head_dim)
+        step = m.num_kv_heads * length * self._row
+        return [DeviceTensor(base + i * step, shape, block) for i in range(2 * m.num_layers)]
+
+    def _state(self, tensors: Sequence[DeviceTensor], length: int) -> StateKV:
+        layers = tuple((tensors[2 * i], tensors[2 * i + 1]) for i in range(self.model.num_layers))
+        return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+
+    def to_host(self, value: DeviceTensor) -> np.ndarray:
+        out = np.empty(value.shape, np.float32)
+        if out.size:
+            self.device.download(out, value.ptr, self.stream)
+            self.device.synchronize(self.stream)
+        return out
+
+    def empty(self) -> StateKV:
+        return self._state([DeviceTensor(self._nothing, (self.model.num_kv_heads, 0, self.model.head_dim))]
+                           * (2 * self.model.num_layers), 0)
+
+    def _append(self, kv: StateKV, new) -> StateKV:
+        """``kv`` followed by the chunk ``new`` (its own block): the first chunk is kept as it is,
+        later ones are copied with the old K/V into one block of the joint length (device to device)."""
+        n = new[0].shape[1]
+        if kv.length == 0:
+            return self._state(new, n)
+        m, total = self.model, kv.length + n
+        block = self.pool.take(total * m.kv_bytes_per_token())
+        out = self._tensors(block, block.ptr, total)
+        old = [value for pair in kv.layers for value in pair]
+        for dst, a, b in zip(out, old, new):  # per KV head: [old rows | new rows]
+            self.device.copy_rows(dst.ptr, total * self._row, a.ptr, kv.length * self._row,
+                                  kv.length * self._row, m.num_kv_heads, self.stream)
+            self.device.copy_rows(dst.ptr + kv.length * self._row, total * self._row, b.ptr, n * self._row,
+                                  n * self._row, m.num_kv_heads, self.stream)
+        self.device.synchronize(self.stream)
+        return self._state(out, total)
+
+    # -- passes ------------------------------------------------------------------------------------
+
+    def _buffers(self, packed: int, readout: int):
+        """Device input/output buffers for passes of up to (packed, read-out) bucket sizes, allocated once."""
+        packed, readout = bucket(packed), bucket(readout)
+        key = (packed, readout)
+        if key not in self._io:
+            sizes = {"input_ids": packed * 8, "position_ids": packed * 8, "tree_mask": packed * packed,
+                     "readout_index": readout * 8, "readout_target": readout * 8,
+                     "target_logprob": readout * FLOAT, "head_score": readout * FLOAT}
+            ptrs = {name: self.device.alloc(size) for name, size in sizes.items()}
+            host = {"target_logprob": np.empty(readout, np.float32), "head_score": np.empty(readout, np.float32)}
+            self._io[key] = (ptrs, host)
+        return self._io[key]
+
+    def _scratch_presents(self, packed: int) -> list[DeviceTensor]:
+        """Where a score pass writes the K/V of its packed tokens (never read); grows on demand."""
+        need = 2 * self.model.num_layers * self.model.num_kv_heads * packed * self._row
+        if self._scratch is None or self._scratch[1] < need:
+            self._release_graphs()  # captured graphs hold the old scratch address
+            if self._scratch is not None:
+                self.device.free(self._scratch[0])
+            self._scratch = (self.device.alloc(need), need)
+        m = self.model
+        step = m.num_kv_heads * packed * self._row
+        return [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
+                for i in range(2 * m.num_layers)]
+
+    def _bind(self, batch: PackedBatch, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
+        """Upload the batch into its buffers and point the context at inputs, state and outputs."""
+        n, r = batch.num_tokens, batch.readout_index.shape[0]
+        ctx, dev = self.context, self.device
+        arrays = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
+                  "readout_index": batch.readout_index, "readout_target": batch.readout_target}
+        shape, address = self._set_shape, self._set_address
+        for name, array in arrays.items():
+            array = np.ascontiguousarray(array, dtype=_INPUT_DTYPES["bool" if name == "tree_mask" else "int64"])
+            dev.upload(ptrs[name], array, self.stream)
+            shape(name, array.shape)
+            address(name, ptrs[name])
+        past = [value for pair in kv.layers for value in pair]
+        for name, tensor in zip(self.past_names, past):
+            shape(name, tensor.shape)
+            address(name, tensor.ptr if kv.length else self._nothing)
+        for name, tensor in zip(self.present_names, presents):
+            address(name, tensor.ptr if n else self._nothing)
+        address("target_logprob", ptrs["target_logprob"] if r else self._nothing)
+        if self.has_head:
+            address("head_score", ptrs["head_score"] if r else self._nothing)
+
+    def _set_shape(self, name: str, shape: tuple) -> None:
+        if not self.context.set_input_shape(name, tuple(shape)):
+            raise EngineFileError(f"the TensorRT plan does not accept {name} of shape {tuple(shape)} (outside its "
+                                  f"optimisation profile {self.plan.get('profile')}); rebuild it for these limits")
+
+    def _set_address(self, name: str, ptr: int) -> None:
+        if not self.context.set_tensor_address(name, ptr):
+            raise EngineFileError(f"TensorRT refused the address of {name} (see its log above)")
+
+    def _enqueue(self) -> None:
+        if not self.context.execute_async_v3(self._handle):
+            raise EngineFileError("TensorRT could not enqueue the pass (see its log above)")
+
+    def _read(self, ptrs: dict, host: dict, r: int):
+        """Copy the [R] outputs back and wait for the stream."""
+        if r == 0:  # a prefill chunk: nothing to read back
+            self.device.synchronize(self.stream)
+            return host["target_logprob"][:0].copy(), (host["head_score"][:0].copy() if self.has_head else None)
+        self.device.download(host["target_logprob"], ptrs["target_logprob"], self.stream)
+        if self.has_head:
+            self.device.download(host["head_score"], ptrs["head_score"], self.stream)
+        self.device.synchronize(self.stream)
+        head = host["head_score"][:r].copy() if self.has_head else None
+        return host["target_logprob"][:r].copy(), head
+
+    def _run(self, batch: PackedBatch, kv: StateKV):
+        """One unpadded pass whose new K/V land in a fresh pool block (prefill chunks). A pass with no
+        read-out gets one unused read-out row: the plan's profile starts at one."""
+        r = batch.readout_index.shape[0]
+        if r == 0:
+            batch = pad_batch(batch, batch.num_tokens, 1)
+        n = batch.num_tokens
+        ptrs, host = self._buffers(n, batch.readout_index.shape[0])
+        block = self.pool.take(n * self.model.kv_bytes_per_token())
+        presents = self._tensors(block, block.ptr, n)
+        self._bind(batch, kv, ptrs, presents)
+        self._enqueue()
+        logprob, head = self._read(ptrs, host, r)  # the first r rows: none for a padded prefill chunk
+        return logprob, presents, head
+
+    def score_all(self, kv: StateKV, batch: PackedBatch):
+        """Score pass padded to its bucket, replayed from the CUDA graph of (state, bucket) when enabled."""
+        self.check(batch)
+        n, r = batch.num_tokens, batch.readout_index.shape[0]
+        padded = pad_batch(batch, bucket(n), bucket(r))
+        packed, readout = padded.num_tokens, padded.readout_index.shape[0]
+        ptrs, host = self._buffers(packed, readout)
+        presents = self._scratch_presents(packed)
+        self._bind(padded, kv, ptrs, presents)  # uploads the inputs (into the buffers a graph reads)
+        if not self.cuda_graphs:
+            self._enqueue()
+            return self._read(ptrs, host, r)
+        key = (kv.layers[0][0].ptr, kv.length, packed, readout)
+        entry = self._graphs.get(key)
+        if entry is None:
+            self._enqueue()  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
+            self.device.synchronize(self.stream)
+            graph = self.device.capture(self.stream, self._enqueue)
+            # The key holds the state's address and length: a graph is only replayed for a live state at
+            # that address with that layout, so it need not keep an evicted state's block alive.
+            entry = self._graphs[key] = graph
+            while len(self._graphs) > MAX_GRAPHS:
+                self.device.release_graph(self._graphs.popitem(last=False)[1])
+        else:
+            self._graphs.move_to_end(key)
+        self.device.launch(entry, self.stream)
+        return self._read(ptrs, host, r)
+
+    def _release_graphs(self) -> None:
+        while self._graphs:
+            self.device.release_graph(self._graphs.popitem(last=False)[1])
+
+    def close(self) -> None:
+        """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""
+        self._release_graphs()
+        self.device.synchronize(self.stream)
+        for ptrs, _ in self._io.values():
+            for ptr in ptrs.values():
+                self.device.free(ptr)
+        self._io.clear()
+        if self._scratch is not None:
+            self.device.free(self._scratch[0])
+            self._scratch = None
+        self.pool.clear()
+
+    @property
+    def graphs(self) -> int:
+        """How many CUDA graphs are held."""
+        return len(self._graphs)
+
+
+def factory(ordinal: int = 0, **options):
+    """An ``Engine.load`` backend factory for the TensorRT backend on GPU ``ordinal``;
+    ``options``: ``cuda_graphs``, ``pool_bytes`` (and ``device``/``tensorrt`` to substitute them)."""
+    def make(root, manifest, threads=None):
+        return TensorRTBackend(root, manifest, ordinal=ordinal, **options)
+    return make

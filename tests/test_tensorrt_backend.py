@@ -1,0 +1,194 @@
+"""The TensorRT backend's own logic, on CPU, with the GPU and TensorRT replaced by ``trt_double``.
+
+Real here: plan selection and refusal, every device address, size, pitch and shape the
+backend binds, the state pool, chunked prefill by strided device copies, bucket padding and
+the CUDA-graph cache. Replaced: device memory (numpy blocks that reject out-of-bounds access)
+and the plan (ONNX Runtime runs the engine's graph on the tensors at the bound addresses).
+The real CUDA/TensorRT path is the ``gpu`` test at the end.
+"""
+
+import dataclasses
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+from trt_double import HostDevice, fake_tensorrt, write_plan
+
+from onepass import Choice, Engine, Noul, Score
+from onepass.runtime import manifest as mf
+from onepass.runtime.backends.tensorrt import TensorRTBackend, factory, select_plan
+from onepass.runtime.errors import BackendUnavailable, EngineFileError
+from onepass.runtime.selfcheck import check_golden
+
+QUESTIONS = {"refund": Noul("Does the customer ask for a refund?"),
+             "team": Choice("Which team?", {"billing": None, "technical": None, "fraud review": None}),
+             "anger": Score("How angry is the customer?", ["calm", "annoyed", "furious"])}
+OTHER = {"money": Noul("Does the writer want their money back?"),  # other questions, the same bucket
+         "desk": Choice("Which desk should handle it?", {"billing": None, "technical": None, "fraud review": None}),
+         "tone": Score("How upset is the writer?", ["calm", "annoyed", "furious"])}
+STATE = "I was charged twice for one order and support never answered. Refund the second payment now."
+VERSION = "tensorrt_double 0.1"
+
+
+@pytest.fixture(scope="module")
+def plan_dir(engine_dir, tmp_path_factory):
+    """A copy of the engine with a plan recorded for sm90 by the test double's TensorRT."""
+    root = mf.copy_engine(engine_dir, tmp_path_factory.mktemp("trt") / "engine")
+    manifest = mf.load(root)
+    data, profile = write_plan(manifest)
+    (root / "decoder.sm90.plan").write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    record = {"file": "decoder.sm90.plan", "sha256": sha, "bytes": len(data), "tensorrt": VERSION,
+              "compute_capability": "sm90", "precision": manifest.precision, "profile": profile}
+    mf.write(root, dataclasses.replace(manifest, plans=[record], files={**manifest.files, record["file"]: sha}))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def load(root, device=None, **options) -> Engine:
+    device = device or HostDevice()
+    return Engine.load(root, backend=factory(device=device, tensorrt=fake_tensorrt(root, device), **options))
+
+
+def test_tensorrt_backend_reproduces_the_golden_file(plan_dir):
+    diffs = check_golden(load(plan_dir))
+    assert diffs["target_logprob"] <= 2e-4
+
+
+def test_answers_equal_onnxruntime_and_graphs_replay_with_new_inputs(plan_dir, engine):
+    device = HostDevice()
+    trt = load(plan_dir, device)
+    for questions in (QUESTIONS, OTHER, QUESTIONS):  # OTHER falls in the same bucket: the graph is replayed
+        encoded = engine.encode_questions(questions)
+        want = engine.option_logprobs(STATE, encoded)
+        got = trt.option_logprobs(STATE, encoded)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    batches = {trt.pack(trt.state(STATE), trt.encode_questions(q)).num_tokens for q in (QUESTIONS, OTHER)}
+    assert len(batches) == 2  # two different packed lengths ...
+    assert device.captures == 1 and device.launches == 3  # ... one bucket, one capture, three replays
+    assert trt.backend.graphs == 1
+
+
+def test_chunked_prefill_appends_on_the_device_like_one_chunk(plan_dir, engine):
+    device = HostDevice()
+    trt = load(plan_dir, device)
+    backend = trt.backend
+    ids = trt.encoder.state(STATE)
+    one, chunked = backend.prefill(ids, 4096), backend.prefill(ids, 7)
+    assert chunked.length == one.length == len(ids)
+    for a, b in zip([t for p in one.layers for t in p], [t for p in chunked.layers for t in p]):
+        assert a.ptr != b.ptr and a.shape == b.shape
+        x = device.view(a.ptr, a.nbytes).view(np.float32)
+        y = device.view(b.ptr, b.nbytes).view(np.float32)
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    small = trt.with_limits(prefill_chunk=16)  # the engine's own path, state in 16-token chunks
+    encoded = engine.encode_questions(QUESTIONS)
+    for x, y in zip(small.option_logprobs(STATE + " (chunked)", encoded),
+                    engine.option_logprobs(STATE + " (chunked)", encoded)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+
+
+def test_negative_control_a_pitch_bug_in_the_device_copy_is_caught(plan_dir, engine):
+    broken = load(plan_dir, HostDevice(pitch_bug=True)).with_limits(prefill_chunk=16)
+    encoded = engine.encode_questions(QUESTIONS)
+    diff = max(np.abs(x - y).max() for x, y in zip(broken.option_logprobs(STATE, encoded),
+                                                     engine.option_logprobs(STATE, encoded)))
+    assert diff > 1e-2
+
+
+def test_without_graphs_the_same_answers_and_no_capture(plan_dir, engine):
+    device = HostDevice()
+    trt = load(plan_dir, device, cuda_graphs=False)
+    encoded = engine.encode_questions(QUESTIONS)
+    for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    assert device.captures == 0 and trt.backend.graphs == 0
+
+
+def test_state_blocks_return_to_the_pool_and_are_reused(plan_dir):
+    device = HostDevice()
+    backend = load(plan_dir, device).backend
+    ids = list(range(100, 400))
+    kv = backend.prefill(ids, 128)  # three chunks: two appends, intermediate blocks go back to the pool
+    taken = backend.pool.allocations
+    del kv
+    for _ in range(3):  # same size class: served from the pool, no new allocation
+        kv = backend.prefill(ids, 128)
+        del kv
+    assert backend.pool.allocations == taken
+    assert backend.pool.kept_bytes > 0
+    backend.close()
+    assert device.live_bytes <= 4096  # only the 256-byte address of empty tensors is left
+
+
+def test_a_growing_scratch_drops_graphs_that_point_at_the_old_one(plan_dir, engine):
+    device = HostDevice()
+    trt = load(plan_dir, device)
+    trt.ask(STATE, {"refund": QUESTIONS["refund"]})  # small bucket
+    assert trt.backend.graphs == 1
+    many = {f"q{i}": Choice(f"Question {i}: which team?", {"billing": None, "technical": None}) for i in range(12)}
+    got = trt.ask(STATE, many)  # a larger bucket: the scratch grows, the old graph goes
+    want = engine.ask(STATE, many)
+    assert trt.backend.graphs == 1
+    assert all(abs(got[k].confidence - want[k].confidence) < 1e-4 for k in many)
+
+
+def test_plan_for_another_device_or_tensorrt_is_refused(plan_dir):
+    manifest = mf.load(plan_dir)
+    assert select_plan(manifest, VERSION, "sm90")["file"] == "decoder.sm90.plan"
+    with pytest.raises(EngineFileError, match=r"no TensorRT plan for sm87; it has sm90 .*build-trt"):
+        select_plan(manifest, VERSION, "sm87")
+    with pytest.raises(EngineFileError, match="built with tensorrt_double 0.1, this machine runs tensorrt 10"):
+        select_plan(manifest, "tensorrt 10.13.3.9", "sm90")
+    device = HostDevice(compute_capability="sm89")
+    with pytest.raises(EngineFileError, match="no TensorRT plan for sm89"):
+        TensorRTBackend(plan_dir, manifest, device=device, tensorrt=fake_tensorrt(plan_dir, device))
+
+
+def test_a_shape_outside_the_plans_profile_is_a_clear_error(plan_dir):
+    backend = load(plan_dir).backend
+    with pytest.raises(EngineFileError, match=r"does not accept readout_index of shape \(0,\).*profile"):
+        backend._set_shape("readout_index", (0,))  # the profile starts at one read-out: prefill pads to it
+    backend.prefill([1, 2, 3], 512)  # ... so a prefill chunk (no read-out of its own) still runs
+
+
+def test_no_cuda_driver_is_a_clear_error():
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from onepass.runtime.backends.cuda_device import CudaDevice
+
+    try:
+        device = CudaDevice()
+    except BackendUnavailable as err:
+        assert "CUDA" in str(err)
+    else:
+        pytest.skip(f"this machine has a GPU ({device.name}); the no-driver path cannot be shown here")
+
+
+def test_serve_with_tensorrt_and_no_gpu_is_a_one_line_error(plan_dir, capsys):
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed")
+    from onepass.cli import main
+
+    assert main(["serve", "--engine", str(plan_dir), "--backend", "tensorrt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "CUDA" in err
+
+
+@pytest.mark.gpu
+def test_real_tensorrt_plan_on_this_gpu_reproduces_the_golden_file(engine_dir, tmp_path):
+    pytest.importorskip("cuda.bindings")
+    from onepass.cli import main
+    from onepass.runtime.backends.cuda_device import CudaDevice
+    from onepass.runtime.backends.tensorrt_build import import_tensorrt
+
+    try:
+        import_tensorrt(), CudaDevice()
+    except BackendUnavailable as err:
+        pytest.skip(f"no GPU with TensorRT here ({err}): run benchmarks/gpu_check.sh on a GPU machine")
+
+    root = mf.copy_engine(engine_dir, tmp_path / "engine")
+    assert main(["build-trt", "--engine", str(root), "--arch", "native"]) == 0
+    trt = Engine.load(root, backend=factory())
+    assert check_golden(trt)["target_logprob"] <= 1e-3

@@ -1,0 +1,211 @@
+"""A host-memory stand-in for the GPU and TensorRT, to test the TensorRT backend's own logic on CPU.
+
+What is real in these tests: every address, size, offset, pitch, shape binding, pool and
+graph-cache decision the backend makes. What is replaced: ``HostDevice`` keeps "device"
+memory in numpy blocks (an access outside an allocation raises), and ``FakeTensorRT``'s
+execution context runs the engine's ONNX graph with ONNX Runtime on the tensors found at
+the bound addresses, writing the outputs back to the bound addresses. Like TensorRT, it
+refuses (returns False) an input shape outside the plan's optimisation profile and an
+address that is not 256-byte aligned. Stream capture
+records each enqueued pass with the shapes and addresses bound *at capture time*, as a
+CUDA graph does, so a replay that relies on addresses set later reads the wrong data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+PLAN_FORMAT = "onepass-test-double-plan"
+
+
+class HostDevice:
+    """Device memory as numpy blocks at fake addresses."""
+
+    def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False):
+        self.compute_capability = compute_capability
+        self.name = "host double"
+        self._bases: list[int] = []
+        self._blocks: dict[int, np.ndarray] = {}
+        self._next = 1 << 20
+        self.capturing: list | None = None
+        self.allocations = self.frees = self.captures = self.launches = 0
+        self.pitch_bug = pitch_bug  # negative control: copy_rows ignores the destination pitch
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = self._next
+        self._next += (int(nbytes) + 4095) // 4096 * 4096 + 4096  # a guard gap after every block
+        bisect.insort(self._bases, ptr)
+        self._blocks[ptr] = np.full(max(int(nbytes), 1), 0xAB, np.uint8)  # garbage, as cudaMalloc gives
+        self.allocations += 1
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        if ptr not in self._blocks:
+            raise AssertionError(f"free of {ptr:#x}, which is not an allocation")
+        del self._blocks[ptr]
+        self._bases.remove(ptr)
+        self.frees += 1
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(b.size for b in self._blocks.values())
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The bytes [ptr, ptr + nbytes) inside one live allocation (else AssertionError)."""
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i < 0:
+            raise AssertionError(f"address {ptr:#x} is below every allocation")
+        base = self._bases[i]
+        block = self._blocks[base]
+        if ptr + nbytes > base + block.size:
+            raise AssertionError(f"access [{ptr:#x}, +{nbytes}) runs past its allocation of {block.size} bytes")
+        return block[ptr - base:ptr - base + nbytes]
+
+    def stream(self):
+        return "stream"
+
+    @staticmethod
+    def handle(stream) -> int:
+        return 7
+
+    def upload(self, ptr: int, array: np.ndarray, stream) -> None:
+        self.view(ptr, array.nbytes)[:] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+
+    def download(self, array: np.ndarray, ptr: int, stream) -> None:
+        array.view(np.uint8).reshape(-1)[:] = self.view(ptr, array.nbytes)
+
+    def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows, stream) -> None:
+        if self.pitch_bug:
+            dst_pitch = width
+        for row in range(rows):
+            self.view(dst + row * dst_pitch, width)[:] = self.view(src + row * src_pitch, width)
+
+    def synchronize(self, stream) -> None:
+        pass
+
+    def capture(self, stream, enqueue):
+        self.capturing = []
+        try:
+            enqueue()
+        finally:
+            graph, self.capturing = self.capturing, None
+        self.captures += 1
+        return graph
+
+    def launch(self, graph, stream) -> None:
+        self.launches += 1
+        for step in graph:
+            step()
+
+    def release_graph(self, graph) -> None:
+        graph.clear()
+
+
+def write_plan(manifest, graph: str = "decoder.onnx") -> tuple[bytes, dict]:
+    """The double's "plan" (which ONNX graph its context runs, under which profile) and the profile,
+    the same one ``onepass build-trt`` gives a real plan."""
+    from onepass.runtime.backends.tensorrt_build import Profile
+
+    p = Profile.from_manifest(manifest)
+    profile = {"packed": p.packed, "past": p.past, "readout": p.readout}
+    return json.dumps({"format": PLAN_FORMAT, "graph": graph, "profile": profile}).encode(), profile
+
+
+class _Context:
+    def __init__(self, session: ort.InferenceSession, device: HostDevice, profile: dict):
+        self.session, self.device, self.profile = session, device, profile
+        self.shapes: dict = {}
+        self.addresses: dict = {}
+        self.inputs = {i.name: i for i in session.get_inputs()}
+        self.outputs = [o.name for o in session.get_outputs()]
+
+    def set_input_shape(self, name, shape) -> bool:
+        if name not in self.inputs:
+            raise AssertionError(f"{name} is not an input of the plan")
+        dims = self.inputs[name].shape  # ints, or the names of the dynamic axes
+        if len(dims) != len(shape):
+            return False
+        for want, got in zip(dims, shape):
+            lo, _, hi = self.profile[want] if isinstance(want, str) else (want, want, want)
+            if not lo <= int(got) <= hi:
+                return False
+        self.shapes[name] = tuple(int(d) for d in shape)
+        return True
+
+    def set_tensor_address(self, name, ptr) -> bool:
+        if name not in self.inputs and name not in self.outputs:
+            raise AssertionError(f"{name} is not a tensor of the plan")
+        if int(ptr) % 256:
+            return False
+        self.addresses[name] = int(ptr)
+        return True
+
+    def execute_async_v3(self, stream_handle) -> bool:
+        shapes, addresses = dict(self.shapes), dict(self.addresses)  # baked in, as in a captured graph
+        missing = [n for n in list(self.inputs) + self.outputs if n not in addresses] + \
+                  [n for n in self.inputs if n not in shapes]
+        if missing:
+            raise AssertionError(f"enqueued with unbound tensors: {missing[:3]}")
+
+        def run():
+            feeds = {}
+            for name, info in self.inputs.items():
+                dtype = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}[info.type]
+                shape = shapes[name]
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                feeds[name] = self.device.view(addresses[name], nbytes).view(dtype).reshape(shape).copy()
+            for name, value in zip(self.outputs, self.session.run(self.outputs, feeds)):
+                if value.size:
+                    self.device.upload(addresses[name], np.ascontiguousarray(value, np.float32), None)
+
+        if self.device.capturing is not None:
+            self.device.capturing.append(run)
+        else:
+            run()
+        return True
+
+
+class _Engine:
+    def __init__(self, session, device, profile):
+        self.session, self.device, self.profile = session, device, profile
+        self._names = [i.name for i in session.get_inputs()] + [o.name for o in session.get_outputs()]
+        self.num_io_tensors = len(self._names)
+
+    def get_tensor_name(self, i: int) -> str:
+        return self._names[i]
+
+    def create_execution_context(self):
+        return _Context(self.session, self.device, self.profile)
+
+
+def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
+    """A module-like object with the slice of the TensorRT API the backend uses."""
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level):
+            self.level = level
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def deserialize_cuda_engine(self, data: bytes):
+            spec = json.loads(data)
+            if spec.get("format") != PLAN_FORMAT:
+                return None
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 2
+            session = ort.InferenceSession(str(Path(root) / spec["graph"]), opts, providers=["CPUExecutionProvider"])
+            return _Engine(session, device, spec["profile"])
+
+    module = types.SimpleNamespace(Logger=Logger, Runtime=Runtime, __version__=version)
+    module.__name__ = "tensorrt_double"
+    return module
