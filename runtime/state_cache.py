@@ -42,5 +42,11 @@ class StateCache:
                 _, (_, size) = self._items.popitem(last=False)
                 self.bytes -= size
 
+    def clear(self) -> None:
+        """Drop every cached state (counters are kept)."""
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)

@@ -234,7 +234,7 @@ class TensorRTBackend(Backend):
     def _bind(self, batch: PackedBatch, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
         """Upload the batch into its buffers and point the context at inputs, state and outputs."""
         n, r = batch.num_tokens, batch.readout_index.shape[0]
-        ctx, dev = self.context, self.device
+        dev = self.device
         arrays = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
                   "readout_index": batch.readout_index, "readout_target": batch.readout_target}
         shape, address = self._set_shape, self._set_address
