@@ -164,7 +164,8 @@ def cmd_build_trt(args) -> int:
     from pathlib import Path
 
     from .runtime import manifest as mf
-    from .runtime.backends.tensorrt_build import build_plan
+    from .runtime.backends.tensorrt_build import build_plan, import_tensorrt
+    from .runtime.paths import cache_root
 
     root = Path(args.engine)
     manifest = mf.load(root)
@@ -179,10 +180,12 @@ def cmd_build_trt(args) -> int:
         native = CudaDevice().compute_capability
     archs = [native if a == "native" else a for a in args.arch]
     plans, files = list(manifest.plans), dict(manifest.files)
+    trt = import_tensorrt(args.flavour)
     for arch, asked in zip(archs, args.arch):
         out = root / f"decoder.{arch}.plan"
+        timing = cache_root() / "tensorrt" / f"{trt.__name__}-{trt.__version__}-{arch}.timing"
         record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
-                            flavour=args.flavour)
+                            flavour=trt.__name__, timing_cache=timing)
         record["compute_capability"] = arch
         plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
         plans.append(record)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..runtime.errors import ModelSourceError
 from ..runtime.manifest import sha256_file
+from ..runtime.paths import cache_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,11 +34,6 @@ class LoadedModel:
     tokenizer: object
     name: str
     source: dict
-
-
-def cache_root() -> Path:
-    """Where converted models are kept: $ONEPASS_CACHE or ~/.cache/onepass."""
-    return Path(os.environ.get("ONEPASS_CACHE", Path.home() / ".cache" / "onepass"))
 
 
 def default_gguf() -> Path:

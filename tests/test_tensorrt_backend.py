@@ -40,7 +40,7 @@ def plan_dir(engine_dir, tmp_path_factory):
     (root / "decoder.sm90.plan").write_bytes(data)
     sha = hashlib.sha256(data).hexdigest()
     record = {"file": "decoder.sm90.plan", "sha256": sha, "bytes": len(data), "tensorrt": VERSION,
-              "compute_capability": "sm90", "precision": manifest.precision, "profile": profile}
+              "compute_capability": "sm90", "precision": manifest.precision, "profiles": profile}
     mf.write(root, dataclasses.replace(manifest, plans=[record], files={**manifest.files, record["file"]: sha}))
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -147,11 +147,15 @@ def test_plan_for_another_device_or_tensorrt_is_refused(plan_dir):
         TensorRTBackend(plan_dir, manifest, device=device, tensorrt=fake_tensorrt(plan_dir, device))
 
 
-def test_a_shape_outside_the_plans_profile_is_a_clear_error(plan_dir):
+def test_passes_use_their_roles_profile_and_a_shape_outside_it_is_a_clear_error(plan_dir):
     backend = load(plan_dir).backend
-    with pytest.raises(EngineFileError, match=r"does not accept readout_index of shape \(0,\).*profile"):
-        backend._set_shape("readout_index", (0,))  # the profile starts at one read-out: prefill pads to it
-    backend.prefill([1, 2, 3], 512)  # ... so a prefill chunk (no read-out of its own) still runs
+    assert list(backend.contexts) == ["prefill", "score"]
+    assert backend._prefill.profile["past"][1] == 0 and backend._score.profile["past"][1] == 512
+    assert not backend._prefill.set_input_shape("readout_index", (0,))  # profiles start at one read-out ...
+    backend.prefill([1, 2, 3], 512)  # ... so a prefill chunk (no read-out of its own) gets a padding one
+    limit = backend._prefill.profile["packed"][2]
+    with pytest.raises(EngineFileError, match=r"does not accept input_ids of shape \(%d,\).*rebuild" % (limit + 1)):
+        backend.prefill(list(range(1, limit + 2)), limit + 1)
 
 
 def test_no_cuda_driver_is_a_clear_error():

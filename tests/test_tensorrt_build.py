@@ -10,12 +10,13 @@ pytestmark = pytest.mark.slow
 ARCHS = ["sm80", "sm86", "sm89"]
 
 
-def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path):
+def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path, monkeypatch):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from test_engine import _copy_engine
 
     from onepass.cli import main
 
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
     copy = _copy_engine(engine_dir, tmp_path / "engine")
     try:
         assert main(["build-trt", "--engine", str(copy), "--arch", *ARCHS, "--flavour", "tensorrt_rtx"]) == 0
@@ -26,6 +27,12 @@ def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path):
             assert plan.stat().st_size == record["bytes"] > 100 << 20  # fp32 weights are inside
             assert record["tensorrt"].startswith("tensorrt_rtx ") and record["precision"] == "fp32"
             assert manifest.files[record["file"]] == record["sha256"]
+            profiles = record["profiles"]  # one per role of the graph, each spanning the engine's limits
+            assert list(profiles) == ["prefill", "score"]
+            assert profiles["prefill"]["past"][1] == 0 and profiles["score"]["past"][1] == 512
+            assert all(p["packed"][2] == manifest.limits.max_packed_tokens for p in profiles.values())
+            assert record["timing_cache"] is None  # TensorRT for RTX: timing caches are no-ops, none is kept
+        assert not (tmp_path / "cache" / "tensorrt").exists()
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 

@@ -108,18 +108,18 @@ class HostDevice:
 
 
 def write_plan(manifest, graph: str = "decoder.onnx") -> tuple[bytes, dict]:
-    """The double's "plan" (which ONNX graph its context runs, under which profile) and the profile,
-    the same one ``onepass build-trt`` gives a real plan."""
-    from onepass.runtime.backends.tensorrt_build import Profile
+    """The double's "plan" (which ONNX graph its contexts run, under which profiles) and its profiles,
+    the same ones ``onepass build-trt`` gives a real plan."""
+    from onepass.runtime.backends.tensorrt_build import role_profiles
 
-    p = Profile.from_manifest(manifest)
-    profile = {"packed": p.packed, "past": p.past, "readout": p.readout}
-    return json.dumps({"format": PLAN_FORMAT, "graph": graph, "profile": profile}).encode(), profile
+    profiles = {name: p.as_dict() for name, p in role_profiles(manifest).items()}
+    return json.dumps({"format": PLAN_FORMAT, "graph": graph, "profiles": profiles}).encode(), profiles
 
 
 class _Context:
-    def __init__(self, session: ort.InferenceSession, device: HostDevice, profile: dict):
-        self.session, self.device, self.profile = session, device, profile
+    def __init__(self, session: ort.InferenceSession, device: HostDevice, profiles: list):
+        self.session, self.device, self.profiles = session, device, profiles
+        self.profile = profiles[0]
         self.shapes: dict = {}
         self.addresses: dict = {}
         self.inputs = {i.name: i for i in session.get_inputs()}
@@ -136,6 +136,13 @@ class _Context:
             if not lo <= int(got) <= hi:
                 return False
         self.shapes[name] = tuple(int(d) for d in shape)
+        return True
+
+    def set_optimization_profile_async(self, index: int, stream_handle) -> bool:
+        if not 0 <= index < len(self.profiles):
+            return False
+        self.profile = self.profiles[index]
+        self.shapes.clear()
         return True
 
     def set_tensor_address(self, name, ptr) -> bool:
@@ -172,8 +179,8 @@ class _Context:
 
 
 class _Engine:
-    def __init__(self, session, device, profile):
-        self.session, self.device, self.profile = session, device, profile
+    def __init__(self, session, device, profiles):
+        self.session, self.device, self.profiles = session, device, profiles
         self._names = [i.name for i in session.get_inputs()] + [o.name for o in session.get_outputs()]
         self.num_io_tensors = len(self._names)
 
@@ -181,7 +188,7 @@ class _Engine:
         return self._names[i]
 
     def create_execution_context(self):
-        return _Context(self.session, self.device, self.profile)
+        return _Context(self.session, self.device, self.profiles)
 
 
 def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
@@ -204,7 +211,7 @@ def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = 2
             session = ort.InferenceSession(str(Path(root) / spec["graph"]), opts, providers=["CPUExecutionProvider"])
-            return _Engine(session, device, spec["profile"])
+            return _Engine(session, device, list(spec["profiles"].values()))
 
     module = types.SimpleNamespace(Logger=Logger, Runtime=Runtime, __version__=version)
     module.__name__ = "tensorrt_double"

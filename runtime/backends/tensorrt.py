@@ -20,7 +20,9 @@ Memory:
   pass of each (state, bucket) is captured once and replayed: only the inputs are
   uploaded and the two [R] outputs read back.
 
-One execution context and one stream per backend; calls are serialised by the engine.
+One stream per backend and one execution context per optimisation profile of the plan
+(``prefill`` and ``score``, see ``tensorrt_build.role_profiles``); calls are serialised by the
+engine.
 """
 
 from __future__ import annotations
@@ -144,9 +146,18 @@ class TensorRTBackend(Backend):
         self.engine = self._runtime.deserialize_cuda_engine(data)
         if self.engine is None:
             raise EngineFileError(f"TensorRT could not load {self.plan['file']} (see its log above)")
-        self.context = self.engine.create_execution_context()
         self.stream = device.stream()
         self._handle = device.handle(self.stream)
+        roles = list(self.plan.get("profiles", {"prefill": None}))  # older plans: one profile for both roles
+        self.contexts = {}
+        for index, role in enumerate(roles):
+            context = self.engine.create_execution_context()
+            if index and not context.set_optimization_profile_async(index, self._handle):
+                raise EngineFileError(f"TensorRT could not select profile {index} ({role}) of {self.plan['file']}")
+            self.contexts[role] = context
+        self._prefill = self.contexts["prefill"]
+        self._score = self.contexts.get("score", self._prefill)
+        device.synchronize(self.stream)
         m = manifest.model
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
         self.has_head = "head_score" in names
@@ -231,13 +242,21 @@ class TensorRTBackend(Backend):
         return [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
                 for i in range(2 * m.num_layers)]
 
-    def _bind(self, batch: PackedBatch, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
-        """Upload the batch into its buffers and point the context at inputs, state and outputs."""
+    def _bind(self, context, batch: PackedBatch, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
+        """Upload the batch into its buffers and point ``context`` at inputs, state and outputs."""
         n, r = batch.num_tokens, batch.readout_index.shape[0]
         dev = self.device
         arrays = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
                   "readout_index": batch.readout_index, "readout_target": batch.readout_target}
-        shape, address = self._set_shape, self._set_address
+        def shape(name, dims):
+            if not context.set_input_shape(name, tuple(dims)):
+                raise EngineFileError(f"the TensorRT plan does not accept {name} of shape {tuple(dims)} (outside its "
+                                      f"optimisation profiles {self.plan.get('profiles')}); rebuild it for these limits")
+
+        def address(name, ptr):
+            if not context.set_tensor_address(name, ptr):
+                raise EngineFileError(f"TensorRT refused the address of {name} (see its log above)")
+
         for name, array in arrays.items():
             array = np.ascontiguousarray(array, dtype=_INPUT_DTYPES["bool" if name == "tree_mask" else "int64"])
             dev.upload(ptrs[name], array, self.stream)
@@ -253,17 +272,9 @@ class TensorRTBackend(Backend):
         if self.has_head:
             address("head_score", ptrs["head_score"] if r else self._nothing)
 
-    def _set_shape(self, name: str, shape: tuple) -> None:
-        if not self.context.set_input_shape(name, tuple(shape)):
-            raise EngineFileError(f"the TensorRT plan does not accept {name} of shape {tuple(shape)} (outside its "
-                                  f"optimisation profile {self.plan.get('profile')}); rebuild it for these limits")
 
-    def _set_address(self, name: str, ptr: int) -> None:
-        if not self.context.set_tensor_address(name, ptr):
-            raise EngineFileError(f"TensorRT refused the address of {name} (see its log above)")
-
-    def _enqueue(self) -> None:
-        if not self.context.execute_async_v3(self._handle):
+    def _enqueue(self, context) -> None:
+        if not context.execute_async_v3(self._handle):
             raise EngineFileError("TensorRT could not enqueue the pass (see its log above)")
 
     def _read(self, ptrs: dict, host: dict, r: int):
@@ -288,8 +299,8 @@ class TensorRTBackend(Backend):
         ptrs, host = self._buffers(n, batch.readout_index.shape[0])
         block = self.pool.take(n * self.model.kv_bytes_per_token())
         presents = self._tensors(block, block.ptr, n)
-        self._bind(batch, kv, ptrs, presents)
-        self._enqueue()
+        self._bind(self._prefill, batch, kv, ptrs, presents)
+        self._enqueue(self._prefill)
         logprob, head = self._read(ptrs, host, r)  # the first r rows: none for a padded prefill chunk
         return logprob, presents, head
 
@@ -301,16 +312,17 @@ class TensorRTBackend(Backend):
         packed, readout = padded.num_tokens, padded.readout_index.shape[0]
         ptrs, host = self._buffers(packed, readout)
         presents = self._scratch_presents(packed)
-        self._bind(padded, kv, ptrs, presents)  # uploads the inputs (into the buffers a graph reads)
+        ctx = self._score
+        self._bind(ctx, padded, kv, ptrs, presents)  # uploads the inputs (into the buffers a graph reads)
         if not self.cuda_graphs:
-            self._enqueue()
+            self._enqueue(ctx)
             return self._read(ptrs, host, r)
         key = (kv.layers[0][0].ptr, kv.length, packed, readout)
         entry = self._graphs.get(key)
         if entry is None:
-            self._enqueue()  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
+            self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
-            graph = self.device.capture(self.stream, self._enqueue)
+            graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
             # The key holds the state's address and length: a graph is only replayed for a live state at
             # that address with that layout, so it need not keep an evicted state's block alive.
             entry = self._graphs[key] = graph

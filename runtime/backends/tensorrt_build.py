@@ -3,14 +3,20 @@
 A thin adapter serves both TensorRT flavours: standard ``tensorrt`` 10.x (data-centre GPUs,
 JetPack) and ``tensorrt_rtx`` (TensorRT for RTX, installable from PyPI, which compiles for
 chosen compute capabilities without a GPU). Networks are strongly typed: precision comes from
-the ONNX tensor types (fp32 graphs build fp32 plans). One optimisation profile spans the
-engine's limits: packed length 1..max_packed_tokens, state length 0..max_state_tokens.
+the ONNX tensor types (fp32 graphs build fp32 plans). Two optimisation profiles span the
+engine's limits (packed length 1..max_packed_tokens, state length 0..max_state_tokens), each
+tuned for one role of the graph: ``prefill`` (index 0: a prefill chunk over a short past) and
+``score`` (index 1: a packed question tree over a long state). With standard TensorRT a
+timing cache file, when given, is read before the build and written after it, so later builds
+on that device skip kernel timing (TensorRT for RTX times nothing ahead of time: its timing
+cache calls are no-ops, so none is kept).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +49,16 @@ class Profile:
     readout: tuple
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, opt_packed: int = 512, opt_past: int = 512) -> "Profile":
+    def from_manifest(cls, manifest: Manifest, opt_packed: int = 512, opt_past: int = 512,
+                      opt_readout: int = 128) -> "Profile":
         """Span the engine's limits; optimise for typical lengths."""
         lim = manifest.limits
         n_max, s_max = lim.max_packed_tokens, lim.max_state_tokens
         return cls((1, min(opt_packed, n_max), n_max), (0, min(opt_past, s_max), s_max),
-                   (1, min(128, n_max), n_max))
+                   (1, min(opt_readout, n_max), n_max))
+
+    def as_dict(self) -> dict:
+        return {"packed": self.packed, "past": self.past, "readout": self.readout}
 
     def shapes(self, spec: contract.TensorSpec) -> tuple:
         """(min, opt, max) shapes of one input."""
@@ -56,8 +66,18 @@ class Profile:
         return tuple(tuple(d if isinstance(d, int) else axis[d][i] for d in spec.shape) for i in range(3))
 
 
+def role_profiles(manifest: Manifest) -> dict[str, Profile]:
+    """The plan's profiles in index order: prefill chunks (short past, no read-out to speak of) and
+    score passes (a packed tree of ~128 tokens over a ~512-token state)."""
+    lim = manifest.limits
+    chunk = min(lim.prefill_chunk, lim.max_packed_tokens)
+    return {"prefill": Profile.from_manifest(manifest, opt_packed=chunk, opt_past=0, opt_readout=1),
+            "score": Profile.from_manifest(manifest, opt_packed=128, opt_past=512, opt_readout=64)}
+
+
 def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability: str | None = None,
-               flavour: str | None = None, profile: Profile | None = None, log=print) -> dict:
+               flavour: str | None = None, profiles: dict[str, Profile] | None = None,
+               timing_cache: Path | None = None, log=print) -> dict:
     """Parse ``root/manifest.graph`` and write a serialized plan to ``out``; returns what to record."""
     trt = import_tensorrt(flavour)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -77,12 +97,17 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
                                      "build on the device or use tensorrt_rtx")
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
-    profile = profile or Profile.from_manifest(manifest)
-    opt = builder.create_optimization_profile()
+    profiles = profiles or role_profiles(manifest)
     m = manifest.model
-    for spec in contract.input_specs(m.num_layers, m.num_kv_heads, m.head_dim):
-        opt.set_shape(spec.name, *profile.shapes(spec))
-    config.add_optimization_profile(opt)
+    for profile in profiles.values():
+        opt = builder.create_optimization_profile()
+        for spec in contract.input_specs(m.num_layers, m.num_kv_heads, m.head_dim):
+            opt.set_shape(spec.name, *profile.shapes(spec))
+        config.add_optimization_profile(opt)
+    cache = None
+    if timing_cache is not None and trt.__name__ == "tensorrt":
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
+        config.set_timing_cache(cache, False)
     t0 = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -90,8 +115,14 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     data = bytes(plan)
     out.write_bytes(data)
     seconds = time.perf_counter() - t0
+    if cache is not None:
+        timing_cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = timing_cache.with_name(timing_cache.name + ".tmp")
+        tmp.write_bytes(bytes(config.get_timing_cache().serialize()))
+        os.replace(tmp, timing_cache)
     log(f"built {out.name}: {len(data) / 2**20:.1f} MiB in {seconds:.0f} s")
     return {"file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
             "tensorrt": f"{trt.__name__} {trt.__version__}", "compute_capability": compute_capability or "current",
-            "precision": manifest.precision, "profile": {"packed": profile.packed, "past": profile.past,
-                                                    "readout": profile.readout}, "build_seconds": round(seconds, 1)}
+            "precision": manifest.precision, "profiles": {name: p.as_dict() for name, p in profiles.items()},
+            "timing_cache": str(timing_cache) if cache is not None else None,
+            "build_seconds": round(seconds, 1)}
