@@ -60,11 +60,13 @@ def cmd_ask(args) -> int:
 def cmd_check(args) -> int:
     """Verify an engine's files (sha256) and run its golden file through the graph."""
     from .runtime.engine import Engine
-    from .runtime.selfcheck import TOLERANCES, check_golden
+    from .runtime.selfcheck import check_golden, tolerances
 
-    diffs = check_golden(Engine.load(args.engine, threads=args.threads))
+    engine = Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend))
+    diffs = check_golden(engine)
+    tol = tolerances(engine)
     for name, diff in diffs.items():
-        print(f"{name:20s} max |diff| {diff:.2e}  (tolerance {TOLERANCES[name]:.0e})")
+        print(f"{name:20s} max |diff| {diff:.2e}  (tolerance {tol[name]:.0e})")
     print(f"ok: {args.engine} verified")
     return 0
 
@@ -258,9 +260,10 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-options", type=int, default=32)
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="mean",
                     help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
-    ex.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
-                    help="fp16: block weights and GEMMs in fp16 (half the weight bytes; norms, softmax, residual "
-                         "stream, read-out and K/V stay float32)")
+    ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                    help="fp16/bf16: block weights and GEMMs in fp16/bf16 (half the weight bytes; norms, softmax, "
+                         "residual stream, read-out and K/V stay float32); bf16 engines run on TensorRT or "
+                         "the PyTorch backend")
     ex.add_argument("--head", help="a trained decision head (.pt from benchmarks/decision_head.py) to export into "
                                    "the graph; the engine then answers with the 'head' read-out")
     ex.set_defaults(func=cmd_export)
@@ -274,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
     check.add_argument("--engine", required=True, help="engine directory")
     check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    check.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
+                       help="which backend runs the golden file (bf16 engines: tensorrt or torch-*)")
     check.set_defaults(func=cmd_check)
     cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
     cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")

@@ -37,7 +37,7 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     graph = onnx.load(str(root / manifest.graph), load_external_data=False)
     # a mixed-precision graph names its wrapped GEMM weights "<layer>.inner.weight" and stores them in fp16/bf16
     state = {(i.name.replace(".inner.", ".") if i.name.startswith("blocks.") else i.name):
-             torch.from_numpy(_initializer(root, i)).float()
+             torch.from_numpy(_initializer(root, i).astype(np.float32))  # bf16 (ml_dtypes) upcasts exactly
              for i in graph.graph.initializer if i.name == "embed" or "." in i.name}
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
 

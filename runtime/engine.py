@@ -15,7 +15,7 @@ import numpy as np
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
 from .calibration import question_key
-from .errors import InvalidRequest, LimitExceeded, OnepassError
+from .errors import BackendUnavailable, InvalidRequest, LimitExceeded, OnepassError
 from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
 from .readout import answer, option_scores, softmax
@@ -71,6 +71,10 @@ class Engine:
         """
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
+        if backend is None and manifest.precision == "bf16":
+            raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "
+                                     "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
+                                     "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
         if backend is None:
             from .backends.onnxruntime_cpu import OrtCpuBackend
 

@@ -20,7 +20,7 @@ SCHEMA_VERSION = 3  # 2 adds `calibration` and `plans`; 3 adds `head` (decision 
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,15 @@ GOLDEN_VERSION = 1
 TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4, "head_score": 1e-3}
 # fp16 GEMMs: ONNX Runtime and PyTorch accumulate in different orders (measured 0.004 / 0.015 / 0.018)
 FP16_TOLERANCES = {"prefill_key_first": 0.05, "prefill_value_last": 0.05, "target_logprob": 0.05, "head_score": 0.05}
+# bf16 GEMMs keep 8 significant bits: two kernels that round partial sums differently drift apart faster than
+# in fp16 (set from fp16's measurement scaled by the 8x coarser mantissa; no bf16 kernel pair was measured here)
+BF16_TOLERANCES = {"prefill_key_first": 0.2, "prefill_value_last": 0.2, "target_logprob": 0.2, "head_score": 0.2}
 
 
 def tolerances(engine) -> dict:
     """The golden tolerances for the engine's precision."""
-    return FP16_TOLERANCES if getattr(engine.manifest, "precision", "fp32") == "fp16" else TOLERANCES
+    precision = getattr(engine.manifest, "precision", "fp32")
+    return {"fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}.get(precision, TOLERANCES)
 
 
 def run_golden(engine, position_shift: int = 0) -> dict:
