@@ -123,6 +123,18 @@ def test_state_blocks_return_to_the_pool_and_are_reused(plan_dir):
     assert device.live_bytes <= 4096  # only the 256-byte address of empty tensors is left
 
 
+def test_a_pool_that_keeps_nothing_frees_released_blocks(plan_dir):
+    device = HostDevice()
+    backend = load(plan_dir, device, pool_bytes=0).backend
+    ids = list(range(100, 400))
+    kv = backend.prefill(ids, 128)
+    live = device.live_bytes
+    del kv
+    backend.prefill(ids, 128)  # frees what was released (outside any capture), then allocates anew
+    assert backend.pool.kept_bytes == 0 and device.frees > 0
+    assert device.live_bytes <= live
+
+
 def test_a_growing_scratch_drops_graphs_that_point_at_the_old_one(plan_dir, engine):
     device = HostDevice()
     trt = load(plan_dir, device)

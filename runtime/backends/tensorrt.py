@@ -44,7 +44,7 @@ from .tensorrt_build import import_tensorrt
 
 MAX_GRAPHS = 32
 FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
-_INPUT_DTYPES = {"int64": np.int64, "bool": np.bool_}
+_INPUTS = ("input_ids", "position_ids", "tree_mask", "readout_index", "readout_target")
 
 
 def tensorrt_version(trt) -> str:
@@ -86,10 +86,12 @@ class StatePool:
     def __init__(self, device, granule: int, keep_bytes: int):
         self.device, self.granule, self.keep_bytes = device, max(int(granule), 1), keep_bytes
         self._free: dict[int, list[int]] = {}
-        self.kept_bytes = 0
+        self._release: list[int] = []  # blocks to free at the next take (never from a finalizer: it may run
+        self.kept_bytes = 0            # in the middle of a stream capture, where freeing is not allowed)
         self.allocations = 0
 
     def take(self, nbytes: int) -> Block:
+        self.drain()
         size = -(-max(int(nbytes), 1) // self.granule) * self.granule
         free = self._free.get(size)
         if free:
@@ -103,10 +105,16 @@ class StatePool:
             self._free.setdefault(size, []).append(ptr)
             self.kept_bytes += size
         else:
-            self.device.free(ptr)
+            self._release.append(ptr)
+
+    def drain(self) -> None:
+        """Free the blocks released beyond what the pool keeps."""
+        while self._release:
+            self.device.free(self._release.pop())
 
     def clear(self) -> None:
         """Free every kept block."""
+        self.drain()
         for ptrs in self._free.values():
             for ptr in ptrs:
                 self.device.free(ptr)
@@ -242,12 +250,19 @@ class TensorRTBackend(Backend):
         return [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
                 for i in range(2 * m.num_layers)]
 
-    def _bind(self, context, batch: PackedBatch, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
-        """Upload the batch into its buffers and point ``context`` at inputs, state and outputs."""
-        n, r = batch.num_tokens, batch.readout_index.shape[0]
-        dev = self.device
-        arrays = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
-                  "readout_index": batch.readout_index, "readout_target": batch.readout_target}
+    def _upload(self, batch: PackedBatch, ptrs: dict) -> dict:
+        """Copy the batch's five input arrays into their device buffers; returns their shapes."""
+        shapes = {}
+        for name in _INPUTS:
+            array = np.ascontiguousarray(getattr(batch, name), dtype=np.bool_ if name == "tree_mask" else np.int64)
+            self.device.upload(ptrs[name], array, self.stream)
+            shapes[name] = array.shape
+        return shapes
+
+    def _point(self, context, shapes: dict, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
+        """Give ``context`` every input shape and every tensor address: inputs, state (in place), outputs."""
+        n, r = shapes["input_ids"][0], shapes["readout_index"][0]
+
         def shape(name, dims):
             if not context.set_input_shape(name, tuple(dims)):
                 raise EngineFileError(f"the TensorRT plan does not accept {name} of shape {tuple(dims)} (outside its "
@@ -257,10 +272,8 @@ class TensorRTBackend(Backend):
             if not context.set_tensor_address(name, ptr):
                 raise EngineFileError(f"TensorRT refused the address of {name} (see its log above)")
 
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array, dtype=_INPUT_DTYPES["bool" if name == "tree_mask" else "int64"])
-            dev.upload(ptrs[name], array, self.stream)
-            shape(name, array.shape)
+        for name in _INPUTS:
+            shape(name, shapes[name])
             address(name, ptrs[name])
         past = [value for pair in kv.layers for value in pair]
         for name, tensor in zip(self.past_names, past):
@@ -271,7 +284,6 @@ class TensorRTBackend(Backend):
         address("target_logprob", ptrs["target_logprob"] if r else self._nothing)
         if self.has_head:
             address("head_score", ptrs["head_score"] if r else self._nothing)
-
 
     def _enqueue(self, context) -> None:
         if not context.execute_async_v3(self._handle):
@@ -299,7 +311,7 @@ class TensorRTBackend(Backend):
         ptrs, host = self._buffers(n, batch.readout_index.shape[0])
         block = self.pool.take(n * self.model.kv_bytes_per_token())
         presents = self._tensors(block, block.ptr, n)
-        self._bind(self._prefill, batch, kv, ptrs, presents)
+        self._point(self._prefill, self._upload(batch, ptrs), kv, ptrs, presents)
         self._enqueue(self._prefill)
         logprob, head = self._read(ptrs, host, r)  # the first r rows: none for a padded prefill chunk
         return logprob, presents, head
@@ -313,13 +325,15 @@ class TensorRTBackend(Backend):
         ptrs, host = self._buffers(packed, readout)
         presents = self._scratch_presents(packed)
         ctx = self._score
-        self._bind(ctx, padded, kv, ptrs, presents)  # uploads the inputs (into the buffers a graph reads)
+        shapes = self._upload(padded, ptrs)  # into the buffers a captured graph reads
         if not self.cuda_graphs:
+            self._point(ctx, shapes, kv, ptrs, presents)
             self._enqueue(ctx)
             return self._read(ptrs, host, r)
         key = (kv.layers[0][0].ptr, kv.length, packed, readout)
         entry = self._graphs.get(key)
-        if entry is None:
+        if entry is None:  # addresses and shapes are set once, then baked into the graph
+            self._point(ctx, shapes, kv, ptrs, presents)
             self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
             graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
