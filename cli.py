@@ -203,11 +203,13 @@ def _build_native_plan_if_missing(root: Path) -> None:
     from .runtime.backends.cuda_device import CudaDevice
     from .runtime.backends.tensorrt import select_plan, tensorrt_version
     from .runtime.backends.tensorrt_build import import_tensorrt
+    from .runtime.errors import EngineFileError
 
     manifest = mf.load(root)
+    trt, device = import_tensorrt(), CudaDevice()  # neither there: a clear error, nothing to build
     try:
-        select_plan(manifest, tensorrt_version(import_tensorrt()), CudaDevice().compute_capability)
-    except OnepassError:
+        select_plan(manifest, tensorrt_version(trt), device.compute_capability)
+    except EngineFileError:
         cmd_build_trt(argparse.Namespace(engine=str(root), arch=["native"], precision=manifest.precision,
                                          flavour=None))
 

@@ -16,14 +16,23 @@ pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
 
 
-@pytest.fixture(scope="module")
-def fp16_dir(tmp_path_factory, engine_dir):
+def _export(tmp_path_factory, engine_dir, precision: str):
     pytest.importorskip("torch")
     from onepass.export.build import export_engine
     from onepass.runtime import manifest as mf
 
     source = mf.load(engine_dir, verify=False).source.get("path")
-    return export_engine(tmp_path_factory.mktemp("fp16") / "smollm2-fp16", source, precision="fp16")
+    return export_engine(tmp_path_factory.mktemp(precision) / f"smollm2-{precision}", source, precision=precision)
+
+
+@pytest.fixture(scope="module")
+def fp16_dir(tmp_path_factory, engine_dir):
+    return _export(tmp_path_factory, engine_dir, "fp16")
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory, engine_dir):
+    return _export(tmp_path_factory, engine_dir, "bf16")
 
 
 def _workload():
@@ -57,32 +66,6 @@ def test_torch_backend_runs_an_fp16_engine_at_its_precision(fp16_dir):
     encoded = ort_engine.encode_questions(questions)
     for a, b in zip(ort_engine.option_logprobs(state, encoded), torch_engine.option_logprobs(state, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
-
-
-def test_fp16_plan_builds_ahead_of_time_at_half_the_size(fp16_dir, tmp_path):
-    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
-    from onepass.cli import main
-    from onepass.runtime import manifest as mf
-    from onepass.runtime.manifest import copy_engine
-
-    copy = copy_engine(fp16_dir, tmp_path / "engine")
-    try:
-        assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", "fp16",
-                     "--flavour", "tensorrt_rtx"]) == 0
-        record = mf.load(copy).plans[0]
-        assert record["precision"] == "fp16" and 100 << 20 < record["bytes"] < 400 << 20
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory, engine_dir):
-    pytest.importorskip("torch")
-    from onepass.export.build import export_engine
-    from onepass.runtime import manifest as mf
-
-    source = mf.load(engine_dir, verify=False).source.get("path")
-    return export_engine(tmp_path_factory.mktemp("bf16") / "smollm2-bf16", source, precision="bf16")
 
 
 def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(bf16_dir, hf_model, tmp_path,
@@ -119,17 +102,18 @@ def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(bf1
     assert 1e-3 < max(errors) <= 1.0  # bf16 GEMMs really ran (measured 0.28 on the 78-question benchmark)
 
 
-def test_bf16_plan_builds_ahead_of_time(bf16_dir, tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_plan_builds_ahead_of_time_at_half_the_size(precision, request, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from onepass.cli import main
     from onepass.runtime import manifest as mf
     from onepass.runtime.manifest import copy_engine
 
-    copy = copy_engine(bf16_dir, tmp_path / "engine")
+    copy = copy_engine(request.getfixturevalue(f"{precision}_dir"), tmp_path / "engine")
     try:
-        assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", "bf16",
+        assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", precision,
                      "--flavour", "tensorrt_rtx"]) == 0
         record = mf.load(copy).plans[0]
-        assert record["precision"] == "bf16" and 100 << 20 < record["bytes"] < 400 << 20
+        assert record["precision"] == precision and 100 << 20 < record["bytes"] < 400 << 20
     finally:
         shutil.rmtree(copy, ignore_errors=True)

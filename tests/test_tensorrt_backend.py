@@ -187,9 +187,12 @@ def test_serve_with_tensorrt_and_no_gpu_is_a_one_line_error(plan_dir, capsys):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed")
     from onepass.cli import main
 
-    assert main(["serve", "--engine", str(plan_dir), "--backend", "tensorrt"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "CUDA" in err
+    for argv in (["serve", "--engine", str(plan_dir), "--backend", "tensorrt"],
+                 ["serve", "--engine", str(plan_dir), "--backend", "tensorrt", "--build-trt-if-missing"],
+                 ["build-trt", "--engine", str(plan_dir), "--arch", "native"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "CUDA" in err, argv
 
 
 @pytest.mark.gpu
