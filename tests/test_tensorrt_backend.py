@@ -98,6 +98,20 @@ def test_negative_control_a_pitch_bug_in_the_device_copy_is_caught(plan_dir, eng
     assert diff > 1e-2
 
 
+def test_a_worker_thread_makes_the_context_current_before_any_device_call(plan_dir, engine):
+    import threading
+
+    trt = load(plan_dir)  # made on this thread, used from another (as the server's dispatch thread does)
+    encoded = engine.encode_questions(QUESTIONS)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(got=trt.option_logprobs(STATE, encoded)))
+    worker.start()
+    worker.join()
+    assert "got" in out, "the pass failed on the worker thread (see the thread's exception above)"
+    for x, y in zip(out["got"], engine.option_logprobs(STATE, encoded)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+
+
 def test_without_graphs_the_same_answers_and_no_capture(plan_dir, engine):
     device = HostDevice()
     trt = load(plan_dir, device, cuda_graphs=False)

@@ -14,7 +14,9 @@ CUDA graph does, so a replay that relies on addresses set later reads the wrong 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
+import threading
 import types
 from pathlib import Path
 
@@ -24,10 +26,22 @@ import onnxruntime as ort
 PLAN_FORMAT = "onepass-test-double-plan"
 
 
+def _needs_context(method):
+    """Like every CUDA call: only on a thread where this device's context was made current."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if not getattr(self._thread, "active", False):
+            raise AssertionError(f"{method.__name__} on a thread with no current CUDA context")
+        return method(self, *args, **kwargs)
+    return checked
+
+
 class HostDevice:
-    """Device memory as numpy blocks at fake addresses."""
+    """Device memory as numpy blocks at fake addresses; its context is current only where activated."""
 
     def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False):
+        self._thread = threading.local()
+        self.activate()  # as CudaDevice makes its context current on the creating thread
         self.compute_capability = compute_capability
         self.name = "host double"
         self._bases: list[int] = []
@@ -37,6 +51,10 @@ class HostDevice:
         self.allocations = self.frees = self.captures = self.launches = 0
         self.pitch_bug = pitch_bug  # negative control: copy_rows ignores the destination pitch
 
+    def activate(self) -> None:
+        self._thread.active = True
+
+    @_needs_context
     def alloc(self, nbytes: int) -> int:
         ptr = self._next
         self._next += (int(nbytes) + 4095) // 4096 * 4096 + 4096  # a guard gap after every block
@@ -45,6 +63,7 @@ class HostDevice:
         self.allocations += 1
         return ptr
 
+    @_needs_context
     def free(self, ptr: int) -> None:
         if ptr not in self._blocks:
             raise AssertionError(f"free of {ptr:#x}, which is not an allocation")
@@ -67,6 +86,7 @@ class HostDevice:
             raise AssertionError(f"access [{ptr:#x}, +{nbytes}) runs past its allocation of {block.size} bytes")
         return block[ptr - base:ptr - base + nbytes]
 
+    @_needs_context
     def stream(self):
         return "stream"
 
@@ -74,21 +94,26 @@ class HostDevice:
     def handle(stream) -> int:
         return 7
 
+    @_needs_context
     def upload(self, ptr: int, array: np.ndarray, stream) -> None:
         self.view(ptr, array.nbytes)[:] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
 
+    @_needs_context
     def download(self, array: np.ndarray, ptr: int, stream) -> None:
         array.view(np.uint8).reshape(-1)[:] = self.view(ptr, array.nbytes)
 
+    @_needs_context
     def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows, stream) -> None:
         if self.pitch_bug:
             dst_pitch = width
         for row in range(rows):
             self.view(dst + row * dst_pitch, width)[:] = self.view(src + row * src_pitch, width)
 
+    @_needs_context
     def synchronize(self, stream) -> None:
         pass
 
+    @_needs_context
     def capture(self, stream, enqueue):
         self.capturing = []
         try:
@@ -98,6 +123,7 @@ class HostDevice:
         self.captures += 1
         return graph
 
+    @_needs_context
     def launch(self, graph, stream) -> None:
         self.launches += 1
         for step in graph:
@@ -153,6 +179,11 @@ class _Context:
         self.addresses[name] = int(ptr)
         return True
 
+    @property
+    def _thread(self):
+        return self.device._thread
+
+    @_needs_context
     def execute_async_v3(self, stream_handle) -> bool:
         shapes, addresses = dict(self.shapes), dict(self.addresses)  # baked in, as in a captured graph
         missing = [n for n in list(self.inputs) + self.outputs if n not in addresses] + \

@@ -49,6 +49,11 @@ class CudaDevice:
         name = self._check(cu.cuDeviceGetName(128, self.device), "cuDeviceGetName")
         self.name = bytes(name).split(b"\0", 1)[0].decode()
 
+    def activate(self) -> None:
+        """Make this device's context current on the calling thread (a CUDA context is current per thread:
+        a server's worker thread is not the thread that created the backend)."""
+        self._check(self.cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
     def _check(self, result, what: str):
         err, *rest = result if isinstance(result, tuple) else (result,)
         if err != self.cu.CUresult.CUDA_SUCCESS:

@@ -193,7 +193,12 @@ class TensorRTBackend(Backend):
         layers = tuple((tensors[2 * i], tensors[2 * i + 1]) for i in range(self.model.num_layers))
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
 
+    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+        self.device.activate()  # every entry point: the calling thread may not be the one that made the backend
+        return super().prefill(ids, chunk)
+
     def to_host(self, value: DeviceTensor) -> np.ndarray:
+        self.device.activate()
         out = np.empty(value.shape, np.float32)
         if out.size:
             self.device.download(out, value.ptr, self.stream)
@@ -319,6 +324,7 @@ class TensorRTBackend(Backend):
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass padded to its bucket, replayed from the CUDA graph of (state, bucket) when enabled."""
         self.check(batch)
+        self.device.activate()
         n, r = batch.num_tokens, batch.readout_index.shape[0]
         padded = pad_batch(batch, bucket(n), bucket(r))
         packed, readout = padded.num_tokens, padded.readout_index.shape[0]
@@ -353,6 +359,7 @@ class TensorRTBackend(Backend):
 
     def close(self) -> None:
         """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""
+        self.device.activate()
         self._release_graphs()
         self.device.synchronize(self.stream)
         for ptrs, _ in self._io.values():
