@@ -95,7 +95,7 @@ def cmd_serve(args) -> int:
         except ImportError as err:
             raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
         export_engine(args.engine)  # first start on this device: the default model, cached in the volume
-    if args.build_trt_if_missing:
+    if args.build_trt_if_missing and args.backend == "tensorrt":  # the images' default; moot for other backends
         _build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=backend_factory(args.backend))
@@ -329,7 +329,8 @@ def parser() -> argparse.ArgumentParser:
                        help="onnxruntime (CPU, default), tensorrt (the engine's plan for this GPU), "
                             "or the PyTorch backend on CPU or CUDA")
     serve.add_argument("--build-trt-if-missing", action="store_true",
-                       help="build this GPU's TensorRT plan into --engine first if it has none (first start)")
+                       help="with --backend tensorrt: build this GPU's TensorRT plan into --engine first if it has "
+                            "none (first start)")
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
