@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
-from onepass.runtime.selfcheck import FP16_TOLERANCES, TOLERANCES, run_golden  # noqa: E402
+from onepass.runtime.selfcheck import BF16_TOLERANCES, FP16_TOLERANCES, TOLERANCES, run_golden  # noqa: E402
 
 TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
 
@@ -165,7 +165,7 @@ def markdown(report: dict) -> str:
     lines = ["# GPU check", "", "Produced by `bash benchmarks/gpu_check.sh`.", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in report["environment"].items()]
     lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES)
-              + ", fp16/bf16 backends " + json.dumps(FP16_TOLERANCES) + ")", ""]
+              + ", fp16 backends " + json.dumps(FP16_TOLERANCES) + ", bf16 backends " + json.dumps(BF16_TOLERANCES) + ")", ""]
     for name, p in report["parity"].items():
         lines.append(f"- {name}: {p}")
     for name, why in report["skipped"].items():
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     for name, (root, make) in ok.items():
         engine = Engine.load(root, backend=make, verify=False)
         diffs = run_golden(engine)
-        tol = FP16_TOLERANCES if name.endswith(("fp16", "bf16")) else TOLERANCES
+        tol = {"fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}.get(name.rsplit("-", 1)[-1], TOLERANCES)
         report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in diffs.items()}
         log(f"{name} parity {diffs}")
         report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)

@@ -32,6 +32,7 @@ def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path, monkeypatch):
             assert profiles["prefill"]["past"][1] == 0 and profiles["score"]["past"][1] == 512
             assert all(p["packed"][2] == manifest.limits.max_packed_tokens for p in profiles.values())
             assert record["timing_cache"] is None  # TensorRT for RTX: timing caches are no-ops, none is kept
+            assert record["tf32"] is False  # fp32 plans keep fp32 GEMM inputs (TF32 is on by default)
         assert not (tmp_path / "cache" / "tensorrt").exists()
     finally:
         shutil.rmtree(copy, ignore_errors=True)

@@ -97,6 +97,8 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
                                      "build on the device or use tensorrt_rtx")
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
+    if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)  # TF32 (on by default) rounds fp32 GEMM inputs to 10 bits
     profiles = profiles or role_profiles(manifest)
     m = manifest.model
     for profile in profiles.values():
@@ -125,4 +127,5 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
             "tensorrt": f"{trt.__name__} {trt.__version__}", "compute_capability": compute_capability or "current",
             "precision": manifest.precision, "profiles": {name: p.as_dict() for name, p in profiles.items()},
             "timing_cache": str(timing_cache) if cache is not None else None,
+            "tf32": bool(config.get_flag(trt.BuilderFlag.TF32)) if hasattr(trt.BuilderFlag, "TF32") else None,
             "build_seconds": round(seconds, 1)}
