@@ -165,7 +165,8 @@ def markdown(report: dict) -> str:
     lines = ["# GPU check", "", "Produced by `bash benchmarks/gpu_check.sh`.", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in report["environment"].items()]
     lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES)
-              + ", fp16 backends " + json.dumps(FP16_TOLERANCES) + ", bf16 backends " + json.dumps(BF16_TOLERANCES) + ")", ""]
+              + ", fp16 backends " + json.dumps(FP16_TOLERANCES)
+              + ", bf16 backends " + json.dumps(BF16_TOLERANCES) + ")", ""]
     for name, p in report["parity"].items():
         lines.append(f"- {name}: {p}")
     for name, why in report["skipped"].items():
