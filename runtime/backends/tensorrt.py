@@ -178,6 +178,7 @@ class TensorRTBackend(Backend):
         self._nothing = device.alloc(256)  # the address of every zero-length tensor
         self._io: dict = {}  # (packed, readout) -> (device pointers, host output arrays)
         self._scratch: tuple[int, int] | None = None  # (ptr, bytes): present K/V a score pass writes
+        self._presents: dict[int, list] = {}  # packed bucket -> its 2L present tensors in the scratch
         self._graphs: OrderedDict = OrderedDict()
 
     # -- state K/V ---------------------------------------------------------------------------------
@@ -244,16 +245,20 @@ class TensorRTBackend(Backend):
 
     def _scratch_presents(self, packed: int) -> list[DeviceTensor]:
         """Where a score pass writes the K/V of its packed tokens (never read); grows on demand."""
-        need = 2 * self.model.num_layers * self.model.num_kv_heads * packed * self._row
+        if packed in self._presents:  # the hot path: a replayed bucket
+            return self._presents[packed]
+        m = self.model
+        need = 2 * m.num_layers * m.num_kv_heads * packed * self._row
         if self._scratch is None or self._scratch[1] < need:
             self._release_graphs()  # captured graphs hold the old scratch address
+            self._presents.clear()
             if self._scratch is not None:
                 self.device.free(self._scratch[0])
             self._scratch = (self.device.alloc(need), need)
-        m = self.model
         step = m.num_kv_heads * packed * self._row
-        return [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
-                for i in range(2 * m.num_layers)]
+        self._presents[packed] = [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
+                                  for i in range(2 * m.num_layers)]
+        return self._presents[packed]
 
     def _upload(self, batch: PackedBatch, ptrs: dict) -> dict:
         """Copy the batch's five input arrays into their device buffers; returns their shapes."""
@@ -369,6 +374,7 @@ class TensorRTBackend(Backend):
         if self._scratch is not None:
             self.device.free(self._scratch[0])
             self._scratch = None
+        self._presents.clear()
         self.pool.clear()
 
     @property
