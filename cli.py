@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
             raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
         export_engine(args.engine)  # first start on this device: the default model, cached in the volume
     if args.build_trt_if_missing and args.backend == "tensorrt":  # the images' default; moot for other backends
-        _build_native_plan_if_missing(Path(args.engine))
+        build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=backend_factory(args.backend))
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
@@ -197,7 +197,7 @@ def cmd_build_trt(args) -> int:
     return 0
 
 
-def _build_native_plan_if_missing(root: Path) -> None:
+def build_native_plan_if_missing(root: Path) -> None:
     """First start on a GPU: build this device's TensorRT plan unless the engine already has one that loads."""
     from .runtime import manifest as mf
     from .runtime.backends.cuda_device import CudaDevice

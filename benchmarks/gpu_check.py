@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
-from onepass.runtime.selfcheck import BF16_TOLERANCES, FP16_TOLERANCES, TOLERANCES, run_golden  # noqa: E402
+from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden, tolerances  # noqa: E402
 
 TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
 
@@ -105,7 +105,7 @@ def backends(device: str, engine: Path, out: Path) -> tuple[dict, dict]:
 
 def tensorrt_engine(engine: Path, copy: Path) -> Path:
     """A copy of ``engine`` with a TensorRT plan built on this GPU (``onepass build-trt --arch native``)."""
-    from onepass.cli import cmd_build_trt
+    from onepass.cli import build_native_plan_if_missing
     from onepass.runtime import manifest as mf
     from onepass.runtime.backends.cuda_device import CudaDevice
     from onepass.runtime.backends.tensorrt_build import import_tensorrt
@@ -113,8 +113,7 @@ def tensorrt_engine(engine: Path, copy: Path) -> Path:
     import_tensorrt(), CudaDevice()  # fail fast, before copying, where either is missing
     if not (copy / "manifest.json").exists():
         mf.copy_engine(engine, copy)
-    cmd_build_trt(argparse.Namespace(engine=str(copy), arch=["native"], precision=mf.load(copy).precision,
-                                     flavour=None))
+    build_native_plan_if_missing(copy)
     return copy
 
 
@@ -164,9 +163,8 @@ def measure(engine: Engine, hf, timer: Timer, iters: int, deadline: float, log) 
 def markdown(report: dict) -> str:
     lines = ["# GPU check", "", "Produced by `bash benchmarks/gpu_check.sh`.", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in report["environment"].items()]
-    lines += ["", "## Parity with the golden file (max |difference|; tolerances " + json.dumps(TOLERANCES)
-              + ", fp16 backends " + json.dumps(FP16_TOLERANCES)
-              + ", bf16 backends " + json.dumps(BF16_TOLERANCES) + ")", ""]
+    lines += ["", "## Parity with the golden file (max |difference|; tolerances by precision "
+              + json.dumps(TOLERANCES_BY_PRECISION) + ")", ""]
     for name, p in report["parity"].items():
         lines.append(f"- {name}: {p}")
     for name, why in report["skipped"].items():
@@ -214,7 +212,8 @@ def main(argv=None) -> int:
     for name, (root, make) in ok.items():
         engine = Engine.load(root, backend=make, verify=False)
         diffs = run_golden(engine)
-        tol = {"fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}.get(name.rsplit("-", 1)[-1], TOLERANCES)
+        precision = name.rsplit("-", 1)[-1]  # torch-cuda-fp16 runs the fp32 engine at fp16
+        tol = TOLERANCES_BY_PRECISION.get(precision, tolerances(engine))
         report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in diffs.items()}
         log(f"{name} parity {diffs}")
         report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)

@@ -20,10 +20,12 @@ FP16_TOLERANCES = {"prefill_key_first": 0.05, "prefill_value_last": 0.05, "targe
 BF16_TOLERANCES = {"prefill_key_first": 0.2, "prefill_value_last": 0.2, "target_logprob": 0.2, "head_score": 0.2}
 
 
+TOLERANCES_BY_PRECISION = {"fp32": TOLERANCES, "fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}
+
+
 def tolerances(engine) -> dict:
     """The golden tolerances for the engine's precision."""
-    precision = getattr(engine.manifest, "precision", "fp32")
-    return {"fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}.get(precision, TOLERANCES)
+    return TOLERANCES_BY_PRECISION[getattr(engine.manifest, "precision", "fp32")]
 
 
 def run_golden(engine, position_shift: int = 0) -> dict:
