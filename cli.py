@@ -151,6 +151,39 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    """Fine-tune an engine's decoder on labelled rows and export the tuned engine."""
+    try:
+        from .calibration.tune import TuneConfig
+        from .calibration.tune_engine import tune
+    except ImportError as err:
+        raise OnepassError(f"tune needs the [export,calibrate] extras ({err.name} is missing): "
+                           "pip install torch==2.13.0 && pip install 'onepass[export,calibrate]'") from None
+    config = TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
+                        epochs=args.epochs, max_minutes=args.max_minutes, batch_questions=args.batch_questions,
+                        rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
+                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every)
+    summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
+                   report_dir=args.report or f"{args.out}-report", name=args.name)
+    if "head" in summary:
+        h = summary["head"]
+        print(f"decision head: held-out NLL {h['heldout_nll_before']:.4f} (zero-shot) -> {h['heldout_nll_after']:.4f}")
+    else:
+        _print_tuning(summary["tuning"])
+    for phase, r in summary.get("report", {}).items():
+        print(f"{phase:6s} (ONNX Runtime, held-out rows {r['rows']}): accuracy {r['accuracy']:.3f}  NLL {r['nll']:.3f}  "
+              f"Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")
+    print(f"tuned engine written to {args.out}; report in {args.report or f'{args.out}-report'}")
+    return 0
+
+
+def _print_tuning(tuning: dict) -> None:
+    m = tuning["metrics"]
+    print(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL {m['heldout_before']['nll']:.4f}; "
+          f"best: accuracy {m['heldout_best']['accuracy']:.3f} NLL {m['heldout_best']['nll']:.4f} "
+          f"({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
+
+
 def cmd_plan(args) -> int:
     """Print the memory budget and latency floor of an engine on a device."""
     from .runtime.plan import plan, render
@@ -243,8 +276,10 @@ def cmd_export(args) -> int:
         from .calibration.head import load_head_info
 
         head, head_info = load_head_info(args.head)
+    from .export.adapter import resolve
+
     export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout),
-                  head=head, head_info=head_info, precision=args.precision)
+                  head=head, head_info=head_info, precision=args.precision, adapters=resolve(args.adapter, args.model))
     return 0
 
 
@@ -266,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
                     help="fp16/bf16: block weights and GEMMs in fp16/bf16 (half the weight bytes; norms, softmax, "
                          "residual stream, read-out and K/V stay float32); bf16 engines run on TensorRT or "
                          "the PyTorch backend")
+    ex.add_argument("--adapter", default="default",
+                    help="LoRA adapter merged into the weights: 'default' (the tuned adapter shipped for the default "
+                         "model; none for other models), 'none' (the plain base model), or a folder from `onepass tune`")
     ex.add_argument("--head", help="a trained decision head (.pt from benchmarks/decision_head.py) to export into "
                                    "the graph; the engine then answers with the 'head' read-out")
     ex.set_defaults(func=cmd_export)
@@ -289,6 +327,28 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
+    tn = sub.add_parser("tune", help="fine-tune the decoder (LoRA or all weights) on labelled rows; writes a tuned engine")
+    tn.add_argument("--engine", required=True, help="the base engine directory")
+    tn.add_argument("--data", required=True, nargs="+", help="JSONL rows: state, question, label (or probabilities)")
+    tn.add_argument("--out", required=True, help="tuned engine directory to write (only when the run succeeds)")
+    tn.add_argument("--method", choices=["lora", "full", "head"], default="lora",
+                    help="lora: LoRA adapters (peft), merged on export; full: every weight; head: a decision head "
+                         "(MLP width 16, CE + RLCD, early stopping) over the frozen decoder, exported into the graph")
+    tn.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    tn.add_argument("--train-blocks", type=int, default=None, help="train only the top N decoder blocks (default all)")
+    tn.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
+    tn.add_argument("--epochs", type=int, default=3)
+    tn.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
+    tn.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
+    tn.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
+    tn.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, report)")
+    tn.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
+    tn.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
+    tn.add_argument("--seed", type=int, default=0)
+    tn.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")
+    tn.add_argument("--report", help="report directory (default: <out>-report)")
+    tn.add_argument("--name", help="tuned engine name (default: <base name>-tuned)")
+    tn.set_defaults(func=cmd_tune)
     pl = sub.add_parser("plan", help="memory budget and latency floor on a device (assumptions stated)")
     pl.add_argument("--engine", required=True, help="engine directory")
     pl.add_argument("--device", required=True, choices=["orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "h200"])

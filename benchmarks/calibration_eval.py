@@ -23,9 +23,8 @@ from readout_eval import bbc, rotten, tweets  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration import metrics  # noqa: E402
 from onepass.calibration.fit import fit  # noqa: E402
-from onepass.calibration.run import calibrate, load_rows, probabilities, score_rows, split  # noqa: E402
+from onepass.calibration.run import calibrate, cross_fitted, load_rows, probabilities, score_rows, split  # noqa: E402
 from onepass.runtime.calibration import Calibration  # noqa: E402
 from onepass.export.model_source import cache_root  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
@@ -47,35 +46,6 @@ def rows(n: int, seed: int) -> list[dict]:
             if conf and conf[0] is not None:
                 row["confidence"] = conf[0]  # share of CrowdFlower annotators who gave this label
             out.append(row)
-    return out
-
-
-def ece_floor(probs: np.ndarray, reps: int = 200, seed: int = 0) -> float:
-    """Mean ECE of a *perfectly calibrated* predictor with these probabilities on this many rows:
-    labels drawn from the probabilities themselves. Below it, a measured ECE is sampling noise."""
-    rng = np.random.default_rng(seed)
-    cum = np.cumsum(probs / probs.sum(1, keepdims=True), axis=1)
-    out = []
-    for _ in range(reps):
-        labels = np.minimum((rng.random((len(probs), 1)) > cum).sum(1), probs.shape[1] - 1)
-        out.append(metrics.ece(probs, labels))
-    return float(np.mean(out))
-
-
-def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
-    """Every row predicted by a calibration fitted without it (seeded K folds): per-dataset metrics on all rows."""
-    order = np.random.default_rng(seed).permutation(len(scored))
-    cal_of = {}
-    for f in range(folds):
-        held = set(order[f::folds].tolist())
-        cal = fit([r for i, r in enumerate(scored) if i not in held], "mean")
-        cal_of.update({i: cal for i in held})
-    out = {}
-    for name in sorted({r["dataset"] for r in scored}):
-        idx = [i for i, r in enumerate(scored) if r["dataset"] == name]
-        probs = np.vstack([probabilities([scored[i]], cal_of[i])[0] for i in idx])
-        labels = np.array([scored[i]["label"] for i in idx])
-        out[name] = {"rows": len(idx), **metrics.summary(probs, labels), "ece_floor": ece_floor(probs)}
     return out
 
 

@@ -113,10 +113,10 @@ def main(argv=None) -> int:
         feats = OptionFeatures.load(cache)
     else:
         from onepass.export.decoder import PackedDecoder
-        from onepass.export.model_source import load_model
+        from onepass.export.model_source import engine_source, load_model
 
         encoder = PromptEncoder(str(engine_dir / manifest.tokenizer), manifest.prompt)
-        decoder = PackedDecoder(load_model(manifest.source.get("path")).model).eval()
+        decoder = PackedDecoder(load_model(*engine_source(manifest)).model).eval()
         feats = extract(decoder, encoder, examples)
         feats.save(cache)
     if feats.num_questions != len(examples):
@@ -175,8 +175,10 @@ def main(argv=None) -> int:
     print(markdown(report))
     if args.export:
         from onepass.export.build import export_engine
+        from onepass.export.model_source import engine_source
 
-        export_engine(args.export, manifest.source.get("path"), name=manifest.name + "-head",
+        spec, adapters = engine_source(manifest)
+        export_engine(args.export, spec, adapters=adapters, name=manifest.name + "-head",
                       limits=manifest.limits, prompt=manifest.prompt, head=model.head,
                       head_info=mf.HeadInfo(beta=float(model.beta.detach()), width=config.width, training=info))
     return 0

@@ -129,12 +129,13 @@ class HFBaselines:
 
     def __init__(self, device: str = "cpu"):
         import torch
+        from onepass.export.adapter import resolve
         from onepass.export.model_source import load_model
 
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.device = device
-        loaded = load_model(None)
+        loaded = load_model(None, resolve(None, None))  # the default engine's weights: base + shipped adapter
         self.model, self.tok = loaded.model.to(device), loaded.tokenizer
         self.model.generation_config.pad_token_id = self.tok.eos_token_id
 

@@ -36,8 +36,10 @@ def main() -> None:
     fp16_dir = Path(args.engine + "-fp16")
     if not (fp16_dir / "manifest.json").exists():
         from onepass.export.build import export_engine
+        from onepass.export.model_source import engine_source
 
-        export_engine(fp16_dir, mf.load(args.engine, verify=False).source.get("path"), precision="fp16")
+        spec, adapters = engine_source(mf.load(args.engine, verify=False))
+        export_engine(fp16_dir, spec, precision="fp16", adapters=adapters)
     base = Engine.load(args.engine, verify=False, threads=2)
     texts = TEXTS + [state_of_tokens(base, 512)]
     enc = base.encode_questions(QUESTIONS)

@@ -5,13 +5,8 @@ mean log-likelihood) plus a small MLP over the hidden state after the option (se
 :class:`onepass.export.decoder.DecisionHead`). ``beta`` lives in the manifest; the MLP is
 exported into the score graph, so answering stays one pass.
 
-RLCD (reward-learned calibrated decisions): per question, ``G`` perturbed score vectors
-``s + sigma * eps`` are sampled around the current scores; each sample's probabilities
-earn a reward of a proper scoring rule — log score plus spherical score, minus the ranked
-probability score for ordinal questions —, rewards are normalised within the group
-(advantage), and the scores move towards the samples with positive advantage (the
-Gaussian policy gradient). Cross-entropy keeps the head on the labels; the RLCD term
-rewards well-shaped probability vectors rather than only the label's probability.
+The loss is cross-entropy plus RLCD (:mod:`onepass.calibration.rlcd`, the same term
+``onepass tune`` trains the decoder with).
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import torch
 
 from ..export.decoder import DecisionHead
 from .head_features import OptionFeatures
+from .rlcd import rlcd_loss
 
 
 @dataclass(frozen=True)
@@ -39,43 +35,6 @@ class HeadConfig:
     batch: int = 64
     patience: int = 8
     seed: int = 0
-
-
-def spherical_score(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """p_y / ||p||_2 for [..., K] probabilities and [...] labels (higher is better)."""
-    return p.gather(-1, y[..., None])[..., 0] / p.norm(dim=-1).clamp_min(1e-12)
-
-
-def ranked_probability_score(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean squared difference of the cumulative distributions (ordinal; lower is better), [..., K] -> [...]."""
-    k = p.shape[-1]
-    onehot = torch.nn.functional.one_hot(y, k).to(p.dtype)
-    return ((p.cumsum(-1) - onehot.cumsum(-1)) ** 2)[..., :-1].sum(-1) / max(k - 1, 1)
-
-
-def rlcd_reward(p: torch.Tensor, y: torch.Tensor, ordinal: bool) -> torch.Tensor:
-    """log p_y + spherical score (- RPS for ordinal questions)."""
-    reward = torch.log(p.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)) + spherical_score(p, y)
-    if ordinal:
-        reward = reward - ranked_probability_score(p, y)
-    return reward
-
-
-def rlcd_loss(scores: torch.Tensor, y: torch.Tensor, group: int, sigma: float, ordinal: bool = False,
-              generator: torch.Generator | None = None) -> torch.Tensor:
-    """Group-normalised Gaussian policy-gradient loss for one question's [K] scores.
-
-    Samples ``scores.detach() + sigma * eps`` (G of them), rewards each sample's softmax, and
-    returns ``-mean(A_g * log pi(sample_g))`` with ``log pi = -||sample - scores||^2 / (2 sigma^2)``,
-    so the gradient moves the scores towards samples with above-average reward.
-    """
-    eps = torch.randn((group, scores.shape[-1]), generator=generator, dtype=scores.dtype)
-    samples = scores.detach() + sigma * eps
-    with torch.no_grad():
-        reward = rlcd_reward(torch.softmax(samples, -1), y.expand(group), ordinal)
-        advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
-    log_pi = -((samples - scores) ** 2).sum(-1) / (2 * sigma**2)
-    return -(advantage * log_pi).mean()
 
 
 class HeadModel(torch.nn.Module):

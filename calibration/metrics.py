@@ -75,3 +75,15 @@ def summary(probs: np.ndarray, labels: np.ndarray) -> dict:
     """accuracy, nll, brier, ece of one set of predictions."""
     return {"accuracy": accuracy(probs, labels), "nll": nll(probs, labels), "brier": brier(probs, labels),
             "ece": ece(probs, labels), "rows": int(len(labels))}
+
+
+def ece_floor(probs: np.ndarray, reps: int = 200, seed: int = 0) -> float:
+    """Mean ECE of a *perfectly calibrated* predictor with these probabilities on this many rows:
+    labels drawn from the probabilities themselves. Below it, a measured ECE is sampling noise."""
+    rng = np.random.default_rng(seed)
+    cum = np.cumsum(probs / probs.sum(1, keepdims=True), axis=1)
+    out = []
+    for _ in range(reps):
+        labels = np.minimum((rng.random((len(probs), 1)) > cum).sum(1), probs.shape[1] - 1)
+        out.append(ece(probs, labels))
+    return float(np.mean(out))

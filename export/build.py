@@ -18,6 +18,7 @@ from ..runtime.engine import Engine
 from ..runtime.prompt import PromptEncoder, PromptTemplate
 from ..runtime.selfcheck import check_golden
 from .decoder import PackedDecoder, lower_precision
+from .adapter import card, resolve
 from .golden import write_golden
 from .model_source import load_model
 from .onnx_graph import export_decoder
@@ -54,13 +55,18 @@ def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
                   limits: mf.Limits = mf.Limits(), scoring: mf.Scoring = mf.Scoring(),
                   prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
-                  precision: str = "fp32") -> Path:
+                  precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
+                  extra_files: dict | None = None) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
     ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
     ``head`` the engine's read-out. ``precision="fp16"`` (or ``"bf16"``) stores the block weights in
     fp16 (bf16) and runs their GEMMs in it; embedding, norms, softmax, residual stream, read-out and
     K/V stay float32. A bf16 engine runs on TensorRT or the PyTorch backend, not ONNX Runtime's CPU.
+    ``adapters``: LoRA adapter folders merged into the weights in order (None: the shipped default
+    adapter for the default model, none for others; see :mod:`onepass.export.adapter`); ``tuning``
+    is recorded in the manifest (else taken from the last adapter's card). ``extra_files``
+    {name: path} are copied into the engine and hashed with the rest.
     """
     if precision not in mf.PRECISIONS:
         raise ValueError(f"precision must be one of {mf.PRECISIONS}, got {precision!r}")
@@ -70,7 +76,10 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     step = _Steps(6)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     step("loading model weights")
-    loaded = load_model(model)
+    adapters = resolve(None, model) if adapters is None else list(adapters)
+    loaded = load_model(model, adapters)
+    if tuning is None and adapters and card(adapters[-1]).get("tuning"):
+        tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
     decoder = lower_precision(PackedDecoder(loaded.model).attach_head(head), precision).eval()
     dims = decoder.dims
     if head is not None:
@@ -83,6 +92,8 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
     step("writing tokenizer and golden file")
     loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
+    for name, path in (extra_files or {}).items():
+        shutil.copyfile(path, tmp / name)
     write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
     step("hashing files and writing the manifest")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
@@ -90,7 +101,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                         dims.head_dim, dims.vocab_size, dims.max_position)
     manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
                            files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
-                           precision=precision,
+                           tuning=tuning, precision=precision,
                            source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "dims": asdict(dims)})

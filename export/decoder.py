@@ -73,9 +73,9 @@ class DecoderDims:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as in the reference models."""
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, share: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+        self.weight = weight if share else nn.Parameter(weight.detach().float().clone(), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,17 +98,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Block(nn.Module):
     """One decoder layer over a packed sequence with a past."""
 
-    def __init__(self, hf_layer, dims: DecoderDims):
+    def __init__(self, hf_layer, dims: DecoderDims, share: bool = False):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.dims = dims
-        self.input_norm = RMSNorm(hf_layer.input_layernorm.weight, dims.rms_norm_eps)
-        self.post_norm = RMSNorm(hf_layer.post_attention_layernorm.weight, dims.rms_norm_eps)
-        self.q, self.k, self.v, self.o = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        own = (lambda m: m) if share else _linear
+        self.input_norm = RMSNorm(hf_layer.input_layernorm.weight, dims.rms_norm_eps, share)
+        self.post_norm = RMSNorm(hf_layer.post_attention_layernorm.weight, dims.rms_norm_eps, share)
+        self.q, self.k, self.v, self.o = (own(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         if dims.qk_norm:
-            self.q_norm = RMSNorm(attn.q_norm.weight, dims.rms_norm_eps)
-            self.k_norm = RMSNorm(attn.k_norm.weight, dims.rms_norm_eps)
-        self.gate, self.up, self.down = (_linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            self.q_norm = RMSNorm(attn.q_norm.weight, dims.rms_norm_eps, share)
+            self.k_norm = RMSNorm(attn.k_norm.weight, dims.rms_norm_eps, share)
+        self.gate, self.up, self.down = (own(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
     def forward(self, x, cos, sin, bias, past_k, past_v):
         """x [N, d]; cos/sin [N, D]; bias [N, S+N]; past [Hkv, S, D] -> (x, new_k, new_v)."""
@@ -140,18 +141,22 @@ class Block(nn.Module):
 class PackedDecoder(nn.Module):
     """The decision graph: packed tree + state past -> target log-probs and new K/V."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, share: bool = False):
+        """Copy the weights of ``hf_model`` (frozen float32), or with ``share`` use its very modules and
+        parameters, so that training this decoder (e.g. LoRA wrappers already in ``hf_model``) trains the
+        Hugging Face model in place."""
         super().__init__()
         dims = DecoderDims.from_hf_config(hf_model.config)
         self.dims = dims
         base = hf_model.model
-        self.embed = nn.Parameter(base.embed_tokens.weight.detach().float().clone(), requires_grad=False)
-        self.blocks = nn.ModuleList(Block(layer, dims) for layer in base.layers)
-        self.norm = RMSNorm(base.norm.weight, dims.rms_norm_eps)
+        own = (lambda w: w) if share else (lambda w: nn.Parameter(w.detach().float().clone(), requires_grad=False))
+        self.embed = own(base.embed_tokens.weight)
+        self.blocks = nn.ModuleList(Block(layer, dims, share) for layer in base.layers)
+        self.norm = RMSNorm(base.norm.weight, dims.rms_norm_eps, share)
         head = hf_model.lm_head.weight
         self.tied = head.data_ptr() == base.embed_tokens.weight.data_ptr()
         if not self.tied:
-            self.lm_head = nn.Parameter(head.detach().float().clone(), requires_grad=False)
+            self.lm_head = own(head)
         inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.head: DecisionHead | None = None

@@ -69,8 +69,20 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tmp.rename(target)
 
 
-def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
-    """Load the default model (None), a ``.gguf`` file, or a local Hugging Face model folder."""
+def load_model(spec: str | os.PathLike | None = None, adapters=()) -> LoadedModel:
+    """Load the default model (None), a ``.gguf`` file, or a local Hugging Face model folder, with the
+    LoRA ``adapters`` (folders, see :mod:`onepass.export.adapter`) merged into it in order."""
+    loaded = _load_base(spec)
+    if adapters:
+        from .adapter import merge, provenance
+
+        for adapter in adapters:
+            loaded.model = merge(loaded.model, adapter, loaded.source.get("sha256")).eval()
+        loaded.source["adapters"] = [provenance(a) for a in adapters]
+    return loaded
+
+
+def _load_base(spec) -> LoadedModel:
     path = default_gguf() if spec is None else Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         digest = sha256_file(path)
@@ -85,3 +97,22 @@ def load_model(spec: str | os.PathLike | None = None) -> LoadedModel:
         model, tokenizer = _from_pretrained(path)
         return LoadedModel(model, tokenizer, path.name.lower(), {"path": str(path.resolve()), "format": "hf"})
     raise ModelSourceError(f"{path} is neither a .gguf file nor a Hugging Face model folder with config.json")
+
+
+def engine_source(manifest) -> tuple:
+    """(model spec for :func:`load_model`, adapter folders) an engine was exported from: what re-exporting it
+    (another precision, a decision head, tuning) starts from. Missing weights are an OnepassError."""
+    path = manifest.source.get("path")
+    if not path or not Path(path).exists():
+        raise ModelSourceError(f"the engine's model {path!r} is not on this machine; re-export the engine here with "
+                               "`onepass export`")
+    adapters = [Path(a["path"]) for a in manifest.source.get("adapters", [])]
+    for adapter in adapters:
+        if not adapter.is_dir():
+            raise ModelSourceError(f"the engine's adapter {adapter} is not on this machine; re-export the engine here")
+    try:
+        spec = None if Path(path).resolve() == default_gguf().resolve() else path
+    except ModelSourceError:
+        spec = path
+    return spec, adapters
+

@@ -245,7 +245,7 @@ class Engine:
         readout = readout or self.manifest.scoring.readout
         if readout == "head" and (self.manifest.head is None or heads is None):
             raise InvalidRequest("the 'head' read-out needs an engine with a decision head "
-                                 "(`onepass fit-head`); this one has none", "readout")
+                                 "(export one with `onepass export --head FILE`, trained by `make head`); this one has none", "readout")
         cal = self.manifest.calibration if calibrated else None
         if cal is not None and cal.readout != readout:
             cal = None  # fitted on another read-out: not applicable

@@ -16,8 +16,10 @@ from .calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 
-SCHEMA_VERSION = 3  # 2 adds `calibration` and `plans`; 3 adds `head` (decision head). Older ones read without them
-READABLE_VERSIONS = (1, 2, 3)
+# 2 adds `calibration` and `plans`; 3 adds `head` (decision head); 4 adds `tuning`. Older ones read without them
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+TUNING_METHODS = ("lora", "full")
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -92,6 +94,26 @@ class HeadInfo:
 
 
 @dataclass(frozen=True)
+class TuningInfo:
+    """How the engine's decoder weights were tuned (`onepass tune`, or the default adapter's training)."""
+
+    method: str  # lora | full
+    base: str  # the base model (name and sha256)
+    adapters: list = field(default_factory=list)  # merged LoRA adapters: path, sha256 of the weights
+    data: list = field(default_factory=list)  # training files: path, sha256, rows
+    rows: int = 0  # rows trained on (held-out rows excluded)
+    holdout_rows: int = 0
+    steps: int = 0  # optimiser steps
+    rank: int | None = None  # LoRA rank
+    config: dict = field(default_factory=dict)  # every hyper-parameter of the run
+    metrics: dict = field(default_factory=dict)  # held-out accuracy / NLL before and after
+
+    def __post_init__(self):
+        if self.method not in TUNING_METHODS:
+            raise ValueError(f"tuning.method {self.method!r} is not one of {TUNING_METHODS}")
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything the runtime needs to know about an engine directory."""
 
@@ -110,6 +132,7 @@ class Manifest:
     plans: list = field(default_factory=list)  # TensorRT plans: file, sha256, tensorrt version, compute capability
     quantization: dict | None = None  # INT8 scheme and its measured agreement, error and speed-up
     head: HeadInfo | None = None
+    tuning: TuningInfo | None = None
     precision: str = "fp32"  # of the block GEMMs; "fp16": fp16 weights and GEMMs, everything else float32
     schema_version: int = SCHEMA_VERSION
 
@@ -144,6 +167,7 @@ class Manifest:
         data["scoring"] = Scoring(**data.get("scoring", {}))
         data["calibration"] = Calibration.from_dict(data["calibration"]) if data.get("calibration") else None
         data["head"] = HeadInfo(**data["head"]) if data.get("head") else None
+        data["tuning"] = TuningInfo(**data["tuning"]) if data.get("tuning") else None
         return cls(**data)
 
 

@@ -29,7 +29,9 @@ def engine(engine_dir):
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """The same weights in transformers (float32, eager): the independent reference."""
+    """The same weights in transformers (float32, eager), the default adapter merged by peft: the independent
+    reference."""
+    from onepass.export.adapter import resolve
     from onepass.export.model_source import load_model
 
-    return load_model(None).model
+    return load_model(None, resolve(None, None)).model

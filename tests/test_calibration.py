@@ -13,7 +13,7 @@ from onepass.calibration import metrics  # noqa: E402
 from onepass.calibration.fit import fit, fit_group  # noqa: E402
 from onepass.runtime.calibration import Calibration, GroupCalibration, group_key  # noqa: E402
 from onepass.runtime.errors import InvalidRequest  # noqa: E402
-from onepass.runtime.manifest import Manifest, ModelInfo  # noqa: E402
+from onepass.runtime.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
 
 
 def _sample(rng, scores, true_scores):
@@ -112,7 +112,7 @@ def test_manifest_round_trip_with_calibration():
     m = Manifest(name="x", model=ModelInfo("llama", 1, 8, 2, 1, 4, 10, 64), tokenizer="t", graph="g", golden="h",
                  files={"t": "0", "g": "0", "h": "0"}, calibration=cal)
     again = Manifest.from_dict(json.loads(m.to_json()))
-    assert again == m and again.schema_version == 3
+    assert again == m and again.schema_version == SCHEMA_VERSION == 4
     with pytest.raises(ValueError, match="temperature must be a positive"):
         GroupCalibration(temperature=0.0)
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from onepass import Choice, Engine, Noul  # noqa: E402
 from onepass.calibration import bigbench as bb  # noqa: E402
 from onepass.calibration import head as hd  # noqa: E402
+from onepass.calibration import rlcd  # noqa: E402
 from onepass.calibration.head_features import OptionFeatures  # noqa: E402
 from onepass.runtime import manifest as mf  # noqa: E402
 from onepass.runtime.errors import InvalidRequest  # noqa: E402
@@ -20,10 +21,10 @@ from onepass.runtime.errors import InvalidRequest  # noqa: E402
 def test_spherical_and_ranked_probability_scores_match_hand_computations():
     p = torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float64)
     y = torch.tensor([1])
-    assert hd.spherical_score(p, y).item() == pytest.approx(0.3 / np.sqrt(0.36 + 0.09 + 0.01))
+    assert rlcd.spherical_score(p, y).item() == pytest.approx(0.3 / np.sqrt(0.36 + 0.09 + 0.01))
     # CDF p: .6 .9 1 ; CDF y: 0 1 1 -> (.36 + .01) / 2
-    assert hd.ranked_probability_score(p, y).item() == pytest.approx(0.37 / 2)
-    assert hd.rlcd_reward(p, y, ordinal=True).item() == pytest.approx(
+    assert rlcd.ranked_probability_score(p, y).item() == pytest.approx(0.37 / 2)
+    assert rlcd.rlcd_reward(p, y, ordinal=True).item() == pytest.approx(
         np.log(0.3) + 0.3 / np.sqrt(0.46) - 0.185)
 
 
@@ -34,7 +35,7 @@ def test_rlcd_policy_gradient_moves_scores_towards_the_label():
     label = torch.tensor(2)
     for _ in range(200):
         opt.zero_grad()
-        hd.rlcd_loss(scores, label, group=16, sigma=0.5, generator=gen).backward()
+        rlcd.rlcd_loss(scores, label, group=16, sigma=0.5, generator=gen).backward()
         opt.step()
     p = torch.softmax(scores.detach(), 0)
     assert p.argmax().item() == 2 and p[2] > 0.6
@@ -43,7 +44,7 @@ def test_rlcd_policy_gradient_moves_scores_towards_the_label():
     opt2 = torch.optim.SGD([scores2], lr=0.05)
     for _ in range(200):
         opt2.zero_grad()
-        (-hd.rlcd_loss(scores2, label, group=16, sigma=0.5, generator=gen)).backward()
+        (-rlcd.rlcd_loss(scores2, label, group=16, sigma=0.5, generator=gen)).backward()
         opt2.step()
     assert torch.softmax(scores2.detach(), 0)[2] < 0.25
 
@@ -99,7 +100,7 @@ def test_manifest_round_trip_with_a_head_and_head_readout_needs_one(engine_dir):
     text = dataclasses.replace(manifest, head=info, scoring=mf.Scoring("head")).to_json()
     with_head = mf.Manifest.from_dict(json.loads(text))
     assert with_head.head == info and with_head.scoring.readout == "head"
-    assert json.loads(text)["schema_version"] == mf.SCHEMA_VERSION == 3
+    assert json.loads(text)["schema_version"] == mf.SCHEMA_VERSION == 4
     with pytest.raises(ValueError, match="no decision head"):
         dataclasses.replace(manifest, scoring=mf.Scoring("head"))
 
@@ -123,9 +124,11 @@ def head_engine(tmp_path_factory, engine_dir):
     path = tmp_path_factory.mktemp("head") / "head.pt"
     hd.save(model, hd.HeadConfig(width=16), path, {"data": "test"})
     head, info = hd.load_head_info(path)
-    manifest = mf.load(engine_dir, verify=False)
-    out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", manifest.source.get("path"), head=head,
-                        head_info=info)
+    from onepass.export.model_source import engine_source
+
+    spec, adapters = engine_source(mf.load(engine_dir, verify=False))
+    out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", spec, head=head, head_info=info,
+                        adapters=adapters)
     return Engine.load(out), model
 
 

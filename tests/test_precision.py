@@ -19,10 +19,12 @@ DATA = Path(__file__).parent / "data"
 def _export(tmp_path_factory, engine_dir, precision: str):
     pytest.importorskip("torch")
     from onepass.export.build import export_engine
+    from onepass.export.model_source import engine_source
     from onepass.runtime import manifest as mf
 
-    source = mf.load(engine_dir, verify=False).source.get("path")
-    return export_engine(tmp_path_factory.mktemp(precision) / f"smollm2-{precision}", source, precision=precision)
+    spec, adapters = engine_source(mf.load(engine_dir, verify=False))
+    return export_engine(tmp_path_factory.mktemp(precision) / f"smollm2-{precision}", spec, precision=precision,
+                         adapters=adapters)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,340 @@
+"""`onepass tune`: fine-tune the decoder on labelled decisions through the runtime's own packed tree.
+
+What is trained is what is served: a state is prefilled once, all the questions of the rows
+that share it (with all their options) go through one tree-masked pass of the export decoder
+(:class:`onepass.export.decoder.PackedDecoder`, built by :func:`onepass.runtime.tree.pack` from
+the engine's own prompt encoder), and an option's score is the same exact chain-rule
+log-likelihood and read-out (``mean`` or ``sum``) the runtime soft-maxes. The loss is
+cross-entropy over each question's options (or against a teacher distribution) plus the RLCD
+term (:mod:`onepass.calibration.rlcd`). LoRA adapters (peft) on the attention and MLP
+projections, or every weight (``method="full"``), of all or only the top blocks.
+
+The result is an ordinary engine: the adapter is merged into the weights and exported through
+the same export path (golden file, self-check, manifest with the tuning recorded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..runtime import manifest as mf
+from ..runtime.errors import InvalidRequest, LimitExceeded, OnepassError
+from ..runtime.prompt import PromptEncoder
+from ..runtime.questions import Score
+from ..runtime.tree import causal, pack
+from .rlcd import rlcd_loss
+from .tune_data import TuneRow, group_by_state, load_rows, split_states
+
+METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/head.py)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Every hyper-parameter of a tuning run (recorded in the manifest)."""
+
+    method: str = "lora"
+    rank: int = 16  # LoRA rank
+    alpha: float | None = None  # LoRA alpha (None: 2 * rank)
+    train_blocks: int | None = None  # only the top N decoder blocks are trained (None: all)
+    lr: float | None = None  # None: 2e-4 for LoRA, 2e-5 for full
+    weight_decay: float = 0.0
+    epochs: int = 3
+    max_minutes: float | None = None  # stop (keeping the best held-out weights) after this long
+    batch_questions: int = 8  # questions per optimiser step (whole states)
+    rlcd_weight: float = 0.5
+    ce_weight: float = 1.0
+    group: int = 16  # RLCD samples per question
+    sigma: float = 0.5  # RLCD perturbation scale
+    holdout: float = 0.2  # share of states held out (early stopping and the report)
+    patience: int = 2  # evaluations without held-out NLL improvement before stopping
+    eval_every: int | None = None  # optimiser steps between held-out evaluations (None: each epoch)
+    max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
+    seed: int = 0
+    bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        positive = {"rank": self.rank, "epochs": self.epochs, "batch_questions": self.batch_questions,
+                    "group": self.group, "patience": self.patience, "max_state_tokens": self.max_state_tokens}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.train_blocks is not None and self.train_blocks < 1:
+            raise ValueError(f"train_blocks must be >= 1, got {self.train_blocks}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.rlcd_weight < 0 or self.ce_weight < 0 or self.rlcd_weight + self.ce_weight == 0:
+            raise ValueError("ce_weight and rlcd_weight must be >= 0 and not both 0")
+        if not self.sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate in force."""
+        return self.lr if self.lr is not None else (2e-4 if self.method == "lora" else 2e-5)
+
+
+@dataclass
+class Chunk:
+    """Questions about one state that go through one packed pass: state ids, encoded questions, rows."""
+
+    state_ids: list
+    encoded: list
+    rows: list
+
+    @property
+    def size(self) -> int:
+        """Number of questions."""
+        return len(self.rows)
+
+
+def encode_groups(groups: list[list[TuneRow]], encoder: PromptEncoder, config: TuneConfig,
+                  limits: mf.Limits) -> list[Chunk]:
+    """Token ids of every state group, split into chunks of at most ``batch_questions`` questions.
+
+    A state over the limits, or an over-large question, is an error naming the row (never truncated).
+    """
+    max_state = min(config.max_state_tokens, limits.max_state_tokens)
+    chunks = []
+    for group in groups:
+        ids = encoder.state(group[0].state)
+        if len(ids) > max_state:
+            raise LimitExceeded(f"{group[0].where}: the state is {len(ids)} tokens; tune allows at most {max_state} "
+                                "(--max-state-tokens, and the engine's limit). Shorten the state", "state")
+        encoded = []
+        for row in group:
+            if len(encoder.options(row.question)) > limits.max_options:
+                raise LimitExceeded(f"{row.where}: {len(encoder.options(row.question))} options; this engine "
+                                    f"allows at most {limits.max_options}", "question.criteria")
+            encoded.append(encoder.question(row.question))
+        for start in range(0, len(group), config.batch_questions):
+            part = encoded[start:start + config.batch_questions]
+            if pack(part, len(ids)).num_tokens > limits.max_packed_tokens:
+                raise LimitExceeded(f"{group[start].where}: the questions pack into more than "
+                                    f"{limits.max_packed_tokens} tokens", "question")
+            chunks.append(Chunk(ids, part, group[start:start + config.batch_questions]))
+    return chunks
+
+
+class PackedScorer:
+    """The served computation as a differentiable function: option scores of a chunk's questions."""
+
+    def __init__(self, decoder, readout: str, device: torch.device, bf16: bool):
+        if readout not in ("mean", "sum"):
+            raise OnepassError(f"tune trains the 'mean' or 'sum' read-out; this engine's read-out is {readout!r}. "
+                               "Export the base engine with --readout mean")
+        self.decoder, self.readout, self.device, self.bf16 = decoder, readout, device, bf16
+        dims = decoder.dims
+        self.empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim, device=device)
+                      for _ in range(2 * dims.num_layers)]
+
+    def _run(self, batch, past):
+        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.decoder.readout(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                                        t(batch.readout_index), t(batch.readout_target))
+
+    def scores(self, chunk: Chunk) -> list[torch.Tensor]:
+        """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
+        _, _, presents = self._run(causal(chunk.state_ids, 0), self.empty)  # the state's K/V, with gradient
+        batch = pack(chunk.encoded, len(chunk.state_ids))
+        _, target, _ = self._run(batch, presents)  # [R] log-probs of the read-out targets
+        target = target.float()
+        out = []
+        for tokens, readouts in zip(chunk.encoded, batch.option_readouts):
+            sums = torch.stack([target[torch.from_numpy(r).to(self.device)].sum() for r in readouts])  # [K]
+            if self.readout == "mean":
+                sums = sums / torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=self.device)
+            out.append(sums)
+        return out
+
+
+def _target(row: TuneRow, device) -> torch.Tensor:
+    if isinstance(row.target, int):
+        return torch.tensor(row.target, device=device)
+    return torch.tensor(row.target, dtype=torch.float32, device=device)
+
+
+def question_loss(scores: torch.Tensor, row: TuneRow, config: TuneConfig, generator) -> torch.Tensor:
+    """Cross-entropy (label or teacher distribution) plus the weighted RLCD term for one question."""
+    target = _target(row, scores.device)
+    logp = torch.log_softmax(scores, -1)
+    ce = -logp[target] if target.dim() == 0 else -(target * logp).sum()
+    loss = config.ce_weight * ce
+    if config.rlcd_weight:
+        loss = loss + config.rlcd_weight * rlcd_loss(scores.cpu(), target.cpu(), config.group, config.sigma,
+                                                     ordinal=isinstance(row.question, Score),
+                                                     generator=generator).to(scores.device)
+    return loss
+
+
+def evaluate(scorer: PackedScorer, chunks: list[Chunk]) -> dict:
+    """Held-out accuracy and NLL (of the label, or cross-entropy against a teacher) of the current weights."""
+    nll, hits, n = 0.0, 0, 0
+    with torch.no_grad():
+        for chunk in chunks:
+            for s, row in zip(scorer.scores(chunk), chunk.rows):
+                logp = torch.log_softmax(s.double(), -1).cpu()
+                target = _target(row, "cpu")
+                nll += float(-logp[target] if target.dim() == 0 else -(target.double() * logp).sum())
+                hits += int(int(logp.argmax()) == row.label)
+                n += 1
+    return {"nll": nll / n, "accuracy": hits / n, "questions": n}
+
+
+@dataclass
+class Progress:
+    """Where a run stands: written to the checkpoint each epoch, restored by ``--resume``."""
+
+    epoch: int = 0
+    step: int = 0
+    rows_seen: int = 0
+    best_nll: float = math.inf
+    bad_evals: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Trainer:
+    """The optimisation loop: minibatches of whole states, held-out evaluation, early stopping, checkpoints."""
+
+    def __init__(self, scorer: PackedScorer, params: list, config: TuneConfig, train: list[Chunk],
+                 held: list[Chunk], checkpoint: Path, fingerprint: dict, log=print):
+        self.scorer, self.params, self.config, self.fingerprint = scorer, params, config, fingerprint
+        self.train_chunks, self.held = train, held
+        self.checkpoint, self.log = checkpoint, log
+        self.opt = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        self.progress = Progress()
+        self.best = self._snapshot()
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def _restore(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+
+    def save(self) -> None:
+        """The checkpoint, atomically: the last checkpoint stays usable whatever interrupts the run."""
+        tmp = self.checkpoint.with_suffix(".tmp")
+        torch.save({"params": self._snapshot(), "best": self.best, "opt": self.opt.state_dict(),
+                    "progress": dataclasses.asdict(self.progress), "config": dataclasses.asdict(self.config),
+                    "fingerprint": self.fingerprint, "generator": self.gen.get_state()}, tmp)
+        os.replace(tmp, self.checkpoint)
+
+    def resume(self) -> None:
+        """Continue from the checkpoint; refused when it belongs to another configuration or other data."""
+        if not self.checkpoint.is_file():
+            raise OnepassError(f"--resume: no checkpoint at {self.checkpoint}; run without --resume")
+        blob = torch.load(self.checkpoint, weights_only=False)
+        if blob["config"] != dataclasses.asdict(self.config) or blob.get("fingerprint") != self.fingerprint:
+            raise OnepassError(f"--resume: {self.checkpoint} belongs to another configuration or other data; "
+                               "run without --resume to start again")
+        self._restore(blob["params"])
+        self.best = blob["best"]
+        self.opt.load_state_dict(blob["opt"])
+        self.progress = Progress(**blob["progress"])
+        self.gen.set_state(blob["generator"])
+
+    def evaluate(self) -> dict:
+        """Held-out metrics now; keeps the best weights and counts evaluations without improvement."""
+        m = evaluate(self.scorer, self.held)
+        p = self.progress
+        p.history.append({"epoch": p.epoch, "step": p.step, **m})
+        if m["nll"] < p.best_nll - 1e-4:
+            p.best_nll, p.bad_evals, self.best = m["nll"], 0, self._snapshot()
+        else:
+            p.bad_evals += 1
+        return m
+
+    def _step(self, chunks: list[Chunk]) -> float:
+        questions = sum(c.size for c in chunks)
+        total = 0.0
+        for chunk in chunks:
+            losses = [question_loss(s, r, self.config, self.gen) for s, r in zip(self.scorer.scores(chunk), chunk.rows)]
+            loss = torch.stack(losses).sum() / questions
+            loss.backward()
+            total += loss.item()
+        if not math.isfinite(total):
+            raise OnepassError(f"the loss is not finite ({total}) at step {self.progress.step}; lower --lr "
+                               "(or switch off bf16)")
+        warm = min(1.0, (self.progress.step + 1) / 10)  # linear warm-up over 10 steps
+        for g in self.opt.param_groups:
+            g["lr"] = self.config.learning_rate * warm
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self.progress.rows_seen += questions
+        return total
+
+    def _batches(self, epoch: int) -> list[list[Chunk]]:
+        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.train_chunks))
+        batches, current, size = [], [], 0
+        for i in order:
+            current.append(self.train_chunks[i])
+            size += self.train_chunks[i].size
+            if size >= self.config.batch_questions:
+                batches.append(current)
+                current, size = [], 0
+        return batches + ([current] if current else [])
+
+    def _stop(self, started: float) -> bool:
+        c, p = self.config, self.progress
+        late = c.max_minutes is not None and p.seconds + time.perf_counter() - started > 60 * c.max_minutes
+        return late or p.bad_evals >= c.patience
+
+    def run(self) -> Progress:
+        """Train until the epochs, the time budget or the patience run out; the best weights are kept."""
+        from tqdm import tqdm
+
+        c, p = self.config, self.progress
+        if not p.history:
+            before = self.evaluate()
+            self.log(f"held-out before tuning: accuracy {before['accuracy']:.3f}  NLL {before['nll']:.4f} "
+                     f"({before['questions']} questions)")
+        per_epoch = len(self._batches(0))
+        bar = tqdm(total=c.epochs * per_epoch, initial=p.epoch * per_epoch, unit="step", dynamic_ncols=True)
+        started, stop = time.perf_counter(), False
+        try:
+            while p.epoch < c.epochs and not stop:
+                for i, batch in enumerate(self._batches(p.epoch)):
+                    loss = self._step(batch)
+                    elapsed = p.seconds + time.perf_counter() - started
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}", rows_s=f"{p.rows_seen / max(elapsed, 1e-9):.2f}")
+                    if c.eval_every and p.step % c.eval_every == 0 and i + 1 < per_epoch:
+                        self._report(self.evaluate(), bar)
+                    if self._stop(started):
+                        stop = True
+                        break
+                if not stop:
+                    p.epoch += 1
+                self._report(self.evaluate(), bar)
+                p.seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                self.save()
+                stop = stop or self._stop(started)
+        except KeyboardInterrupt:
+            bar.close()
+            raise OnepassError(f"interrupted; the last checkpoint ({self.checkpoint}) is intact: run the same "
+                               "command with --resume to continue") from None
+        bar.close()
+        self._restore(self.best)
+        return p
+
+    def _report(self, m: dict, bar) -> None:
+        bar.write(f"epoch {self.progress.epoch} step {self.progress.step}: held-out accuracy {m['accuracy']:.3f}  "
+                  f"NLL {m['nll']:.4f}")

@@ -1,0 +1,189 @@
+"""`onepass tune --engine DIR --data rows.jsonl --out DIR`: from a base engine and labelled rows to a tuned engine.
+
+The base engine's model (its source and the adapters merged into it) is loaded, trained with
+:mod:`onepass.calibration.tune`, and the result exported through the ordinary export path into
+``--out``: golden file, self-check, manifest with the tuning recorded. Nothing is written to
+``--out`` unless the whole run succeeds; checkpoints live in ``<out>.tune/`` until then.
+A report (accuracy, NLL, Brier, ECE, reliability plot) compares the base and the tuned engine,
+both run by ONNX Runtime, on the held-out states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime import manifest as mf
+from ..runtime.engine import Engine
+from ..runtime.errors import OnepassError
+from ..runtime.prompt import PromptEncoder
+from .tune import PackedScorer, TuneConfig, Trainer, encode_groups
+from .tune_data import TuneRow, group_by_state, load_rows, split_states
+
+
+def _trainable(model, config: TuneConfig):
+    """(model to train, its trainable parameters): LoRA wrappers (peft) or the chosen blocks' own weights."""
+    layers = model.config.num_hidden_layers
+    chosen = list(range(layers - config.train_blocks, layers)) if config.train_blocks else None
+    if config.method == "lora":
+        from peft import get_peft_model
+
+        from ..export.adapter import lora_config
+
+        model = get_peft_model(model, lora_config(config.rank, config.alpha, chosen))
+        return model, [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)
+    blocks = [model.model.layers[i] for i in (chosen or range(layers))]
+    extra = [] if chosen else [model.model.norm, model.model.embed_tokens]
+    for m in blocks + extra:
+        m.requires_grad_(True)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _fingerprint(files: list[dict], base: Path) -> dict:
+    return {"data": [f["sha256"] for f in files], "base": str(base)}
+
+
+def _score_rows(engine: Engine, rows: list[TuneRow]) -> list[dict]:
+    from .run import score_rows
+
+    return score_rows(engine, [{"state": r.state, "question": r.question, "label": r.label,
+                                "dataset": r.dataset or "rows"} for r in rows])
+
+
+def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config: TuneConfig = TuneConfig(),
+         resume: bool = False, report_dir: str | Path | None = None, name: str | None = None, log=print) -> dict:
+    """Tune the base engine's decoder on ``data`` and export the tuned engine to ``out``; returns a summary."""
+    from ..export.adapter import CARD, CONFIG, WEIGHTS, save
+    from ..export.build import export_engine
+    from ..export.decoder import PackedDecoder
+    from ..export.model_source import engine_source, load_model
+
+    t0 = time.perf_counter()
+    base_dir, out = Path(engine_dir), Path(out)
+    rows, files = load_rows(data)
+    base = mf.load(base_dir, verify=False)
+    if base.head is not None:
+        raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
+    encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
+    train_groups, held_groups = split_states(group_by_state(rows), config.holdout, config.seed)
+    train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
+    spec, adapters = engine_source(base)
+    torch.manual_seed(config.seed)
+    loaded = load_model(spec, adapters)
+    if config.method == "head":
+        summary = _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out,
+                             name, log)
+        if report_dir is not None:
+            summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
+        return summary
+    device = _device()
+    model, params = _trainable(loaded.model, config)
+    model.to(device).train()
+    hf = model.base_model.model if config.method == "lora" else model
+    scorer = PackedScorer(PackedDecoder(hf, share=True), base.scoring.readout, device,
+                          config.bf16 if config.bf16 is not None else device.type == "cuda")
+    work = out.with_name(out.name + ".tune")
+    work.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(scorer, params, config, train, held, work / "checkpoint.pt", _fingerprint(files, base_dir), log)
+    if resume:
+        trainer.resume()
+    train_rows = sum(len(g) for g in train_groups)
+    log(f"tuning {base.name} ({config.method}, {len(params)} tensors, "
+        f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows "
+        f"({len(train_groups)} states); {sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out; "
+        f"device {device.type}")
+    progress = trainer.run()
+    model.eval()
+    history = progress.history
+    tuning = mf.TuningInfo(
+        method=config.method, base=f"{base.name} ({loaded.source.get('sha256', loaded.source.get('path'))})",
+        adapters=[{"path": str(a), "sha256": p["sha256"]} for a, p in zip(adapters, loaded.source.get("adapters", []))],
+        data=files, rows=train_rows, holdout_rows=sum(len(g) for g in held_groups), steps=progress.step,
+        rank=config.rank if config.method == "lora" else None,
+        config={**dataclasses.asdict(config), "learning_rate": config.learning_rate, "device": device.type},
+        metrics={"heldout_before": _metric(history[0]), "heldout_best": _best(history), "seconds": progress.seconds,
+                 "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9), "evaluations": history})
+    extra, model_spec, export_adapters = {}, spec, list(adapters)
+    if config.method == "lora":
+        adapter_dir = save(model, work / "adapter", {"base_sha256": loaded.source.get("sha256"),
+                                                     "base": tuning.base, "tuning": dataclasses.asdict(tuning)})
+        export_adapters.append(adapter_dir)
+        extra = {n: adapter_dir / n for n in (WEIGHTS, CONFIG, CARD)}
+    else:
+        model_spec, export_adapters = work / "full_model", []
+        shutil.rmtree(model_spec, ignore_errors=True)
+        model.save_pretrained(model_spec)
+        loaded.tokenizer.save_pretrained(model_spec)
+    export_engine(out, model_spec, name=name or f"{base.name}-tuned", limits=base.limits, scoring=base.scoring,
+                  prompt=base.prompt, precision=base.precision, adapters=export_adapters, tuning=tuning,
+                  extra_files=extra)
+    summary = {"tuning": dataclasses.asdict(tuning), "seconds_total": time.perf_counter() - t0}
+    if report_dir is not None:
+        summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
+    shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out, name,
+               log) -> dict:
+    """``method="head"``: the RLCD decision head over the frozen decoder's features, exported into the graph."""
+    from ..export.build import export_engine
+    from ..export.decoder import PackedDecoder
+    from . import head as hd
+    from .head_features import extract
+
+    decoder = PackedDecoder(loaded.model).eval()
+    train, held = ([r for g in groups for r in g] for groups in (train_groups, held_groups))
+    feats_train, feats_held = extract(decoder, encoder, train, False), extract(decoder, encoder, held, False)
+    head_config = hd.HeadConfig(width=16, rlcd_weight=config.rlcd_weight, lr=1e-3, seed=config.seed)
+    model, history = hd.train(feats_train, feats_held, head_config, log=log)
+    before = hd.mean_nll([_softmax(s) for s in _zero_shot(feats_held)], feats_held.label)
+    info = {"method": "tune --method head", "data": files, "rows": len(train), "holdout_rows": len(held),
+            "config": dataclasses.asdict(head_config), "heldout_nll_before": before,
+            "heldout_nll_after": min((h["val_nll"] for h in history), default=before)}
+    head_info = mf.HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)
+    export_engine(out, spec, name=name or f"{base.name}-head", limits=base.limits, prompt=base.prompt,
+                  precision=base.precision, adapters=adapters, head=model.head, head_info=head_info)
+    return {"head": info}
+
+
+def _zero_shot(feats) -> list:
+    z = feats.mean_logprob()
+    return [z[feats.offsets[i]:feats.offsets[i + 1]] for i in range(feats.num_questions)]
+
+
+def _softmax(scores):
+    from ..runtime.readout import softmax
+
+    return softmax(scores)
+
+
+def _metric(entry: dict) -> dict:
+    return {"accuracy": entry["accuracy"], "nll": entry["nll"], "questions": entry["questions"]}
+
+
+def _best(history: list[dict]) -> dict:
+    return _metric(min(history, key=lambda e: e["nll"]))
+
+
+def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out: Path) -> dict:
+    """Base vs tuned engine (ONNX Runtime) on the held-out rows: the calibration report's metrics and plots."""
+    from .report import write_report
+    from .run import evaluate
+
+    before = _score_rows(Engine.load(base_dir, verify=False), held)
+    after = _score_rows(Engine.load(tuned_dir), held)
+    report = {"before": evaluate(before), "after": evaluate(after),
+              "note": "before: the base engine; after: the tuned engine; held-out states only (never trained on)"}
+    write_report(report, out)
+    return {k: {m: report[k]["all"][m] for m in ("accuracy", "nll", "brier", "ece", "rows")}
+            for k in ("before", "after")}

@@ -1,0 +1,95 @@
+"""LoRA adapters (PEFT format): the default adapter shipped with onepass, saving one, merging them into a model.
+
+An adapter is a standard PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``,
+float16) targeting the Hugging Face module names of its base model, so peft and transformers
+load it as they would any adapter, plus ``onepass_adapter.json``: the base model's sha256 and how
+the adapter was trained. Export merges adapters into the weights (``merge_and_unload``): the
+exported graph is an ordinary engine and the runtime does not change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..runtime.errors import ModelSourceError
+from ..runtime.manifest import sha256_file
+
+ADAPTERS = Path(__file__).parent / "adapters"
+DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
+CARD = "onepass_adapter.json"
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def resolve(spec: str | None, model_spec) -> list[Path]:
+    """The adapters to merge: ``"none"`` none; ``None``/``"default"`` the shipped one for the default
+    model (none for other models); otherwise the folder given."""
+    if spec == "none":
+        return []
+    if spec in (None, "default"):
+        return [DEFAULT_ADAPTER] if model_spec is None else []
+    path = Path(spec)
+    if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+        raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "
+                               "`onepass tune`, 'default' or 'none'")
+    return [path]
+
+
+def card(adapter: Path) -> dict:
+    """The adapter's onepass card ({} when it has none)."""
+    path = Path(adapter) / CARD
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def provenance(adapter: Path) -> dict:
+    """What the manifest records of an adapter: where it was, the sha256 of its weights, its card."""
+    return {"path": str(adapter), "sha256": sha256_file(Path(adapter) / WEIGHTS), "card": card(adapter)}
+
+
+def merge(model, adapter: Path, base_sha256: str | None = None):
+    """``model`` with the LoRA adapter at ``adapter`` merged into its weights (peft ``merge_and_unload``).
+
+    An adapter trained for another base model (its card names another sha256) is refused.
+    """
+    from peft import PeftModel
+
+    adapter = Path(adapter)
+    if not (adapter / WEIGHTS).is_file():
+        raise ModelSourceError(f"adapter {adapter} has no {WEIGHTS}; restore it from the repository or export with "
+                               "--adapter none")
+    want = card(adapter).get("base_sha256")
+    if want and base_sha256 and want != base_sha256:
+        raise ModelSourceError(f"adapter {adapter} was trained on a base model with sha256 {want[:16]}..., not "
+                               f"{base_sha256[:16]}...; export with --adapter none or tune an adapter for this model")
+    return PeftModel.from_pretrained(model, str(adapter), is_trainable=False).merge_and_unload()
+
+
+def lora_config(rank: int, alpha: float | None, layers: list[int] | None, dropout: float = 0.0):
+    """The LoRA configuration onepass trains: attention and MLP projections of the chosen layers."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
+                      target_modules=list(LORA_TARGETS), layers_to_transform=layers, bias="none")
+
+
+def save(peft_model, out: Path, info: dict) -> Path:
+    """Write the adapter in float16 (PEFT format) plus its card to ``out``, atomically."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().to(torch.float16).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    peft_model.peft_config["default"].save_pretrained(str(tmp))
+    (tmp / CARD).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,217 @@
+"""`onepass tune`: rows and their errors, the split by whole states, RLCD with teacher targets, the training
+loop's checkpoint/resume determinism, and (slow) a real tune of the default engine that exports and self-checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onepass import Choice, Noul, Score  # noqa: E402
+from onepass.calibration import rlcd  # noqa: E402
+from onepass.calibration import tune as tn  # noqa: E402
+from onepass.calibration.tune_data import group_by_state, load_rows, split_states  # noqa: E402
+from onepass.runtime.errors import InvalidRequest, OnepassError  # noqa: E402
+from onepass.runtime.questions import to_wire  # noqa: E402
+
+NOUL = to_wire(Noul("Is it raining?"))
+TEAM = to_wire(Choice("Which team?", {"red": None, "blue": "the blue team"}))
+LEVEL = to_wire(Score("How loud?", ["Quiet", "Loud", "Very loud"]))
+
+
+def _write(tmp_path, rows, name="rows.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_rows_parse_labels_and_teacher_distributions(tmp_path):
+    path = _write(tmp_path, [{"state": "wet", "question": NOUL, "label": "yes"},
+                             {"state": "wet", "question": TEAM, "probabilities": {"red": 0.25, "blue": 0.75}},
+                             {"state": "dry", "question": NOUL, "probabilities": 0.1},
+                             {"state": "dry", "question": LEVEL, "label": 2, "probabilities": {"0": 0.5, "2": 0.5}}])
+    rows, files = load_rows([path])
+    assert [r.target for r in rows] == [0, (0.25, 0.75), (0.1, 0.9), (0.5, 0.0, 0.5)]
+    assert [r.label for r in rows] == [0, 1, 1, 0]
+    assert files[0]["rows"] == 4 and len(files[0]["sha256"]) == 64
+    assert [len(g) for g in group_by_state(rows)] == [2, 2]
+
+
+@pytest.mark.parametrize("row, message", [
+    ('{"state": "x", "question": ', "rows.jsonl:1: not valid JSON"),
+    ({"question": NOUL, "label": "yes"}, "rows.jsonl:1: state: missing"),
+    ({"state": "x", "question": NOUL}, "rows.jsonl:1: label: a row needs a label or probabilities"),
+    ({"state": "x", "question": NOUL, "label": "maybe"}, "a noul label must be yes/no"),
+    ({"state": "x", "question": TEAM, "label": "green"}, "label 'green' is not one of the options"),
+    ({"state": "x", "question": LEVEL, "label": 3}, "score label 3 is outside 0..2"),
+    ({"state": "x", "question": TEAM, "probabilities": {"red": 0.5, "green": 0.5}}, r"unknown option\(s\) \['green'\]"),
+    ({"state": "x", "question": TEAM, "probabilities": {"red": 0.5, "blue": 0.6}}, "sum to 1.1000"),
+    ({"state": "x", "question": TEAM, "probabilities": {"red": -0.5, "blue": 1.5}}, "finite number >= 0"),
+    ({"state": "", "question": NOUL, "label": "yes"}, "the state must not be empty"),
+    ({"state": "x", "question": {"type": "poll"}, "label": "yes"}, "rows.jsonl:1: question"),
+])
+def test_bad_rows_are_one_line_errors_naming_the_row_and_field(tmp_path, row, message):
+    with pytest.raises(InvalidRequest, match=message) as err:
+        load_rows([_write(tmp_path, [row])])
+    assert "\n" not in str(err.value)
+
+
+def test_empty_data_and_too_few_states_are_refused(tmp_path):
+    with pytest.raises(InvalidRequest, match="no rows"):
+        load_rows([_write(tmp_path, ["", "  "])])
+    rows, _ = load_rows([_write(tmp_path, [{"state": s, "question": NOUL, "label": "no"} for s in "abc"])])
+    with pytest.raises(InvalidRequest, match="3 distinct states are too few"):
+        split_states(group_by_state(rows), 0.3, 0)
+
+
+def test_split_keeps_every_state_on_one_side_and_is_seeded(tmp_path):
+    rows, _ = load_rows([_write(tmp_path, [{"state": f"s{i % 10}", "question": NOUL, "label": "yes"}
+                                           for i in range(40)])])
+    train, held = split_states(group_by_state(rows), 0.3, seed=3)
+    states = lambda groups: {r.state for g in groups for r in g}  # noqa: E731
+    assert not states(train) & states(held) and len(states(train) | states(held)) == 10
+    assert sum(len(g) for g in train + held) == 40 and len(held) == 3
+    assert split_states(group_by_state(rows), 0.3, seed=3) == (train, held)
+
+
+def test_rlcd_teacher_reward_is_the_expectation_of_label_rewards():
+    p = torch.softmax(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), -1)
+    onehot = torch.tensor([0.0, 1.0, 0.0])
+    assert torch.allclose(rlcd.expected_reward(p, onehot, True), rlcd.rlcd_reward(p, torch.full((5,), 1), True))
+    teacher = torch.tensor([0.2, 0.5, 0.3])
+    mixed = sum(w * rlcd.rlcd_reward(p, torch.full((5,), j), False) for j, w in enumerate(teacher.tolist()))
+    assert torch.allclose(rlcd.expected_reward(p, teacher, False), mixed)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _ToyScorer:
+    """Stands in for the packed decoder: option scores are a linear map of a per-state feature."""
+
+    def __init__(self, interrupt_after=None):
+        self.weight = torch.nn.Parameter(torch.zeros(3, 4))
+        self.calls, self.interrupt_after = 0, interrupt_after
+
+    def scores(self, chunk):
+        self.calls += 1
+        if self.interrupt_after is not None and self.calls > self.interrupt_after:
+            raise KeyboardInterrupt
+        x = torch.tensor(chunk.state_ids, dtype=torch.float32)
+        return [self.weight @ x for _ in chunk.rows]
+
+
+def _toy_chunks(n, seed):
+    from onepass.calibration.tune_data import TuneRow
+
+    g = torch.Generator().manual_seed(seed)
+    q = Choice("pick", {"a": None, "b": None, "c": None})
+    chunks = []
+    for i in range(n):
+        x = torch.randn(4, generator=g)
+        label = int(torch.argmax(x[:3]))
+        chunks.append(tn.Chunk(x.tolist(), [None], [TuneRow(f"s{i}", q, label)]))
+    return chunks
+
+
+def _trainer(tmp_path, scorer, config):
+    return tn.Trainer(scorer, [scorer.weight], config, _toy_chunks(24, 0), _toy_chunks(8, 1),
+                      tmp_path / "checkpoint.pt", {"data": ["toy"]}, log=lambda *_: None)
+
+
+def test_training_lowers_heldout_nll_and_resume_after_interrupt_reproduces_the_uninterrupted_run(tmp_path):
+    config = tn.TuneConfig(epochs=4, batch_questions=4, lr=0.05, patience=10, rlcd_weight=0.5)
+    full = _trainer(tmp_path / "a", _ToyScorer(), config)
+    (tmp_path / "a").mkdir()
+    progress = full.run()
+    assert progress.history[-1]["nll"] < progress.history[0]["nll"] - 0.1  # the loss falls on held-out states
+    (tmp_path / "b").mkdir()
+    broken = _trainer(tmp_path / "b", _ToyScorer(interrupt_after=8 + 2 * (24 + 8) + 5), config)  # dies in epoch 3
+    with pytest.raises(OnepassError, match="--resume"):
+        broken.run()
+    resumed = _trainer(tmp_path / "b", _ToyScorer(), config)
+    resumed.resume()
+    assert resumed.progress.epoch == 2
+    resumed.run()
+    assert torch.equal(resumed.scorer.weight, full.scorer.weight)
+    other = _trainer(tmp_path / "b", _ToyScorer(), dataclasses.replace(config, lr=0.01))
+    with pytest.raises(OnepassError, match="another configuration"):
+        other.resume()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="method must be one of"):
+        tn.TuneConfig(method="qlora")
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        tn.TuneConfig(rank=0)
+    with pytest.raises(ValueError, match="not both 0"):
+        tn.TuneConfig(ce_weight=0, rlcd_weight=0)
+
+
+@pytest.mark.slow
+def test_default_engine_records_its_adapter_and_tuning(engine):
+    from onepass.export.adapter import DEFAULT_ADAPTER, WEIGHTS
+    from onepass.runtime.manifest import sha256_file
+
+    tuning, adapters = engine.manifest.tuning, engine.manifest.source["adapters"]
+    assert tuning is not None and tuning.method == "lora" and tuning.steps > 0 and tuning.rows > 0
+    assert adapters[0]["sha256"] == sha256_file(DEFAULT_ADAPTER / WEIGHTS)
+
+
+def _colour_rows(tmp_path):
+    rows = [{"state": f"The {thing} is {color}.", "question": to_wire(Choice("Which colour is mentioned?",
+                                                                             {"red": None, "green": None})),
+             "label": color} for thing in ("car", "door", "cup", "kite", "hat", "box") for color in ("red", "green")]
+    return _write(tmp_path, rows)
+
+
+@pytest.mark.slow
+def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
+    from onepass import Engine
+    from onepass.calibration.tune_engine import tune
+    from onepass.runtime.selfcheck import check_golden
+
+    data = _colour_rows(tmp_path)
+    out = tmp_path / "tuned"
+    config = tn.TuneConfig(rank=2, train_blocks=2, epochs=3, batch_questions=4, lr=2e-3, holdout=0.25, patience=3)
+    summary = tune(engine_dir, [data], out, config, report_dir=tmp_path / "report", log=lambda *_: None)
+    metrics = summary["tuning"]["metrics"]
+    assert metrics["heldout_best"]["nll"] < metrics["heldout_before"]["nll"]  # the loss falls on held-out states
+    tuned = Engine.load(out)
+    check_golden(tuned)  # raises unless the ONNX graph reproduces the merged PyTorch decoder (golden file)
+    m = tuned.manifest
+    assert m.tuning.data[0]["sha256"] == summary["tuning"]["data"][0]["sha256"] and m.tuning.rank == 2
+    assert m.tuning.steps == summary["tuning"]["steps"] > 0 and "adapter_model.safetensors" in m.files
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["after"]["all"]["nll"] == pytest.approx(metrics["heldout_best"]["nll"], abs=1e-3)  # served == trained
+    assert not (tmp_path / "tuned.tune").exists()
+
+
+@pytest.mark.slow
+def test_tune_method_head_exports_an_engine_that_answers_with_its_head(engine_dir, tmp_path):
+    from onepass import Engine
+    from onepass.calibration.tune_engine import tune
+
+    out = tmp_path / "head"
+    summary = tune(engine_dir, [_colour_rows(tmp_path)], out, tn.TuneConfig(method="head", holdout=0.25),
+                   log=lambda *_: None)
+    engine = Engine.load(out)  # hash-verified; export already checked the graph against its golden file
+    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 9
+    assert summary["head"]["heldout_nll_after"] <= summary["head"]["heldout_nll_before"]
+    answer = engine.ask("The kite is green.", {"c": Choice("Which colour is mentioned?", {"red": None, "green": None})})
+    assert set(answer["c"].probabilities) == {"red", "green"}
+
+
+def test_tune_cli_errors_are_one_line_and_write_nothing(tmp_path):
+    data = _write(tmp_path, [{"state": "x", "question": NOUL, "label": "maybe"}])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "onepass", "tune", "--engine", str(tmp_path), "--data", str(data),
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "rows.jsonl:1" in proc.stderr, proc.stderr
+    assert not out.exists()
