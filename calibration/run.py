@@ -148,7 +148,10 @@ def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
     out = {}
     for name in sorted({r["dataset"] for r in scored}):
         idx = [i for i, r in enumerate(scored) if r["dataset"] == name]
-        probs = np.vstack([probabilities([scored[i]], cal_of[i])[0] for i in idx])
+        rows = [probabilities([scored[i]], cal_of[i])[0][0] for i in idx]  # [K] each; K may vary within a set
+        probs = np.zeros((len(rows), max(len(p) for p in rows)))
+        for j, p in enumerate(rows):
+            probs[j, :len(p)] = p
         labels = np.array([scored[i]["label"] for i in idx])
         out[name] = {"rows": len(idx), **metrics.summary(probs, labels), "ece_floor": metrics.ece_floor(probs)}
     return out
