@@ -162,7 +162,7 @@ def cmd_tune(args) -> int:
     config = TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
                         epochs=args.epochs, max_minutes=args.max_minutes, batch_questions=args.batch_questions,
                         rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
-                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every)
+                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience)
     summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
                    report_dir=args.report or f"{args.out}-report", name=args.name)
     if "head" in summary:
@@ -343,6 +343,8 @@ def parser() -> argparse.ArgumentParser:
     tn.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
     tn.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, report)")
     tn.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
+    tn.add_argument("--patience", type=int, default=2, help="held-out evaluations without NLL improvement before "
+                                                             "stopping (the best weights are kept)")
     tn.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
     tn.add_argument("--seed", type=int, default=0)
     tn.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")

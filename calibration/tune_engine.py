@@ -126,11 +126,22 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     export_engine(out, model_spec, name=name or f"{base.name}-tuned", limits=base.limits, scoring=base.scoring,
                   prompt=base.prompt, precision=base.precision, adapters=export_adapters, tuning=tuning,
                   extra_files=extra)
+    if config.method == "lora":
+        _point_adapter_at(out)
     summary = {"tuning": dataclasses.asdict(tuning), "seconds_total": time.perf_counter() - t0}
     if report_dir is not None:
         summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
     shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+def _point_adapter_at(engine_dir: Path) -> None:
+    """The tuned engine holds its own adapter files (a PEFT folder): its manifest names the engine, not the
+    work folder that is deleted, so the engine can be re-exported or tuned again."""
+    m = mf.load(engine_dir, verify=False)
+    adapters = [dict(a) for a in m.source["adapters"]]
+    adapters[-1]["path"] = str(engine_dir.resolve())
+    mf.write(engine_dir, dataclasses.replace(m, source={**m.source, "adapters": adapters}))
 
 
 def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out, name,
@@ -168,7 +179,7 @@ def _softmax(scores):
 
 
 def _metric(entry: dict) -> dict:
-    return {"accuracy": entry["accuracy"], "nll": entry["nll"], "questions": entry["questions"]}
+    return {"accuracy": entry["accuracy"], "nll": entry["nll"], "questions": entry["questions"], "step": entry["step"]}
 
 
 def _best(history: list[dict]) -> dict:

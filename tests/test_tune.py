@@ -191,6 +191,9 @@ def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["after"]["all"]["nll"] == pytest.approx(metrics["heldout_best"]["nll"], abs=1e-3)  # served == trained
     assert not (tmp_path / "tuned.tune").exists()
+    from onepass.export.model_source import engine_source
+
+    assert engine_source(m)[1][-1] == out.resolve()  # re-exportable: its own adapter files are in the engine
 
 
 @pytest.mark.slow
