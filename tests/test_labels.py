@@ -43,8 +43,11 @@ def test_fraud_and_fraud_review_share_a_first_token_but_not_a_score(engine, hf_m
 
 
 def test_chinese_labels_split_into_several_tokens(engine, hf_model):
-    q, _ = _check_exact(engine, hf_model, ZH_POS, ZH)
+    q, lp_pos = _check_exact(engine, hf_model, ZH_POS, ZH)
+    _, lp_neg = _check_exact(engine, hf_model, ZH_NEG, ZH)
     assert all(len(o) >= 3 for o in q.options), "each Chinese label is several byte-level tokens + end"
     pos = engine.ask(ZH_POS, {"q": ZH})["q"].probabilities["积极"]
-    neg = engine.ask(ZH_NEG, {"q": ZH})["q"].probabilities["积极"]
-    assert abs(pos - 0.5) > 0.02 and abs(pos - neg) > 0.01, (pos, neg)
+    assert abs(pos - 0.5) > 0.02, pos  # the multi-token labels do not tie
+    # the state is read: both labels' exact log-likelihoods move with it (the tuned default judges Chinese
+    # sentiment weakly, P(积极) 0.538 vs 0.539, so its probabilities are not what this checks)
+    assert np.abs(lp_pos - lp_neg).min() > 0.05, (lp_pos, lp_neg)
