@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +26,12 @@ import numpy as np
 import torch
 
 from ..runtime import manifest as mf
-from ..runtime.errors import InvalidRequest, LimitExceeded, OnepassError
+from ..runtime.errors import LimitExceeded, OnepassError
 from ..runtime.prompt import PromptEncoder
 from ..runtime.questions import Score
 from ..runtime.tree import causal, pack
 from .rlcd import rlcd_loss
-from .tune_data import TuneRow, group_by_state, load_rows, split_states
+from .tune_data import TuneRow
 
 METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/head.py)
 
