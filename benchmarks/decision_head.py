@@ -60,11 +60,6 @@ def metrics(probs: list[np.ndarray], labels: np.ndarray) -> dict:
             "ece": ece(p, labels)}
 
 
-def zero_shot(feats: OptionFeatures) -> list[np.ndarray]:
-    z = feats.mean_logprob()
-    return [softmax(z[feats.offsets[i]:feats.offsets[i + 1]]) for i in range(feats.num_questions)]
-
-
 def calibration_rows(feats: OptionFeatures) -> list[dict]:
     z = feats.mean_logprob()
     return [{"type": "choice", "scores": z[feats.offsets[i]:feats.offsets[i + 1]].tolist(), "label": int(feats.label[i]),
@@ -144,7 +139,7 @@ def main(argv=None) -> int:
     test = part["test"]
     methods = {
         "majority position (per task, oracle)": majority(test),
-        "zero-shot (mean read-out)": zero_shot(test),
+        "zero-shot (mean read-out)": test.zero_shot_probabilities(),
         "zero-shot + temperature (fit on train+val tasks)": calibrated(cal, test),
         "head, cross-entropy only": hd.probabilities(best_ce[1], test),
         "head, cross-entropy + RLCD": hd.probabilities(best_rl[1], test),

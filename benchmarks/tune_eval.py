@@ -34,7 +34,7 @@ from onepass import Engine  # noqa: E402
 from onepass.calibration import metrics  # noqa: E402
 from onepass.calibration.fit import fit  # noqa: E402
 from onepass.calibration.mixture import heldout_rows, write_jsonl  # noqa: E402
-from onepass.calibration.run import cross_fitted, evaluate, load_rows, score_rows  # noqa: E402
+from onepass.calibration.run import cross_fitted, evaluate, load_rows, probabilities, score_rows  # noqa: E402
 from onepass.calibration.tune import TuneConfig  # noqa: E402
 from onepass.calibration.tune_engine import tune  # noqa: E402
 from onepass.runtime.questions import from_wire, to_wire  # noqa: E402
@@ -118,8 +118,6 @@ def user_rows(name: str, n: int, seed: int) -> tuple[list[dict], list[dict]]:
 
 def _accuracy_with(scored_train, scored_test, calibrated: bool) -> dict:
     cal = fit(scored_train, "mean") if calibrated else None
-    from onepass.calibration.run import probabilities
-
     probs, labels, _ = probabilities(scored_test, cal)
     return {"accuracy": metrics.accuracy(probs, labels), "nll": metrics.nll(probs, labels),
             "ece": metrics.ece(probs, labels)}

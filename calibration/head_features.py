@@ -38,6 +38,13 @@ class OptionFeatures:
         """The zero-shot read-out (per-token mean log-likelihood), [O]."""
         return self.logprob / self.length
 
+    def zero_shot_probabilities(self) -> list[np.ndarray]:
+        """Per question, the softmax of the zero-shot read-out over its options."""
+        from ..runtime.readout import softmax
+
+        z = self.mean_logprob()
+        return [softmax(z[self.offsets[i]:self.offsets[i + 1]]) for i in range(self.num_questions)]
+
     def select(self, mask: np.ndarray) -> "OptionFeatures":
         """The questions where ``mask`` [Q] is True."""
         keep = np.flatnonzero(mask)

@@ -157,7 +157,7 @@ def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups,
     feats_train, feats_held = extract(decoder, encoder, train, False), extract(decoder, encoder, held, False)
     head_config = hd.HeadConfig(width=16, rlcd_weight=config.rlcd_weight, lr=1e-3, seed=config.seed)
     model, history = hd.train(feats_train, feats_held, head_config, log=log)
-    before = hd.mean_nll([_softmax(s) for s in _zero_shot(feats_held)], feats_held.label)
+    before = hd.mean_nll(feats_held.zero_shot_probabilities(), feats_held.label)
     info = {"method": "tune --method head", "data": files, "rows": len(train), "holdout_rows": len(held),
             "config": dataclasses.asdict(head_config), "heldout_nll_before": before,
             "heldout_nll_after": min((h["val_nll"] for h in history), default=before)}
@@ -165,17 +165,6 @@ def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups,
     export_engine(out, spec, name=name or f"{base.name}-head", limits=base.limits, prompt=base.prompt,
                   precision=base.precision, adapters=adapters, head=model.head, head_info=head_info)
     return {"head": info}
-
-
-def _zero_shot(feats) -> list:
-    z = feats.mean_logprob()
-    return [z[feats.offsets[i]:feats.offsets[i + 1]] for i in range(feats.num_questions)]
-
-
-def _softmax(scores):
-    from ..runtime.readout import softmax
-
-    return softmax(scores)
 
 
 def _metric(entry: dict) -> dict:
