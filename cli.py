@@ -88,7 +88,7 @@ def cmd_serve(args) -> int:
 
     config = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                    max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                                   batch_window_ms=args.batch_window_ms)
+                                   batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
     if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
         try:
             from .export.build import export_engine
@@ -160,7 +160,8 @@ def cmd_tune(args) -> int:
         raise OnepassError(f"tune needs the [export,calibrate] extras ({err.name} is missing): "
                            "pip install torch==2.13.0 && pip install 'onepass[export,calibrate]'") from None
     config = TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
-                        epochs=args.epochs, max_minutes=args.max_minutes, batch_questions=args.batch_questions,
+                        epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
+                        batch_questions=args.batch_questions,
                         rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
                         max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience)
     summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
@@ -339,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     tn.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
     tn.add_argument("--epochs", type=int, default=3)
     tn.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
+    tn.add_argument("--max-steps", type=int, default=None,
+                    help="stop after this many optimiser steps (reproducible, unlike --max-minutes)")
     tn.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     tn.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
     tn.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, report)")
@@ -382,6 +385,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    serve.add_argument("--request-timeout", type=float, default=10.0,
+                       help="seconds a request may take, queue included, unless the client sends X-Request-Timeout; "
+                            "requests that cannot be answered in time get 429 (on arrival) or 503 (queued)")
     serve.add_argument("--batch-window-ms", type=float, default=2.0,
                        help="requests about one state arriving within this window share a pass (0: off)")
     serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")

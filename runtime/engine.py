@@ -15,14 +15,16 @@ import numpy as np
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
 from .calibration import question_key
-from .errors import BackendUnavailable, InvalidRequest, LimitExceeded, OnepassError
+from .errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
-from .tree import PackedBatch, QuestionTokens, option_head_scores, option_logprobs, pack
+from .tree import PackedBatch, QuestionTokens, TooManyTokens, option_head_scores, option_logprobs, pack
 
 DEFAULT_CACHE_BYTES = 512 << 20
+MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the packed limit
+MAX_QUESTION_ID_CHARS = 256
 PRIOR_CACHE_ITEMS = 4096
 
 
@@ -108,8 +110,12 @@ class Engine:
         """Prefill a state (a string, bytes in UTF-8, or a JSON value) or take it from the cache."""
         if isinstance(state, State):
             return state
-        ids = tuple(self.encoder.state(state_text(state)))
+        text = state_text(state)
         limit = self.manifest.limits.max_state_tokens
+        if self.encoder.surely_over(text, limit):
+            raise LimitExceeded(f"the state is more than {limit} tokens; this engine allows at most {limit}. "
+                                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
+        ids = tuple(self.encoder.state(text))
         if len(ids) > limit:
             raise LimitExceeded(
                 f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
@@ -132,26 +138,39 @@ class Engine:
         if len(questions) > limits.max_questions:
             raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
                                 "per request", "questions")
-        encoded = []
+        encoded, total = [], 0
         for qid, q in questions.items():
-            if not isinstance(qid, str) or not qid:
-                raise InvalidRequest("question ids must be non-empty strings", "questions")
+            check_question_id(qid)
             if not hasattr(q, "instructions"):
                 raise InvalidRequest("expected a Noul, Choice or Score question", f"questions.{qid}")
             n_opts = len(self.encoder.options(q))
             if n_opts > limits.max_options:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
-            encoded.append(self.encoder.question(q))
+            if self.encoder.surely_over(self.encoder.caller_text(q), limits.max_packed_tokens):
+                raise LimitExceeded(f"the question is more than {limits.max_packed_tokens} tokens; this engine "
+                                    f"packs at most {limits.max_packed_tokens} per request", f"questions.{qid}")
+            tokens = self.encoder.question(q)
+            if len(tokens.trunk) > limits.max_packed_tokens:
+                raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens; this engine packs at most "
+                                    f"{limits.max_packed_tokens} per request", f"questions.{qid}")
+            total += len(tokens.trunk) + sum(map(len, tokens.options))
+            if total > MAX_ENCODED_FACTOR * limits.max_packed_tokens:  # far past any packing: stop tokenising
+                raise LimitExceeded(f"the questions are more than {MAX_ENCODED_FACTOR * limits.max_packed_tokens} "
+                                    f"tokens before sharing; this engine packs at most {limits.max_packed_tokens}",
+                                    "questions")
+            encoded.append(tokens)
         return encoded
 
     def pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
         """The packed batch of encoded questions over a state; raises LimitExceeded past the limits."""
-        batch = pack(encoded, state.num_tokens)
         limits, model = self.manifest.limits, self.manifest.model
-        if batch.num_tokens > limits.max_packed_tokens:
-            raise LimitExceeded(f"the questions pack into {batch.num_tokens} tokens; this engine allows at most "
-                                f"{limits.max_packed_tokens} per request. Send fewer or shorter questions", "questions")
+        try:
+            batch = pack(encoded, state.num_tokens, max_tokens=limits.max_packed_tokens)
+        except TooManyTokens as err:
+            raise LimitExceeded(f"the questions pack into {err.num_tokens} tokens; this engine allows at most "
+                                f"{limits.max_packed_tokens} per request. Send fewer or shorter questions",
+                                "questions") from None
         last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
         if last + 1 > model.max_position:
             raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {model.max_position}",
@@ -201,8 +220,9 @@ class Engine:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
 
         Each request's questions are separate subtrees of the packed tree, so every answer
-        equals its request run alone. Returns, per request, a Result or the OnepassError it
-        raised (a bad request never fails the others).
+        equals its request run alone. Returns, per request, a Result or the exception it
+        raised (OnepassError for bad input): a bad or failing request never fails the others —
+        when a merged pass fails, its requests are run again one by one.
         """
         out: list = [None] * len(requests)
         groups: dict = {}
@@ -212,24 +232,38 @@ class Engine:
                 state = self.state(raw)
                 own = self.pack(state, encoded).num_tokens  # its own size and limits, as if alone
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
-            except OnepassError as err:
+            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err
         for members in groups.values():
             state = members[0][1]
-            try:
-                _, merged, merged_heads = self._score(state, [q for m in members for q in m[3]])
-            except LimitExceeded:  # merged too large: run these one by one
+            scored = self._score_merged(state, members) if len(members) > 1 else None
+            if scored is None:  # alone, or the merged pass failed: each request can only fail itself
                 for i, _, questions, _, _ in members:
-                    out[i] = self.run(state, questions, readout)
+                    try:
+                        out[i] = self.run(state, questions, readout)
+                    except Exception as err:  # noqa: BLE001 - its failure is its own answer
+                        out[i] = err
                 continue
+            merged, merged_heads = scored
             logprobs = iter(merged)
             heads = iter(merged_heads) if merged_heads is not None else None
             for i, _, questions, encoded, own in members:
                 mine = [next(logprobs) for _ in encoded]
                 my_heads = [next(heads) for _ in encoded] if heads is not None else None
-                out[i] = Result(self._answers(questions, encoded, mine, readout, heads=my_heads),
-                                state.num_tokens + own, own)
+                try:
+                    out[i] = Result(self._answers(questions, encoded, mine, readout, heads=my_heads),
+                                    state.num_tokens + own, own)
+                except Exception as err:  # noqa: BLE001 - its failure is its own answer
+                    out[i] = err
         return out
+
+    def _score_merged(self, state: State, members: list):
+        """(logprobs, heads) of several requests' questions in one pass, or None if that pass fails."""
+        try:
+            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]])
+        except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
+            return None
+        return logprobs, heads
 
     def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
         scores = self.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
@@ -284,6 +318,20 @@ class Engine:
         return response_body(body, self.name, self.run(state, questions))
 
 
+def check_question_id(qid) -> None:
+    """A question id is non-empty text of at most MAX_QUESTION_ID_CHARS that UTF-8 can encode."""
+    if not isinstance(qid, str) or not qid:
+        raise InvalidRequest("question ids must be non-empty strings", "questions")
+    if len(qid) > MAX_QUESTION_ID_CHARS:
+        raise InvalidRequest(f"a question id is {len(qid)} characters; at most {MAX_QUESTION_ID_CHARS} are allowed",
+                             "questions")
+    try:
+        qid.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequest(f"a question id is not valid UTF-8 text (character {err.start}); send UTF-8 text",
+                             "questions") from None
+
+
 def parse_request(body: Mapping) -> tuple:
     """(state, {id: Question}) of a TypeSafe System One request body; InvalidRequest names the field."""
     if not isinstance(body, Mapping):
@@ -295,6 +343,8 @@ def parse_request(body: Mapping) -> tuple:
         raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
     if body.get("assets"):
         raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
+    for qid in raw:
+        check_question_id(qid)
     return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from .errors import InvalidRequest
-from .questions import Noul, Question, Score, as_text, check_utf8
+from .questions import Choice, Noul, Question, Score, as_text, check_utf8
 from .tree import QuestionTokens
 
 Piece = tuple  # (text, trusted)
@@ -77,12 +77,18 @@ def state_text(state) -> str:
     else:
         try:
             text = as_text(state)
+        except RecursionError:
+            raise InvalidRequest("the state is nested too deeply to serialise", "state") from None
         except (TypeError, ValueError) as err:
             raise InvalidRequest(f"the state must be a string or JSON-serialisable: {err}", "state") from None
     check_utf8(text, "the state", "state")
     if not text.strip():
         raise InvalidRequest("the state must not be empty", "state")
     return text
+
+
+COUNT_CHUNK = 16384  # characters tokenised at a time when counting a long text against a limit
+BOUNDARY_SLACK = 4  # tokens a cut at whitespace can change the count by, at most
 
 
 class PromptEncoder:
@@ -93,6 +99,29 @@ class PromptEncoder:
         self._trusted = Tokenizer.from_file(tokenizer_path)
         self._untrusted = Tokenizer.from_file(tokenizer_path)
         self._untrusted.encode_special_tokens = True
+
+    def surely_over(self, text: str, limit: int) -> bool:
+        """True when ``text`` is certainly more than ``limit`` tokens, found without tokenising all of it.
+
+        A long text is tokenised in pieces cut at whitespace, stopping as soon as the count passes
+        the limit plus a margin for the pieces' boundaries (a cut can change the count by a few
+        tokens, never more): the work is bounded by the limit, not by the text's length.
+        """
+        if len(text) <= COUNT_CHUNK:
+            return False
+        count, pieces, start = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_CHUNK)
+            if end < len(text):
+                half = start + COUNT_CHUNK // 2
+                cut = max(text.rfind(" ", half, end), text.rfind("\n", half, end))
+                end = cut if cut > start else end
+            count += len(self._untrusted.encode(text[start:end], add_special_tokens=False).ids)
+            pieces += 1
+            if count > limit + BOUNDARY_SLACK * pieces:
+                return True
+            start = end
+        return False
 
     def encode(self, pieces: Sequence[Piece]) -> list[int]:
         """Token ids of pieces; adjacent pieces of one kind are encoded together."""
@@ -153,6 +182,15 @@ class PromptEncoder:
             return as_text(question.instructions)
         return {"noul": self.template.noul_default, "choice": self.template.choice_default,
                 "score": self.template.score_default}[question.type]
+
+    def caller_text(self, question: Question) -> str:
+        """The caller's text in a question (instructions, option names, descriptions), for limit checks."""
+        parts = [self.instructions(question), *self.options(question)]
+        if isinstance(question, Choice):
+            parts += [as_text(d) for d in question.criteria.values() if d is not None]
+        elif isinstance(question, Noul) and question.criteria:
+            parts += [as_text(v) for v in question.criteria.values()]
+        return " ".join(parts)
 
     def question(self, question: Question) -> QuestionTokens:
         """Trunk and option token ids of one question."""

@@ -29,6 +29,8 @@ def _content(value, what: str, field_path: str | None, optional: bool = False):
             raise InvalidRequest(f"{what} must not be empty", field_path)
         try:
             check_utf8(as_text(value), what, field_path)
+        except RecursionError:
+            raise InvalidRequest(f"{what} is nested too deeply to serialise", field_path) from None
         except (TypeError, ValueError) as err:
             if isinstance(err, InvalidRequest):
                 raise

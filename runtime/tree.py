@@ -37,6 +37,14 @@ class QuestionTokens:
             raise ValueError("two options have the same tokens")
 
 
+class TooManyTokens(ValueError):
+    """The questions pack into more tokens than allowed; raised before any [N, N] array exists."""
+
+    def __init__(self, num_tokens: int, limit: int):
+        super().__init__(f"the questions pack into {num_tokens} tokens; at most {limit} are allowed")
+        self.num_tokens, self.limit = num_tokens, limit
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """The graph inputs of one packed pass plus the map from read-outs to options."""
@@ -91,7 +99,7 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def pack(questions: Sequence[QuestionTokens], past_len: int) -> PackedBatch:
+def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None) -> PackedBatch:
     """Pack questions into one sequence that continues a state of ``past_len`` tokens.
 
     All questions go into one trie: questions whose trunks begin with the same tokens
@@ -99,6 +107,9 @@ def pack(questions: Sequence[QuestionTokens], past_len: int) -> PackedBatch:
     and each question's options hang below its own trunk. Questions and options are
     inserted in a canonical (sorted) order, so the packed sequence does not depend on the
     order the caller gave them in: shuffling changes no bit of any answer.
+
+    With ``max_tokens``, the packed size is counted on the trie (linear in the tokens) and
+    :class:`TooManyTokens` is raised before the quadratic tree mask is built.
     """
     trie = _Trie()
     scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
@@ -109,6 +120,10 @@ def pack(questions: Sequence[QuestionTokens], past_len: int) -> PackedBatch:
         for opt in sorted(q.options):
             scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
         paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
+    if max_tokens is not None:
+        size = sum(1 for children in trie.children[1:] if children)
+        if size > max_tokens:
+            raise TooManyTokens(size, max_tokens)
     packed_of: dict[int, int] = {}
     ids, pos, parent = [], [], []
     for node in range(1, len(trie.tokens)):

@@ -312,7 +312,9 @@ def test_fuzzed_bodies_never_yield_5xx(url):
     body = plausible | answerable | garbage | json_value
     statuses = []
 
-    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    # 500 over HTTP (the transport and status mapping); the 10,000-body fuzz of every check before inference
+    # runs without sockets in test_hardening.py
+    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(body)
     def check(b):
         status, _, resp = post(url, b)
@@ -320,7 +322,7 @@ def test_fuzzed_bodies_never_yield_5xx(url):
         assert status < 500, (b, resp)
 
     check()
-    assert len(statuses) >= 1500 and get(url, "/healthz")[0] == 200
+    assert len(statuses) >= 500 and get(url, "/healthz")[0] == 200
     assert {200, 404, 422} <= set(statuses), "the generator should reach every outcome"
     print("fuzz statuses:", {s: statuses.count(s) for s in sorted(set(statuses))})
 

@@ -15,6 +15,9 @@ from ..tree import PackedBatch
 from .base import Backend, StateKV
 
 
+SHRINK_AFTER_CELLS = 256 * 1024  # packed tokens x keys of a pass after which the arena gives back its free regions
+
+
 class OrtCpuBackend(Backend):
     """The decoder graph in an ``onnxruntime.InferenceSession`` on CPU."""
 
@@ -32,6 +35,8 @@ class OrtCpuBackend(Backend):
         self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = ort.OrtValue.ortvalue_from_numpy(zeros)
+        self._shrink = ort.RunOptions()
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def empty(self) -> StateKV:
         """A K/V of length 0 (one shared empty value for every layer)."""
@@ -49,7 +54,10 @@ class OrtCpuBackend(Backend):
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
             binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
+        # ORT's CPU arena keeps its largest footprint for the life of the process: after a large pass it is
+        # shrunk (its free regions returned), and no tensor that outlives a pass stays in it (see _append).
+        large = batch.num_tokens * (kv.length + batch.num_tokens) > SHRINK_AFTER_CELLS
+        self.session.run_with_iobinding(binding, self._shrink if large else None)
         outputs = binding.get_outputs()
         layers = 2 * self.model.num_layers
         head = outputs[1 + layers].numpy() if self.has_head else None
@@ -57,8 +65,8 @@ class OrtCpuBackend(Backend):
 
     def _append(self, kv: StateKV, new) -> StateKV:
         n = new[0].shape()[1]
-        if kv.length == 0:
-            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
+        if kv.length == 0:  # copied out of the arena: a cached state must not pin an arena region
+            layers = tuple((_owned(new[2 * i]), _owned(new[2 * i + 1])) for i in range(self.model.num_layers))
         else:  # a later prefill chunk: one concatenation per layer, at prefill time only
             layers = tuple(
                 tuple(ort.OrtValue.ortvalue_from_numpy(np.concatenate([old.numpy(), add.numpy()], axis=1))
@@ -67,3 +75,8 @@ class OrtCpuBackend(Backend):
             )
         length = kv.length + n
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+
+
+def _owned(value: ort.OrtValue) -> ort.OrtValue:
+    """An OrtValue over numpy-owned memory with ``value``'s contents."""
+    return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))

@@ -1,23 +1,26 @@
 """The HTTP app: TypeSafe System One (`POST /v1/systemone`, `GET /v1/models`) plus health and metrics.
 
 Status codes: 400 malformed body, 401 bad API key, 404 unknown model, 413 body or state over
-the limits, 422 invalid questions (with the field path), 429 queue full (with Retry-After).
-Error bodies are ``{"error": {"message", "field"}}`` (422 also carries a FastAPI-style
-``detail`` list); bad input never yields a 5xx.
+the limits, 422 invalid questions or values (with the field path), 429 queue full or deadline
+unreachable, 503 deadline passed while queued (both with Retry-After). Error bodies are
+``{"error": {"message", "field"}}`` (422 also carries a FastAPI-style ``detail`` list); bad
+input never yields a 5xx, and an unexpected fault is a logged 500 with the request id.
+
+A request's deadline is the server's ``request_timeout_s`` or the client's ``X-Request-Timeout``
+(seconds). Responses carry ``Server-Timing`` (queue, engine, total milliseconds).
 """
 
 from __future__ import annotations
 
-import gzip
+import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
-import zlib
 from typing import Any
 
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,8 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import Engine, parse_request, response_body
 from ..errors import InvalidRequest, LimitExceeded, OnepassError
+from .body import HTTPError, parse_json, read_body
 from .config import ServerConfig
-from .dispatch import Dispatcher, QueueFull
+from .dispatch import DeadlinePassed, Dispatcher, QueueFull
+from .memory import release_free_memory
 from .metrics import Metrics
 
 access_log = logging.getLogger("onepass.access")
@@ -45,60 +50,18 @@ class QuestionBody(BaseModel):
 class SystemOneBody(BaseModel):
     """The request body of POST /v1/systemone."""
 
-    model: str
+    model: str | None = None  # optional in the format: the default engine answers
     state: str | dict[str, Any] | list[Any]
     questions: dict[str, QuestionBody] = Field(min_length=1)
     assets: dict[str, Any] | None = None
 
 
-class HTTPError(Exception):
-    """An error answer: status, message, optional field and headers."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, headers: dict | None = None,
-                 detail: list | None = None):
-        super().__init__(message)
-        self.status, self.message, self.field, self.headers, self.detail = status, message, field, headers, detail
-
-    def response(self) -> JSONResponse:
-        """The JSON error response the SDK parses."""
-        body: dict = {"error": {"message": self.message, "field": self.field}}
-        if self.detail is not None:
-            body["detail"] = self.detail
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def _decode(raw: bytes, encoding: str, limit: int) -> bytes:
-    """Undo Content-Encoding (zstd, gzip, identity) without ever producing more than ``limit`` bytes."""
-    encoding = encoding.strip().lower()
-    try:
-        if encoding in ("", "identity"):
-            return raw
-        if encoding == "zstd":
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            out = reader.read(limit + 1)
-        elif encoding in ("gzip", "x-gzip"):
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            out = d.decompress(raw, limit + 1)
-        else:
-            raise HTTPError(400, f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none")
-    except (zstandard.ZstdError, zlib.error, gzip.BadGzipFile, OSError) as err:
-        raise HTTPError(400, f"the body is not valid {encoding}: {err}") from None
-    if len(out) > limit:
-        raise HTTPError(413, f"the decompressed body exceeds {limit} bytes")
-    return out
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"the body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return _decode(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+def _error_response(err: HTTPError) -> JSONResponse:
+    """The JSON error response the SDK parses."""
+    body: dict = {"error": {"message": err.message, "field": err.field}}
+    if err.detail is not None:
+        body["detail"] = err.detail
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict\[.*\]|list\[.*\])$")
@@ -124,6 +87,10 @@ def _engine_error(err: OnepassError) -> HTTPError:
     return HTTPError(500, f"engine error: {err}")
 
 
+TIMEOUT_HEADER = "x-request-timeout"
+MAX_CLIENT_TIMEOUT_S = 600.0
+
+
 class Server:
     """The app's state: engine, settings, dispatcher, metrics."""
 
@@ -132,52 +99,87 @@ class Server:
         self.ready = False
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
-                                     on_batch=self.metrics.on_batch)
+                                     on_batch=self.on_batch, on_drop=self.metrics.deadline_drops.inc)
         self.names = {engine.name, *config.aliases}
 
     def warm_up(self) -> None:
-        """Run one small request so the first user request does not pay for lazy initialisation."""
+        """Run one small request so the first user request does not pay for lazy initialisation; its time
+        seeds the dispatcher's estimate of seconds per request."""
         from ..questions import Noul
 
         self.engine.run("Warm-up.", {"q": Noul("Is this a warm-up?")})
+        start = time.monotonic()  # a new state, so the estimate includes a prefill as most requests do
+        self.engine.run("A second warm-up, about another state.", {"q": Noul("Is this a warm-up?")})
+        self.dispatcher.measured(time.monotonic() - start)
         self.ready = True
 
+    def on_batch(self, size: int, seconds: float) -> None:
+        """After each engine batch: metrics, and free memory handed back to the system."""
+        self.metrics.on_batch(size)
+        release_free_memory()
+
     def check_auth(self, request: Request) -> None:
-        """401 unless the server has no key or the Bearer token matches it."""
+        """401 unless the server has no key or the header is exactly ``Bearer <key>`` (scheme in any case;
+        compared in constant time)."""
         if self.config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.config.api_key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode("utf-8", "replace"),
+                                                                 self.config.api_key.encode("utf-8")):
             raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
-    async def systemone(self, request: Request) -> dict:
-        """Parse, validate, queue and answer one System One request."""
-        self.check_auth(request)
-        raw = await _read_body(request, self.config.max_body_bytes)
+    def deadline(self, request: Request, arrived: float) -> float:
+        """Monotonic deadline: the client's X-Request-Timeout (seconds) or the server's request timeout."""
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return arrived + self.config.request_timeout_s
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise HTTPError(400, f"the body is not valid JSON: {err}") from None
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds <= MAX_CLIENT_TIMEOUT_S:
+            raise HTTPError(400, f"{TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_CLIENT_TIMEOUT_S:g}]; "
+                                 f"got {raw[:40]!r}")
+        return arrived + seconds
+
+    def parse(self, raw: bytes) -> tuple:
+        """(body, state, questions) of a decoded request body, every check that needs no inference done;
+        HTTPError otherwise. Never raises anything else (fuzzed in the tests)."""
+        data = parse_json(raw)
         try:
             SystemOneBody.model_validate(data)
         except ValidationError as err:
             raise _validation_error(err) from None
-        if data["model"] not in self.names:
-            raise HTTPError(404, f"model {data['model']!r} is not served here; available: {sorted(self.names)}",
-                            "model")
+        model = data.get("model")
+        if model is not None and model not in self.names:
+            raise HTTPError(404, f"model {model!r} is not served here; available: {sorted(self.names)}", "model")
         try:
             state, questions = parse_request(data)
-            future = self.dispatcher.submit(state, questions)
         except OnepassError as err:
             raise _engine_error(err) from None
+        return data, state, questions
+
+    async def systemone(self, request: Request, arrived: float, timing: dict) -> dict:
+        """Parse, validate, queue and answer one System One request."""
+        self.check_auth(request)
+        deadline = request.state.deadline = self.deadline(request, arrived)
+        data, state, questions = self.parse(await read_body(request, self.config.max_body_bytes))
+        queued = time.monotonic()
+        try:
+            future = self.dispatcher.submit(state, questions, deadline)
         except QueueFull as err:
-            retry = str(self.config.retry_after_s)
+            retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
             raise HTTPError(429, f"the server is busy: {err}; retry later", headers={"Retry-After": retry}) from None
         result = await future
+        timing["engine"] = (time.monotonic() - queued) * 1000  # queue wait + packed pass
+        if isinstance(result, DeadlinePassed):
+            raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
+                            headers={"Retry-After": str(self.config.retry_after_s)})
         if isinstance(result, OnepassError):
             raise _engine_error(result)
         if isinstance(result, Exception):
+            self.metrics.engine_failures.inc()
+            access_log.error("engine failure: %r", result)
             raise HTTPError(500, f"engine failure: {type(result).__name__}")
         self.metrics.tokens.labels("input").inc(result.input_tokens)
         self.metrics.tokens.labels("packed").inc(result.packed_tokens)
@@ -190,6 +192,12 @@ class Server:
         names = [self.engine.name, *self.config.aliases]
         return {"models": [{"name": n, "release_date": created, "description": desc if n == self.engine.name
                             else f"alias of {self.engine.name}"} for n in names]}
+
+
+def _route_label(request: Request) -> str:
+    """The metrics path label: the matched route's template (a fixed set), never the raw path."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = True) -> FastAPI:
@@ -207,30 +215,45 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     @app.middleware("http")
     async def request_id_and_log(request: Request, call_next):
         rid = uuid.uuid4().hex
-        start = time.perf_counter()
+        start = request.state.arrived = time.monotonic()
+        request.state.timing = {}
         try:
             response = await call_next(request)
         except HTTPError as err:
-            response = err.response()
-        ms = (time.perf_counter() - start) * 1000
+            response = _error_response(err)
+        except Exception:  # noqa: BLE001 - any fault is a logged 500 with the request id, never a dropped socket
+            access_log.exception("unexpected error in request %s", rid)
+            server.metrics.engine_failures.inc()
+            response = JSONResponse({"error": {"message": f"internal error (request id {rid})", "field": None}},
+                                    status_code=500, headers={"Connection": "close"})
+        deadline = getattr(request.state, "deadline", None)
+        if response.status_code == 200 and deadline is not None and time.monotonic() > deadline:
+            server.metrics.deadline_drops.inc()  # ready too late: nobody waits for it any more
+            response = _error_response(HTTPError(
+                503, f"the answer was ready after the request's deadline; retry later or with a longer "
+                     f"{TIMEOUT_HEADER}", headers={"Retry-After": str(server.config.retry_after_s)}))
+        ms = (time.monotonic() - start) * 1000
         response.headers[REQUEST_ID] = rid
-        server.metrics.requests.labels(request.url.path if request.url.path.startswith("/v1/") else "other",
-                                       str(response.status_code)).inc()
-        access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": request.url.path,
+        timing = request.state.timing
+        response.headers["Server-Timing"] = ", ".join(
+            [f"{k};dur={v:.2f}" for k, v in timing.items()] + [f"total;dur={ms:.2f}"])
+        server.metrics.requests.labels(_route_label(request), str(response.status_code)).inc()
+        access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": _route_label(request),
                                     "status": response.status_code, "ms": round(ms, 2),
-                                    "bytes": int(request.headers.get("content-length") or 0),
-                                    "encoding": request.headers.get("content-encoding")}))
+                                    "bytes": int(request.headers.get("content-length") or 0)
+                                    if (request.headers.get("content-length") or "").isdigit() else None,
+                                    "encoding": request.headers.get("content-encoding")}, ensure_ascii=True))
         return response
 
     @app.exception_handler(HTTPError)
     async def http_error(_: Request, err: HTTPError):
-        return err.response()
+        return _error_response(err)
 
     @app.post("/v1/systemone", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": SystemOneBody.model_json_schema()}}}})
     async def systemone(request: Request):
         with server.metrics.latency.time():
-            return JSONResponse(await server.systemone(request))
+            return JSONResponse(await server.systemone(request, request.state.arrived, request.state.timing))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -21,6 +21,7 @@ class ServerConfig:
     max_batch: int = 16
     aliases: tuple = field(default=DEFAULT_ALIASES)
     retry_after_s: int = 1
+    request_timeout_s: float = 10.0  # default deadline (the official SDK's timeout); clients may send their own
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -30,6 +31,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError("batch_window_ms must be within 0..1000")
+        if not 0 < self.request_timeout_s <= 600:
+            raise ValueError("request_timeout_s must be within (0, 600]")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
 

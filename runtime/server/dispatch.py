@@ -1,32 +1,61 @@
-"""The engine's work queue: a bounded queue in front of one worker thread.
+"""The engine's work queue: a bounded, deadline-aware queue in front of one worker thread.
 
 The HTTP layer never runs inference on the event loop: it submits a request and awaits
 a future. The worker takes the first waiting request, waits up to the batch window for
 more, and hands them to ``Engine.run_many`` — requests about the same state share one
-packed pass, each as its own subtrees.
+packed pass, each as its own subtrees, and a failing request fails only itself.
+
+Every request carries a deadline (monotonic seconds). Admission refuses a request whose
+deadline cannot be met given the work ahead of it (estimated from measured pass times),
+and the worker drops a queued request whose deadline would pass before its pass could end:
+no work is spent on answers nobody waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from ..engine import Engine
 
+EWMA = 0.2  # weight of the newest measurement in the seconds-per-request estimate
+
 
 class QueueFull(Exception):
-    """The bounded queue is full: answer 429 with Retry-After."""
+    """The bounded queue is full, or the deadline cannot be met: answer 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlinePassed(Exception):
+    """A queued request's deadline passed (or would pass) before its pass: answer 503 with Retry-After."""
+
+
+@dataclass
+class _Item:
+    state: object
+    questions: object
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 class Dispatcher:
     """Bounded queue + one inference thread. ``submit`` is called from the event loop."""
 
-    def __init__(self, engine: Engine, max_queue: int, window_s: float, max_batch: int, on_batch=None):
+    def __init__(self, engine: Engine, max_queue: int, window_s: float, max_batch: int, on_batch=None,
+                 on_drop=None):
         self.engine = engine
         self.max_queue, self.window_s, self.max_batch = max_queue, window_s, max_batch
-        self.on_batch = on_batch or (lambda size: None)
+        self.on_batch = on_batch or (lambda size, seconds: None)
+        self.on_drop = on_drop or (lambda: None)
+        self.seconds_per_request = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
         self._queue: queue.Queue = queue.Queue()
         self._depth = 0
         self._lock = threading.Lock()
@@ -38,15 +67,32 @@ class Dispatcher:
         """Requests submitted and not yet answered."""
         return self._depth
 
-    def submit(self, state, questions) -> asyncio.Future:
-        """Queue one parsed request; the future resolves to a Result or an OnepassError."""
+    def measured(self, seconds: float, requests: int = 1) -> None:
+        """Fold one pass's time into the seconds-per-request estimate."""
+        per = seconds / max(1, requests)
+        self.seconds_per_request = per if self.seconds_per_request == 0 else (
+            (1 - EWMA) * self.seconds_per_request + EWMA * per)
+
+    def expected_wait(self, ahead: int) -> float:
+        """Seconds until a request with ``ahead`` requests before it is answered (estimate)."""
+        return (ahead + 1) * self.seconds_per_request
+
+    def submit(self, state, questions, deadline: float) -> asyncio.Future:
+        """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed."""
         with self._lock:
             if self._depth >= self.max_queue:
-                raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})")
+                raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})",
+                                self.expected_wait(self._depth))
+            wait = self.expected_wait(self._depth)
+            left = deadline - time.monotonic()
+            if wait > left:
+                raise QueueFull(f"{self._depth} requests are ahead: about {wait:.2f} s of work, more than the "
+                                f"{max(0.0, left):.2f} s left before this request's deadline",
+                                wait - left)
             self._depth += 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((state, questions, loop, future))
+        self._queue.put(_Item(state, questions, deadline, loop, future))
         return future
 
     def close(self) -> None:
@@ -58,9 +104,9 @@ class Dispatcher:
         first = self._queue.get()
         if first is None:
             return None
-        batch, deadline = [first], time.monotonic() + self.window_s
+        batch, until = [first], time.monotonic() + self.window_s
         while len(batch) < self.max_batch:
-            remaining = deadline - time.monotonic()
+            remaining = until - time.monotonic()
             try:
                 item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
             except queue.Empty:
@@ -71,17 +117,51 @@ class Dispatcher:
             batch.append(item)
         return batch
 
+    def _drop_late(self, group: list) -> list:
+        """Answer DeadlinePassed to requests that could not be answered in time; keep the rest."""
+        finish = time.monotonic() + self.seconds_per_request * len(group)
+        keep = []
+        for item in group:
+            if item.deadline < finish:
+                item.loop.call_soon_threadsafe(_resolve, item.future, DeadlinePassed(
+                    "the request's deadline would pass before the engine could answer it"))
+                self.on_drop()
+            else:
+                keep.append(item)
+        return keep
+
+    def _run(self, group: list) -> None:
+        start = time.monotonic()
+        try:
+            results = self.engine.run_many([(item.state, item.questions) for item in group])
+        except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
+            results = [err] * len(group)
+        seconds = time.monotonic() - start
+        self.measured(seconds, len(group))
+        self.on_batch(len(group), seconds)
+        for item, result in zip(group, results):
+            item.loop.call_soon_threadsafe(_resolve, item.future, result)
+
     def _work(self) -> None:
         while (batch := self._take_batch()) is not None:
-            try:
-                results = self.engine.run_many([(s, q) for s, q, _, _ in batch])
-            except Exception as err:  # noqa: BLE001 - an engine fault must reach every waiting request
-                results = [err] * len(batch)
-            self.on_batch(len(batch))
-            for (_, _, loop, future), result in zip(batch, results):
-                loop.call_soon_threadsafe(_resolve, future, result)
-            with self._lock:
-                self._depth -= len(batch)
+            for group in _by_state(batch):  # one pass per state; deadlines checked before each
+                kept = self._drop_late(group)
+                if kept:
+                    self._run(kept)
+                with self._lock:
+                    self._depth -= len(group)
+
+
+def _by_state(batch: list) -> list:
+    """The batch's requests grouped by their state (first-come order): each group is one packed pass."""
+    groups: dict = {}
+    for item in batch:
+        try:
+            key = item.state if isinstance(item.state, str) else json.dumps(item.state, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            key = id(item)
+        groups.setdefault(key, []).append(item)
+    return list(groups.values())
 
 
 def _resolve(future: asyncio.Future, result) -> None:

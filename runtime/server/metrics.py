@@ -36,6 +36,10 @@ class Metrics:
                                registry=self.registry)
         self.batched = Counter("onepass_engine_batched_requests", "Requests answered in engine batches",
                                registry=self.registry)
+        self.deadline_drops = Counter("onepass_deadline_drops", "Requests dropped because their deadline passed "
+                                      "before they could be answered", registry=self.registry)
+        self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
+                                       registry=self.registry)
         depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
         depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))

@@ -1,0 +1,198 @@
+"""Reading a request body that cannot crash the server: size, compression and JSON limits before any work.
+
+Every failure is an :class:`HTTPError` (400/413/422) naming what was wrong and what is allowed:
+
+* the body: at most ``limit`` bytes on the wire and after decompression (never more is produced);
+* Content-Encoding zstd or gzip, verified to the end (gzip trailer CRC and length, zstd frame end
+  and checksum); truncated or trailing bytes are refused;
+* JSON: nested at most ``MAX_DEPTH`` deep (a deeper body is refused by a linear scan before the
+  parser recurses), integers of at most ``MAX_INT_DIGITS`` digits, finite numbers only, and every
+  key and string encodable as UTF-8 (no lone surrogates) — each refused with the field's path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+
+import numpy as np
+import zstandard
+from starlette.requests import Request
+
+MAX_DEPTH = 32  # objects and arrays inside one another; System One bodies need about 6
+MAX_INT_DIGITS = 64
+ZSTD_FEED = 256  # compressed bytes fed at a time, so one step can only produce a bounded output
+
+
+class HTTPError(Exception):
+    """An error answer: status, message, optional field and headers."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, headers: dict | None = None,
+                 detail: list | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field, self.headers, self.detail = status, message, field, headers, detail
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused (413) as soon as it passes ``limit`` bytes; then decoded."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"the body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return decode(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+
+
+def decode(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Undo Content-Encoding (zstd, gzip, identity): at most ``limit`` bytes out, the whole stream verified."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding == "zstd":
+        return _zstd(raw, limit)
+    if encoding in ("gzip", "x-gzip"):
+        return _gzip(raw, limit)
+    raise HTTPError(400, f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none")
+
+
+def _too_big(limit: int) -> HTTPError:
+    return HTTPError(413, f"the decompressed body exceeds {limit} bytes")
+
+
+def _gzip(raw: bytes, limit: int) -> bytes:
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(raw, limit + 1)
+    except zlib.error as err:
+        raise HTTPError(400, f"the body is not valid gzip: {err}") from None
+    if len(out) > limit:
+        raise _too_big(limit)
+    if not d.eof:
+        raise HTTPError(400, "the gzip body is truncated (no end of stream, CRC or length)")
+    if d.unused_data:
+        raise HTTPError(400, f"the gzip body has {len(d.unused_data)} bytes after its end; send one gzip member")
+    return out
+
+
+def _zstd(raw: bytes, limit: int) -> bytes:
+    d = zstandard.ZstdDecompressor().decompressobj()
+    out, size = [], 0
+    try:
+        for i in range(0, len(raw), ZSTD_FEED):
+            if d.eof:
+                raise HTTPError(400, f"the zstd body has {len(raw) - i} bytes after its frame; send one frame")
+            piece = d.decompress(raw[i:i + ZSTD_FEED])
+            size += len(piece)
+            if size > limit:
+                raise _too_big(limit)
+            out.append(piece)
+    except zstandard.ZstdError as err:
+        raise HTTPError(400, f"the body is not valid zstd: {err}") from None
+    if not d.eof:
+        raise HTTPError(400, "the zstd body is truncated (its frame does not end)")
+    if d.unused_data:
+        raise HTTPError(400, f"the zstd body has {len(d.unused_data)} bytes after its frame; send one frame")
+    return b"".join(out)
+
+
+class _Refused:
+    """A number the parser met that the body may not carry; reported with its path after parsing."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _int(text: str):
+    digits = len(text.lstrip("-"))
+    return _Refused(f"an integer of {digits} digits; at most {MAX_INT_DIGITS} are allowed") \
+        if digits > MAX_INT_DIGITS else int(text)
+
+
+def _float(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _Refused(f"the number {text[:20]} is out of range")
+
+
+def _constant(text: str):
+    return _Refused(f"{text} is not a JSON number; send a finite number")
+
+
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
+
+
+def nesting_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in JSON text (brackets inside strings do not count); linear."""
+    skeleton = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = np.isin(skeleton, (0x5B, 0x7B)).astype(np.int32) - np.isin(skeleton, (0x5D, 0x7D)).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_json(raw: bytes):
+    """The body as JSON, within the depth, number and text limits; HTTPError names the field otherwise."""
+    if nesting_depth(raw) > MAX_DEPTH:
+        raise HTTPError(400, f"the body nests arrays/objects more than {MAX_DEPTH} deep; at most {MAX_DEPTH} "
+                             "are allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise HTTPError(400, f"the body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON") from None
+    try:
+        data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except json.JSONDecodeError as err:
+        raise HTTPError(400, f"the body is not valid JSON: {err}") from None
+    except RecursionError:  # the depth scan makes this unreachable; kept as a guard
+        raise HTTPError(400, f"the body nests more than {MAX_DEPTH} deep") from None
+    _check_values(data)
+    return data
+
+
+def _check_values(data) -> None:
+    """Walk the parsed body (iteratively): refused numbers and strings UTF-8 cannot encode, by path."""
+    stack = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path, is_key=True)
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, _Refused):
+            field = _field(path)
+            raise HTTPError(422, f"{field}: {value.why}", field, detail=_detail(path, value.why))
+
+
+def _check_text(text: str, path: tuple, is_key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        where = "a key" if is_key else "a string"
+        why = f"{where} is not valid UTF-8 text (a lone surrogate at character {err.start}); send UTF-8 text"
+        field = _field(path)
+        raise HTTPError(422, f"{field}: {why}" if field else why, field or None, detail=_detail(path, why)) from None
+
+
+def _field(path: tuple) -> str:
+    return ".".join(str(p) if isinstance(p, int) or _printable(p) else "?" for p in path)
+
+
+def _printable(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _detail(path: tuple, why: str) -> list:
+    return [{"loc": ["body", *(p if _printable(str(p)) else "?" for p in path)], "msg": why, "type": "value_error"}]
