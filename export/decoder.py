@@ -220,7 +220,7 @@ class PackedDecoder(nn.Module):
         cos, sin = emb.cos(), emb.sin()  # [N, D]
         n, s = input_ids.shape[0], past[0].shape[1]
         tree_bias = torch.where(tree_mask, 0.0, torch.finfo(torch.float32).min)  # [N, N]
-        bias = torch.cat([torch.zeros(n, s, dtype=torch.float32), tree_bias], dim=1)  # [N, S+N]
+        bias = torch.cat([tree_bias.new_zeros(n, s), tree_bias], dim=1)  # [N, S+N] fp32, on the inputs' device
         presents = []
         for i, block in enumerate(self.blocks):
             x, k, v = block(x, cos, sin, bias, past[2 * i], past[2 * i + 1])

@@ -65,7 +65,8 @@ MAX_GRAPHS = 32
 
 
 class TorchBackend(Backend):
-    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ...) at ``precision`` (fp32, fp16, bf16).
+    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ..., or "meta": shapes and devices
+    propagate, no data — the tests' CPU check of device placement) at ``precision`` (fp32, fp16, bf16).
 
     ``buckets`` pads every score pass to bucketed packed/read-out sizes (default: on CUDA),
     so a few shapes repeat; with ``cuda_graphs`` (default: on CUDA) the score pass of each
@@ -139,6 +140,9 @@ class TorchBackend(Backend):
         return logprob, head
 
     def to_host(self, value) -> np.ndarray:
+        """A device tensor as float32 numpy; on the ``meta`` device (shapes only) zeros of its shape."""
+        if value.is_meta:
+            return np.zeros(tuple(value.shape), dtype=np.float32)
         return value.float().cpu().numpy()
 
     def empty(self) -> StateKV:
@@ -171,8 +175,8 @@ class TorchBackend(Backend):
     def _outputs(self, out) -> tuple:
         """(target log-probs on the host, presents on the device, head scores on the host or None)."""
         layers = 2 * self.model.num_layers
-        head = out[1 + layers].float().cpu().numpy() if self.decoder.head is not None else None
-        return out[0].float().cpu().numpy(), list(out[1:1 + layers]), head
+        head = self.to_host(out[1 + layers]) if self.decoder.head is not None else None
+        return self.to_host(out[0]), list(out[1:1 + layers]), head
 
     def _append(self, kv: StateKV, new) -> StateKV:
         """``kv`` followed by ``new`` (the base-class prefill path; this backend's prefill writes in place)."""

@@ -123,3 +123,58 @@ def test_serving_on_cuda_without_a_gpu_is_a_one_line_error(engine_dir, capsys):
     assert main(["serve", "--engine", str(engine_dir), "--backend", "torch-cuda"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "CUDA" in err and err.count("\n") == 1
+
+
+# -- device placement, checked on a CPU (issue 16) ----------------------------------------------------------
+
+FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "eye", "rand", "randn", "randint", "linspace"}
+
+
+def _factories_without_device(path) -> list:
+    """``torch.<factory>(...)`` calls without ``device=`` inside the methods that run per pass (anything but
+    ``__init__`` and classmethods: those build parameters and buffers, which ``.to(device)`` moves)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            built_once = fn.name == "__init__" or any(getattr(d, "id", None) == "classmethod" for d in fn.decorator_list)
+            if built_once:
+                continue
+            for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                f = call.func
+                if (isinstance(f, ast.Attribute) and f.attr in FACTORIES and getattr(f.value, "id", None) == "torch"
+                        and not any(k.arg == "device" for k in call.keywords)):
+                    found.append(f"{path.name}:{call.lineno} {cls.name}.{fn.name}: torch.{f.attr} without device=")
+    return found
+
+
+def test_the_decoder_forward_creates_no_tensor_without_a_device():
+    from pathlib import Path
+
+    import onepass.export.decoder as decoder
+
+    assert _factories_without_device(Path(decoder.__file__)) == []
+
+
+def test_the_device_lint_catches_a_host_tensor(tmp_path):
+    """Negative control: the pattern of the original bug (a CPU zeros concatenated to a device tensor)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nclass D:\n    def forward(self, x):\n"
+                   "        return torch.cat([torch.zeros(2, 3), x], 1)\n")
+    assert len(_factories_without_device(bad)) == 1
+
+
+def test_prefill_and_score_propagate_on_the_meta_device(engine_dir):
+    """A whole engine run — chunked prefill, then one packed score pass, plain and bucket-padded — with every
+    weight and activation on torch's ``meta`` device: any tensor created on another device fails here, as it
+    would on CUDA (no data is computed, so the answers are uniform)."""
+    from onepass.export.torch_backend import factory
+
+    for buckets in (False, True):
+        meta = Engine.load(engine_dir, backend=factory("meta", buckets=buckets), verify=False)
+        chunked = meta.with_limits(prefill_chunk=8)
+        result = chunked.run(STATE, QUESTIONS)
+        assert result.answers["refund"].noul == pytest.approx(0.5)
+        assert chunked.state(STATE).kv.layers[0][0].device.type == "meta"
