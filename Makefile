@@ -79,7 +79,7 @@ train-default: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json
 	mkdir -p build
 	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl
 	$(BIN)/onepass tune --engine $(BASE_ENGINE) --data build/mixture.jsonl --out build/default-tuned --rank 8 \
-		--epochs 2 --max-minutes 45 --eval-every 50 --patience 2 --holdout 0.08 --batch-questions 16 --lr 1e-4 \
+		--epochs 2 --max-steps 263 --eval-every 40 --patience 3 --holdout 0.08 --batch-questions 16 --lr 5e-5 \
 		--name smollm2-135m-instruct \
 		--report benchmarks/results/default_adapter
 	cp build/default-tuned/adapter_model.safetensors build/default-tuned/adapter_config.json \

@@ -57,8 +57,30 @@ def _scored(engine_dir: str, rows: list[dict]) -> list[dict]:
 
 
 def _summary(scored: list[dict]) -> dict:
-    """Per data set: metrics of the engine's own probabilities plus the majority baseline."""
-    return {k: v for k, v in evaluate(scored).items() if k != "all"}
+    """Per data set: metrics of the engine's own probabilities plus the majority baseline; for two-option data
+    sets also the ROC AUC of the score margin (how well the classes are separated, whatever the threshold)."""
+    out = {k: v for k, v in evaluate(scored).items() if k != "all"}
+    for name in out:
+        rows = [r for r in scored if r["dataset"] == name]
+        if all(len(r["scores"]) == 2 for r in rows):
+            out[name]["auc"] = _auc([r["scores"][0] - r["scores"][1] for r in rows],
+                                    [_label_index(r) == 0 for r in rows])
+    return out
+
+
+def _label_index(row: dict) -> int:
+    label = row["label"]
+    return label if isinstance(label, int) else row["names"].index(label)
+
+
+def _auc(margin: list, positive: list) -> float | None:
+    """P(a positive row's margin > a negative row's), ties counted half (Mann-Whitney)."""
+    m, y = np.asarray(margin, dtype=np.float64), np.asarray(positive, dtype=bool)
+    pos, neg = m[y], m[~y]
+    if not len(pos) or not len(neg):
+        return None
+    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+                 / (len(pos) * len(neg)))
 
 
 def ticket(engine_dir: str) -> dict:
@@ -78,27 +100,40 @@ def default_eval(args) -> None:
         out["engines"][role] = {"zero_shot": _summary(scored), "calibrated_cross_fitted": cross_fitted(scored),
                                 "ticket": ticket(engine)}
     (RESULTS / "tune_default.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_default_md(out)
+
+
+def write_default_md(out: dict) -> None:
+    """tune_default.md from the measurements (``python benchmarks/tune_eval.py default-report`` rewrites it)."""
     base, tuned = out["engines"]["base"], out["engines"]["tuned"]
     lines = [f"# The tuned default engine, zero-shot, on held-out data sets ({_when(out)})", "",
              "Leave-datasets-out: none of these data sets or tasks is in the adapter's training mixture "
              "(`onepass.calibration.mixture.HELD_OUT`). Calibrated: 5-fold cross-fitted temperature/bias on these "
-             "rows (each row predicted by a calibration fitted without it).", "",
-             "| data set | rows | majority | base acc | tuned acc | tuned - majority | base NLL | tuned NLL | "
-             "base ECE | tuned ECE | base ECE calibrated | tuned ECE calibrated |", "|---" * 12 + "|"]
+             "rows (each row predicted by a calibration fitted without it). AUC: ROC AUC of the two options' score "
+             "margin (two-option data sets only; 0.5 = no separation).", "",
+             "| data set | rows | majority | base acc | tuned acc | tuned - majority | base acc calibrated | "
+             "tuned acc calibrated | base NLL | tuned NLL | base ECE | tuned ECE | base ECE calibrated | "
+             "tuned ECE calibrated | base AUC | tuned AUC |", "|---" * 16 + "|"]
     gains = []
     for name, t in tuned["zero_shot"].items():
         b = base["zero_shot"][name]
         bc, tc = base["calibrated_cross_fitted"][name], tuned["calibrated_cross_fitted"][name]
         gains.append(t["accuracy"] - t["majority"])
         lines.append(f"| {name} | {t['rows']} | {t['majority']:.3f} | {b['accuracy']:.3f} | {t['accuracy']:.3f} | "
-                     f"{t['accuracy'] - t['majority']:+.3f} | {b['nll']:.3f} | {t['nll']:.3f} | {b['ece']:.3f} | "
-                     f"{t['ece']:.3f} | {bc['ece']:.3f} | {tc['ece']:.3f} |")
+                     f"{t['accuracy'] - t['majority']:+.3f} | {bc['accuracy']:.3f} | {tc['accuracy']:.3f} | "
+                     f"{b['nll']:.3f} | {t['nll']:.3f} | {b['ece']:.3f} | "
+                     f"{t['ece']:.3f} | {bc['ece']:.3f} | {tc['ece']:.3f} | {_fmt(b.get('auc'))} | "
+                     f"{_fmt(t.get('auc'))} |")
     lines += ["", f"Mean tuned accuracy above majority: {np.mean(gains):+.3f}.", "", "README ticket "
               "(tests/data/ticket.txt): " + "; ".join(
                   f"{role}: refund {e['ticket']['refund']:.2f}, team {e['ticket']['team']}, frustration "
                   f"{e['ticket']['frustration']:.2f}" for role, e in out["engines"].items())]
     (RESULTS / "tune_default.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _fmt(value) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def _when(out: dict) -> str:
@@ -180,6 +215,7 @@ def main() -> None:
     d.add_argument("--tuned", required=True, help="the default engine (adapter merged)")
     d.add_argument("--n", type=int, default=150)
     d.add_argument("--seed", type=int, default=1)
+    sub.add_parser("default-report", help="rewrite tune_default.md from tune_default.json")
     u = sub.add_parser("user")
     u.add_argument("--base", required=True, help="engine exported with --adapter none")
     u.add_argument("--datasets", nargs="+", default=["bbc", "rotten", "tweets_choice", "tweets_score"])
@@ -188,7 +224,10 @@ def main() -> None:
     u.add_argument("--lr", type=float, default=3e-4)
     u.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    default_eval(args) if args.mode == "default" else user_eval(args)
+    if args.mode == "default-report":
+        write_default_md(json.loads((RESULTS / "tune_default.json").read_text()))
+    else:
+        default_eval(args) if args.mode == "default" else user_eval(args)
 
 
 if __name__ == "__main__":

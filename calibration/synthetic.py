@@ -56,10 +56,12 @@ def _row(family: str, state: str, question, label) -> dict:
 def amount(rng: random.Random) -> list[dict]:
     """An expense and a limit; is it over the limit (and a second question against another threshold)."""
     cur = rng.choice(["dollars", "euros", "pounds"])
-    value, limit = rng.randrange(50, 5000), rng.choice([100, 250, 500, 1000, 2000, 2500])
+    limit = rng.choice([100, 250, 500, 1000, 2000, 2500])
+    # over or under the limit equally often, so neither answer is a safe default
+    value = rng.randrange(limit + 1, 3 * limit) if rng.random() < 0.5 else rng.randrange(max(10, limit // 5), limit)
     what = rng.choice(["the hotel stay", "a new office chair", "the conference trip", "a team dinner", "software"])
     state = f"Expense report: {value:,} {cur} for {what}. Employees may spend up to {limit:,} {cur} without approval."
-    other = rng.choice([v for v in (100, 300, 750, 1500, 3000) if v != value])
+    other = rng.choice([v for v in (value // 2, value * 2, 100, 300, 750, 1500, 3000) if v != value])
     return [_row("amount", state, Noul("Is the expense over the approval limit?"), "yes" if value > limit else "no"),
             _row("amount", state, Noul(f"Is the amount more than {other:,} {cur}?"), "yes" if value > other else "no")]
 

@@ -48,6 +48,7 @@ class TuneConfig:
     weight_decay: float = 0.0
     epochs: int = 3
     max_minutes: float | None = None  # stop (keeping the best held-out weights) after this long
+    max_steps: int | None = None  # stop after this many optimiser steps (a reproducible budget, unlike minutes)
     batch_questions: int = 8  # questions per optimiser step (whole states)
     rlcd_weight: float = 0.5
     ce_weight: float = 1.0
@@ -70,6 +71,8 @@ class TuneConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.train_blocks is not None and self.train_blocks < 1:
             raise ValueError(f"train_blocks must be >= 1, got {self.train_blocks}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
         if self.rlcd_weight < 0 or self.ce_weight < 0 or self.rlcd_weight + self.ce_weight == 0:
@@ -293,7 +296,8 @@ class Trainer:
     def _stop(self, started: float) -> bool:
         c, p = self.config, self.progress
         late = c.max_minutes is not None and p.seconds + time.perf_counter() - started > 60 * c.max_minutes
-        return late or p.bad_evals >= c.patience
+        spent = c.max_steps is not None and p.step >= c.max_steps
+        return late or spent or p.bad_evals >= c.patience
 
     def run(self) -> Progress:
         """Train until the epochs, the time budget or the patience run out; the best weights are kept."""

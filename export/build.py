@@ -92,8 +92,8 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
     step("writing tokenizer and golden file")
     loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
-    for name, path in (extra_files or {}).items():
-        shutil.copyfile(path, tmp / name)
+    for file_name, path in (extra_files or {}).items():
+        shutil.copyfile(path, tmp / file_name)
     write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
     step("hashing files and writing the manifest")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}

@@ -188,6 +188,7 @@ def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
     m = tuned.manifest
     assert m.tuning.data[0]["sha256"] == summary["tuning"]["data"][0]["sha256"] and m.tuning.rank == 2
     assert m.tuning.steps == summary["tuning"]["steps"] > 0 and "adapter_model.safetensors" in m.files
+    assert m.name == f"{Engine.load(engine_dir).name}-tuned"  # not the name of a file copied into the engine
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["after"]["all"]["nll"] == pytest.approx(metrics["heldout_best"]["nll"], abs=1e-3)  # served == trained
     assert not (tmp_path / "tuned.tune").exists()
