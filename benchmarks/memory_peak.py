@@ -2,8 +2,8 @@
 
     python benchmarks/memory_peak.py --engine engines/smollm2            # writes results/memory_peak.{json,md}
 
-For each setting — `onepass` (ONNX Runtime's CPU arena on, shrunk after a large pass, cached K/V
-copied out of it) and `no-arena` (the arena off) — a fresh process loads the engine, answers a warm-up, then one request at the
+For each setting — `ort-arena` (ONNX Runtime's default CPU memory arena) and `onepass` (the
+arena off, as the runtime loads it) — a fresh process loads the engine, answers a warm-up, then one request at the
 limits: a state of ~max_state_tokens and as many questions as pack into max_packed_tokens. It
 reports RSS after warm-up, the peak (ru_maxrss), RSS after the request and after malloc_trim,
 and the request's seconds; then small requests side by side to price the arena (median ms).
@@ -28,14 +28,12 @@ from onepass.runtime.server.memory import release_free_memory, rss_bytes
 
 engine_dir, mode = sys.argv[1], sys.argv[2]
 engine = Engine.load(engine_dir)
-if mode == "no-arena":  # the same graph with ONNX Runtime's CPU arena off
+if mode == "ort-arena":  # the same graph with ONNX Runtime's default CPU arena (onepass turns it off)
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.enable_cpu_mem_arena = False
     engine.backend.session = ort.InferenceSession(str(engine.root / engine.manifest.graph), opts,
                                                   providers=["CPUExecutionProvider"])
-    engine.backend._shrink = None  # nothing to shrink
 ticket = "I was charged twice for my subscription this month. Please refund the second payment. " * 3
 small = {"refund": Noul("Does the customer request a refund?"),
          "team": Choice("Which team?", {"billing": None, "technical": None, "sales": None})}
@@ -76,11 +74,9 @@ print(json.dumps(out))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="engines/smollm2")
-    ap.add_argument("--before", type=lambda p: [r for r in json.loads(Path(p).read_text()) if r.get("arena")],
-                    help="a saved run of the ORT-default arena (earlier version of this script) to show beside")
     args = ap.parse_args()
-    runs = [dict(r, mode="ORT default arena, no shrink (before)") for r in args.before] if args.before else []
-    for mode in ("onepass", "no-arena"):
+    runs = []
+    for mode in ("ort-arena", "onepass"):
         proc = subprocess.run([sys.executable, "-c", CHILD, args.engine, mode], capture_output=True, text=True,
                               check=True)
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))

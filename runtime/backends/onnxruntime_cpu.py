@@ -15,9 +15,6 @@ from ..tree import PackedBatch
 from .base import Backend, StateKV
 
 
-SHRINK_AFTER_CELLS = 256 * 1024  # packed tokens x keys of a pass after which the arena gives back its free regions
-
-
 class OrtCpuBackend(Backend):
     """The decoder graph in an ``onnxruntime.InferenceSession`` on CPU."""
 
@@ -25,6 +22,11 @@ class OrtCpuBackend(Backend):
         super().__init__(model)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # No CPU arena: ORT's arena keeps its largest footprint for the life of the process, so one request at
+        # the limits held ~4.2 GB for good (shrinking it after large passes did not help: live outputs pin its
+        # regions). Without it RSS comes back after the pass; small passes cost ~2-3% more, a pass at the
+        # limits ~50% (benchmarks/results/memory_peak.md).
+        opts.enable_cpu_mem_arena = False
         if threads:
             opts.intra_op_num_threads = threads
         self.session = ort.InferenceSession(graph_path, opts, providers=["CPUExecutionProvider"])
@@ -35,8 +37,6 @@ class OrtCpuBackend(Backend):
         self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = ort.OrtValue.ortvalue_from_numpy(zeros)
-        self._shrink = ort.RunOptions()
-        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def empty(self) -> StateKV:
         """A K/V of length 0 (one shared empty value for every layer)."""
@@ -54,10 +54,7 @@ class OrtCpuBackend(Backend):
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
             binding.bind_output(name, "cpu")
-        # ORT's CPU arena keeps its largest footprint for the life of the process: after a large pass it is
-        # shrunk (its free regions returned), and no tensor that outlives a pass stays in it (see _append).
-        large = batch.num_tokens * (kv.length + batch.num_tokens) > SHRINK_AFTER_CELLS
-        self.session.run_with_iobinding(binding, self._shrink if large else None)
+        self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         layers = 2 * self.model.num_layers
         head = outputs[1 + layers].numpy() if self.has_head else None
@@ -65,8 +62,8 @@ class OrtCpuBackend(Backend):
 
     def _append(self, kv: StateKV, new) -> StateKV:
         n = new[0].shape()[1]
-        if kv.length == 0:  # copied out of the arena: a cached state must not pin an arena region
-            layers = tuple((_owned(new[2 * i]), _owned(new[2 * i + 1])) for i in range(self.model.num_layers))
+        if kv.length == 0:
+            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
         else:  # a later prefill chunk: one concatenation per layer, at prefill time only
             layers = tuple(
                 tuple(ort.OrtValue.ortvalue_from_numpy(np.concatenate([old.numpy(), add.numpy()], axis=1))
@@ -76,7 +73,3 @@ class OrtCpuBackend(Backend):
         length = kv.length + n
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
 
-
-def _owned(value: ort.OrtValue) -> ort.OrtValue:
-    """An OrtValue over numpy-owned memory with ``value``'s contents."""
-    return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
