@@ -208,7 +208,14 @@ def main(argv=None) -> int:
     log(json.dumps(report["environment"]))
     ok, report["skipped"] = backends(args.device, Path(args.engine), out)
     log(f"backends: {sorted(ok)}; skipped: {report['skipped']}")
-    hf = None if args.skip_hf else HFBaselines(args.device)
+    save(report, out)  # written after every step: a run cut short still returns what it measured
+    hf = None
+    if not args.skip_hf:
+        try:
+            hf = HFBaselines(Engine.load(args.engine, verify=False), args.device)
+        except Exception as err:  # noqa: BLE001 - the baseline is optional; say why it is missing
+            report["skipped"]["hf_eager"] = f"{type(err).__name__}: {err}"[:300]
+            log(f"HF baseline skipped: {report['skipped']['hf_eager']}")
     for name, (root, make) in ok.items():
         engine = Engine.load(root, backend=make, verify=False)
         diffs = run_golden(engine)
@@ -216,13 +223,22 @@ def main(argv=None) -> int:
         tol = TOLERANCES_BY_PRECISION.get(precision, tolerances(engine))
         report["parity"][name] = {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in diffs.items()}
         log(f"{name} parity {diffs}")
+        save(report, out)
         report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)
         hf = None  # HF baselines once, beside the first backend
+        save(report, out)
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gpu_check.md").write_text(markdown(report))
+    save(report, out)
     print(markdown(report))
     return 0
+
+
+def save(report: dict, out: Path) -> None:
+    """gpu_check.json and .md as measured so far (atomic renames)."""
+    for name, text in (("gpu_check.json", json.dumps(report, indent=2) + "\n"), ("gpu_check.md", markdown(report))):
+        tmp = out / (name + ".partial")
+        tmp.write_text(text)
+        tmp.replace(out / name)
 
 
 if __name__ == "__main__":

