@@ -104,7 +104,7 @@ class Server:
 
     def warm_up(self) -> None:
         """Run one small request so the first user request does not pay for lazy initialisation; its time
-        seeds the dispatcher's estimate of seconds per request."""
+        seeds the dispatcher's estimate of seconds per pass."""
         from ..questions import Noul
 
         self.engine.run("Warm-up.", {"q": Noul("Is this a warm-up?")})

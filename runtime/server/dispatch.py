@@ -6,14 +6,17 @@ more, and hands them to ``Engine.run_many`` — requests about the same state sh
 packed pass, each as its own subtrees, and a failing request fails only itself.
 
 Every request carries a deadline (monotonic seconds). Admission refuses a request whose
-deadline cannot be met given the work ahead of it (estimated from measured pass times),
-and the worker drops a queued request whose deadline would pass before its pass could end:
-no work is spent on answers nobody waits for.
+deadline cannot be met given the work ahead of it, and the worker drops a queued request
+whose deadline would pass before its pass could end: no work is spent on answers nobody
+waits for. The work ahead is counted in passes, not requests: queued requests about one
+state share a pass (up to ``max_batch`` of them), so the estimate is the number of passes
+the queue holds once this request joins it times the measured seconds per pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import queue
 import threading
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 
-EWMA = 0.2  # weight of the newest measurement in the seconds-per-request estimate
+EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass estimate
 
 
 class QueueFull(Exception):
@@ -44,6 +47,7 @@ class _Item:
     deadline: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    key: object = None  # the state's key (requests with equal keys share a pass)
 
 
 class Dispatcher:
@@ -55,9 +59,10 @@ class Dispatcher:
         self.max_queue, self.window_s, self.max_batch = max_queue, window_s, max_batch
         self.on_batch = on_batch or (lambda size, seconds: None)
         self.on_drop = on_drop or (lambda: None)
-        self.seconds_per_request = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
+        self.seconds_per_pass = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
         self._queue: queue.Queue = queue.Queue()
         self._depth = 0
+        self._states: collections.Counter = collections.Counter()  # queued requests per state key
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name="onepass-engine", daemon=True)
         self._thread.start()
@@ -67,32 +72,40 @@ class Dispatcher:
         """Requests submitted and not yet answered."""
         return self._depth
 
-    def measured(self, seconds: float, requests: int = 1) -> None:
-        """Fold one pass's time into the seconds-per-request estimate."""
-        per = seconds / max(1, requests)
-        self.seconds_per_request = per if self.seconds_per_request == 0 else (
-            (1 - EWMA) * self.seconds_per_request + EWMA * per)
+    def measured(self, seconds: float) -> None:
+        """Fold one pass's time (one state's group of requests) into the seconds-per-pass estimate."""
+        self.seconds_per_pass = seconds if self.seconds_per_pass == 0 else (
+            (1 - EWMA) * self.seconds_per_pass + EWMA * seconds)
 
-    def expected_wait(self, ahead: int) -> float:
-        """Seconds until a request with ``ahead`` requests before it is answered (estimate)."""
-        return (ahead + 1) * self.seconds_per_request
+    def passes_with(self, key) -> int:
+        """Passes the queue holds once one more request about state ``key`` joins it (call under the lock)."""
+        counts = self._states.copy()
+        counts[key] += 1
+        return sum(-(-n // self.max_batch) for n in counts.values())
+
+    def expected_wait(self, passes: int) -> float:
+        """Seconds until ``passes`` passes are done (estimate)."""
+        return passes * self.seconds_per_pass
 
     def submit(self, state, questions, deadline: float) -> asyncio.Future:
         """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed."""
+        key = _state_key(state)
         with self._lock:
+            passes = self.passes_with(key)
             if self._depth >= self.max_queue:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})",
-                                self.expected_wait(self._depth))
-            wait = self.expected_wait(self._depth)
+                                self.expected_wait(passes))
+            wait = self.expected_wait(passes)
             left = deadline - time.monotonic()
             if wait > left:
-                raise QueueFull(f"{self._depth} requests are ahead: about {wait:.2f} s of work, more than the "
-                                f"{max(0.0, left):.2f} s left before this request's deadline",
-                                wait - left)
+                raise QueueFull(f"{self._depth} requests ({passes} passes with this one) are queued: about "
+                                f"{wait:.2f} s of work, more than the {max(0.0, left):.2f} s left before this "
+                                "request's deadline", wait - left)
             self._depth += 1
+            self._states[key] += 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put(_Item(state, questions, deadline, loop, future))
+        self._queue.put(_Item(state, questions, deadline, loop, future, key))
         return future
 
     def close(self) -> None:
@@ -119,7 +132,7 @@ class Dispatcher:
 
     def _drop_late(self, group: list) -> list:
         """Answer DeadlinePassed to requests that could not be answered in time; keep the rest."""
-        finish = time.monotonic() + self.seconds_per_request * len(group)
+        finish = time.monotonic() + self.seconds_per_pass
         keep = []
         for item in group:
             if item.deadline < finish:
@@ -137,7 +150,7 @@ class Dispatcher:
         except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
             results = [err] * len(group)
         seconds = time.monotonic() - start
-        self.measured(seconds, len(group))
+        self.measured(seconds)
         self.on_batch(len(group), seconds)
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
@@ -150,17 +163,25 @@ class Dispatcher:
                     self._run(kept)
                 with self._lock:
                     self._depth -= len(group)
+                    for item in group:
+                        self._states[item.key] -= 1
+                        if self._states[item.key] <= 0:
+                            del self._states[item.key]
+
+
+def _state_key(state):
+    """Requests with equal keys are about the same state (and share a pass)."""
+    try:
+        return state if isinstance(state, str) else json.dumps(state, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return object()  # unkeyable: its own pass
 
 
 def _by_state(batch: list) -> list:
     """The batch's requests grouped by their state (first-come order): each group is one packed pass."""
     groups: dict = {}
     for item in batch:
-        try:
-            key = item.state if isinstance(item.state, str) else json.dumps(item.state, sort_keys=True)
-        except (TypeError, ValueError, RecursionError):
-            key = id(item)
-        groups.setdefault(key, []).append(item)
+        groups.setdefault(item.key, []).append(item)
     return list(groups.values())
 
 
