@@ -45,3 +45,23 @@ def test_dockerfile_is_pinned_non_root_healthy_and_serves(path):
     for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, flags=re.M):
         for item in src.split():
             assert (ROOT / item.rstrip("/")).exists(), f"COPY source {item} is missing"
+
+
+def test_gpu_images_install_every_export_dependency():
+    """The GPU images export the default engine on first start, so they need every package of the [export] extra
+    but torch (the base image's): peft (which merges the shipped adapter) was missing once. Versions may differ
+    where the image's Python needs it (Jetson: Python 3.10)."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["export"]
+    names = {re.split(r"[=<>;\s\[]", req, maxsplit=1)[0].lower() for req in extra} - {"torch"}
+    for name in ("Dockerfile.gpu", "Dockerfile.jetson"):
+        installed = {m.lower() for m in re.findall(r"([A-Za-z0-9_.-]+)==", (ROOT / "docker" / name).read_text())}
+        assert names <= installed, f"{name} lacks {sorted(names - installed)}"
+
+
+def test_the_jetson_image_uses_its_python_and_the_package_allows_it():
+    """JetPack 6 images are Ubuntu 22.04 with Python 3.10 and TensorRT's bindings for it: the image uses the
+    system python3 (not a newer one), and the package's requires-python admits 3.10."""
+    text = (ROOT / "docker" / "Dockerfile.jetson").read_text()
+    assert "l4t-jetpack:r36" in text and "python3 -m pip install" in text and "python3.1" not in text
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=3.10"
