@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast data eval bench bench-http calibrate-eval head calibrate-eval-head int8-explore gpu-check \
+.PHONY: install demo test test-fast data eval bench bench-http bench-harden calibrate-eval head calibrate-eval-head int8-explore gpu-check \
 	train-default tune-eval tune-eval-user clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
@@ -50,6 +50,11 @@ bench: $(BIN)/.installed $(ENGINE)/manifest.json
 
 bench-http: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/python benchmarks/http_bench.py --engine $(ENGINE)
+
+# Hostile requests against a real server process (label: before/after), and memory at the limits.
+bench-harden: $(BIN)/.installed $(ENGINE)/manifest.json
+	$(BIN)/python benchmarks/hardening.py --engine $(ENGINE) --label after
+	$(BIN)/python benchmarks/memory_peak.py --engine $(ENGINE)
 
 calibrate-data: $(BIN)/.evaldata
 
