@@ -225,3 +225,18 @@ def test_real_tensorrt_plan_on_this_gpu_reproduces_the_golden_file(engine_dir, t
     assert main(["build-trt", "--engine", str(root), "--arch", "native"]) == 0
     trt = Engine.load(root, backend=factory())
     assert check_golden(trt)["target_logprob"] <= 1e-3
+
+
+def test_a_failed_capture_falls_back_to_plain_enqueue_once(plan_dir, engine, caplog):
+    """Issue 16 item 6: an engine whose pass cannot be captured (an injected non-capturable op) still answers,
+    equal to ONNX Runtime; the capture is tried once per shape, never again, and says so in a log line."""
+    device = HostDevice(uncapturable=True)
+    trt = load(plan_dir, device)
+    encoded = engine.encode_questions(QUESTIONS)
+    with caplog.at_level("WARNING", logger="onepass.tensorrt"):
+        for _ in range(3):
+            for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
+                np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    assert device.captures == 1 and device.launches == 0 and trt.backend.graphs == 0
+    assert trt.backend.capture_failures == 1
+    assert sum("capture failed" in r.message for r in caplog.records) == 1

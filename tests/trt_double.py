@@ -39,7 +39,7 @@ def _needs_context(method):
 class HostDevice:
     """Device memory as numpy blocks at fake addresses; its context is current only where activated."""
 
-    def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False):
+    def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False, uncapturable: bool = False):
         self._thread = threading.local()
         self.activate()  # as CudaDevice makes its context current on the creating thread
         self.compute_capability = compute_capability
@@ -50,6 +50,7 @@ class HostDevice:
         self.capturing: list | None = None
         self.allocations = self.frees = self.captures = self.launches = 0
         self.pitch_bug = pitch_bug  # negative control: copy_rows ignores the destination pitch
+        self.uncapturable = uncapturable  # the graph holds an operation stream capture refuses
 
     def activate(self) -> None:
         self._thread.active = True
@@ -121,6 +122,11 @@ class HostDevice:
         finally:
             graph, self.capturing = self.capturing, None
         self.captures += 1
+        if self.uncapturable:  # as cuStreamEndCapture reports a capture an operation invalidated
+            graph.clear()
+            from onepass.runtime.backends.cuda_device import DeviceError
+
+            raise DeviceError("cuStreamEndCapture failed: operation not permitted when stream is capturing")
         return graph
 
     @_needs_context

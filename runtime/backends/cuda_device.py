@@ -107,8 +107,14 @@ class CudaDevice:
                     "cuStreamBeginCapture")
         try:
             enqueue()
-        finally:
-            graph = self._check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        except BaseException:
+            # The capture must end (or the stream stays unusable) and its partial graph be freed; the error
+            # that matters is the enqueue's, so the end-capture's own error (capture invalidated) is dropped.
+            err, graph = cu.cuStreamEndCapture(stream)
+            if err == cu.CUresult.CUDA_SUCCESS and graph is not None:
+                cu.cuGraphDestroy(graph)
+            raise
+        graph = self._check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
         try:
             return self._check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         finally:

@@ -27,6 +27,7 @@ engine.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,11 +37,13 @@ from typing import Sequence
 import numpy as np
 
 from .. import contract
-from ..errors import EngineFileError
+from ..errors import EngineFileError, OnepassError
 from ..manifest import Manifest
 from ..tree import PackedBatch, bucket, pad_batch
 from .base import Backend, StateKV
 from .tensorrt_build import import_tensorrt
+
+log = logging.getLogger("onepass.tensorrt")
 
 MAX_GRAPHS = 32
 FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
@@ -180,6 +183,8 @@ class TensorRTBackend(Backend):
         self._scratch: tuple[int, int] | None = None  # (ptr, bytes): present K/V a score pass writes
         self._presents: dict[int, list] = {}  # packed bucket -> its 2L present tensors in the scratch
         self._graphs: OrderedDict = OrderedDict()
+        self._uncapturable: set = set()  # graph keys whose capture failed: run without a graph
+        self.capture_failures = 0
 
     # -- state K/V ---------------------------------------------------------------------------------
 
@@ -342,12 +347,24 @@ class TensorRTBackend(Backend):
             self._enqueue(ctx)
             return self._read(ptrs, host, r)
         key = (kv.layers[0][0].ptr, kv.length, packed, readout)
+        if key in self._uncapturable:  # its capture failed once: plain enqueue from then on
+            self._point(ctx, shapes, kv, ptrs, presents)
+            self._enqueue(ctx)
+            return self._read(ptrs, host, r)
         entry = self._graphs.get(key)
         if entry is None:  # addresses and shapes are set once, then baked into the graph
             self._point(ctx, shapes, kv, ptrs, presents)
             self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
-            graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
+            try:
+                graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
+            except OnepassError as err:  # e.g. an operation that cannot be captured: this key runs uncaptured
+                self._uncapturable.add(key)
+                self.capture_failures += 1
+                log.warning("CUDA graph capture failed for packed=%d readout=%d (%s); this shape runs without "
+                            "a graph from now on", packed, readout, err)
+                self._enqueue(ctx)  # the failed capture may have left the stream or the outputs in any state
+                return self._read(ptrs, host, r)
             # The key holds the state's address and length: a graph is only replayed for a live state at
             # that address with that layout, so it need not keep an evicted state's block alive.
             entry = self._graphs[key] = graph
