@@ -21,6 +21,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,7 +98,8 @@ def backends(device: str, engine: Path, out: Path) -> tuple[dict, dict]:
             ok[f"torch-{device}-fp16"] = (engine, factory(device, "fp16"))
             ok[f"torch-{device}-bf16"] = (engine, factory(device, "bf16"))
     try:
-        ok["tensorrt"] = (tensorrt_engine(engine, out / "trt-engine"), trt_factory())
+        # the engine copy with its plan lives outside OUT: OUT is what a device run brings back (small files only)
+        ok["tensorrt"] = (tensorrt_engine(engine, Path(tempfile.gettempdir()) / "onepass-gpu-check-trt"), trt_factory())
     except Exception as err:  # noqa: BLE001 -- any reason TensorRT cannot run here is reported, not fatal
         skipped["tensorrt"] = f"{type(err).__name__}: {err}"
     return ok, skipped

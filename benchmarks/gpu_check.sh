@@ -6,7 +6,8 @@
 #
 # Needs: torch with CUDA, numpy, tokenizers, onnx (the torch backend reads the weights from the
 # engine's ONNX initializers) and an engine directory (`onepass export --out engines/smollm2`);
-# transformers + gguf for the HF baseline (SKIP_HF=1 skips it).
+# transformers for the HF baseline, built from the engine's own weights (SKIP_HF=1 skips it). OUT holds
+# only the reports (the TensorRT engine copy goes to the temp directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-gpu_check_out}}"
