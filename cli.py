@@ -216,12 +216,17 @@ def cmd_build_trt(args) -> int:
         native = CudaDevice().compute_capability
     archs = [native if a == "native" else a for a in args.arch]
     plans, files = list(manifest.plans), dict(manifest.files)
+    workspace = None
+    if args.device:
+        from .runtime.plan import DEVICES
+
+        workspace = DEVICES[args.device].workspace_mib << 20
     trt = import_tensorrt(args.flavour)
     for arch, asked in zip(archs, args.arch):
         out = root / f"decoder.{arch}.plan"
         timing = cache_root() / "tensorrt" / f"{trt.__name__}-{trt.__version__}-{arch}.timing"
         record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
-                            flavour=trt.__name__, timing_cache=timing)
+                            flavour=trt.__name__, timing_cache=timing, workspace_bytes=workspace)
         record["compute_capability"] = arch
         plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
         plans.append(record)
@@ -229,6 +234,12 @@ def cmd_build_trt(args) -> int:
     mf.write(root, dataclasses.replace(manifest, plans=plans, files=files))
     print(f"recorded {len(archs)} plan(s) in {root / mf.MANIFEST}")
     return 0
+
+
+def _device_names() -> list:
+    from .runtime.plan import DEVICES
+
+    return list(DEVICES)
 
 
 def build_native_plan_if_missing(root: Path) -> None:
@@ -368,6 +379,8 @@ def parser() -> argparse.ArgumentParser:
                      help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121), or native: "
                           "this machine's GPU (standard TensorRT on NGC/JetPack builds on the device)")
     trt.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    trt.add_argument("--device", default=None, choices=sorted(_device_names()),
+                     help="limit the builder's workspace to this device's budget (see `onepass plan`)")
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
                      help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
     trt.set_defaults(func=cmd_build_trt)

@@ -23,17 +23,18 @@ class Device:
     fp16_tflops: float  # dense tensor-core FP16/BF16
     int8_tops: float  # dense tensor-core INT8
     usable_fraction: float
+    workspace_mib: int  # TensorRT builder workspace limit for plans built for this device
     note: str
 
 
 DEVICES = {
-    "orin-nano-8gb": Device("Jetson Orin Nano 8GB", 8, 68, 10, 20, 0.6,
+    "orin-nano-8gb": Device("Jetson Orin Nano 8GB", 8, 68, 10, 20, 0.6, 256,
                             "memory shared with the OS and CPU; 40 sparse INT8 TOPS -> 20 dense"),
-    "orin-nx-16gb": Device("Jetson Orin NX 16GB", 16, 102, 25, 50, 0.7,
+    "orin-nx-16gb": Device("Jetson Orin NX 16GB", 16, 102, 25, 50, 0.7, 512,
                            "memory shared with the OS and CPU; 100 sparse TOPS incl. DLA; GPU dense assumed"),
-    "agx-orin-64gb": Device("Jetson AGX Orin 64GB", 64, 204.8, 42, 85, 0.75,
+    "agx-orin-64gb": Device("Jetson AGX Orin 64GB", 64, 204.8, 42, 85, 0.75, 2048,
                             "memory shared with the OS and CPU; 275 sparse TOPS incl. DLA; GPU dense assumed"),
-    "h200": Device("NVIDIA H200 SXM 141GB", 141, 4800, 989, 1979, 0.9, "HBM3e; dense tensor-core figures"),
+    "h200": Device("NVIDIA H200 SXM 141GB", 141, 4800, 989, 1979, 0.9, 8192, "HBM3e; dense tensor-core figures"),
 }
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
@@ -63,7 +64,8 @@ def plan(engine_dir: str | Path, device: str, precision: str = "fp16", state_tok
     activations = (model.num_heads * n * (s + n) * 4  # attention scores of one layer, fp32 softmax
                    + 4 * n * max(model.hidden_size * 4, model.head_dim * model.num_heads * 3) * act_b)
     budget = dev.memory_gib * 2**30 * dev.usable_fraction
-    free = budget - weights - activations
+    workspace = dev.workspace_mib * 2**20  # the plan build's limit (onepass build-trt --device)
+    free = budget - weights - activations - workspace
     cache_tokens = max(0, int(free // kv_per_token))
 
     def floor_ms(tokens: int, context: int) -> dict:
@@ -80,6 +82,7 @@ def plan(engine_dir: str | Path, device: str, precision: str = "fp16", state_tok
         "memory": {"budget_gib": _gib(budget), "weights_gib": _gib(weights), "params": int(params),
                    "kv_bytes_per_state_token": kv_per_token,
                    "activations_gib_at_limits": _gib(activations), "limits": asdict(limits),
+                   "tensorrt_workspace_gib": _gib(workspace),
                    "state_cache_tokens": cache_tokens, "state_cache_states": cache_tokens // max(1, state_tokens)},
         "latency_floor": {"prefill": {"tokens": state_tokens, **floor_ms(state_tokens, state_tokens)},
                           "score": {"tokens": packed_tokens, **floor_ms(packed_tokens, state_tokens + packed_tokens)}},
@@ -91,6 +94,7 @@ def plan(engine_dir: str | Path, device: str, precision: str = "fp16", state_tok
             "logits only at read-out rows (ignored)",
             "memory traffic: every non-embedding weight read once per pass plus the state's K/V",
             "activations: one layer's fp32 attention scores at the packed/state limits plus MLP buffers",
+            f"TensorRT workspace: {dev.workspace_mib} MiB, the limit `onepass build-trt --device {device}` builds with",
         ],
     }
 
@@ -103,6 +107,7 @@ def render(p: dict) -> str:
              f"  weights            {mem['weights_gib']:.3f} GiB ({mem['params'] / 1e6:.1f}M parameters)",
              f"  K/V per token      {mem['kv_bytes_per_state_token'] / 1024:.1f} KiB",
              f"  activations        {mem['activations_gib_at_limits']:.3f} GiB at the engine's limits",
+             f"  TensorRT workspace {mem['tensorrt_workspace_gib']:.3f} GiB (build-trt --device limit)",
              f"  state cache        {mem['state_cache_tokens']:,} tokens = {mem['state_cache_states']:,} states "
              f"of {lat['prefill']['tokens']} tokens"]
     for name in ("prefill", "score"):

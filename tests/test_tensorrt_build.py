@@ -19,7 +19,8 @@ def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
     copy = _copy_engine(engine_dir, tmp_path / "engine")
     try:
-        assert main(["build-trt", "--engine", str(copy), "--arch", *ARCHS, "--flavour", "tensorrt_rtx"]) == 0
+        assert main(["build-trt", "--engine", str(copy), "--arch", *ARCHS, "--flavour", "tensorrt_rtx",
+                     "--device", "h200"]) == 0
         manifest = mf.load(copy)  # every plan is hashed and verified like the other files
         assert [p["compute_capability"] for p in manifest.plans] == ARCHS
         for record in manifest.plans:
@@ -33,6 +34,7 @@ def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path, monkeypatch):
             assert all(p["packed"][2] == manifest.limits.max_packed_tokens for p in profiles.values())
             assert record["timing_cache"] is None  # TensorRT for RTX: timing caches are no-ops, none is kept
             assert record["tf32"] is False  # fp32 plans keep fp32 GEMM inputs (TF32 is on by default)
+            assert record["workspace_bytes"] == 8192 << 20  # the H200 profile's builder workspace (plan.DEVICES)
         assert not (tmp_path / "cache" / "tensorrt").exists()
     finally:
         shutil.rmtree(copy, ignore_errors=True)
@@ -43,3 +45,24 @@ def test_precision_other_than_the_graphs_is_refused(engine_dir, capsys):
 
     assert main(["build-trt", "--engine", str(engine_dir), "--precision", "fp16"]) == 2
     assert "plans are built at the graph's precision" in capsys.readouterr().err
+
+
+def test_a_plan_that_needs_more_workspace_than_the_device_allows_is_a_clear_error(engine_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """At the default limits (4,096 state + 4,096 packed tokens) one attention layer needs ~0.8 GB of workspace:
+    more than the Orin Nano's 256 MiB. The build says so and what to do, and records nothing."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
+    from test_engine import _copy_engine
+
+    from onepass.cli import main
+
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
+    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    try:
+        assert main(["build-trt", "--engine", str(copy), "--arch", "sm86", "--flavour", "tensorrt_rtx",
+                     "--device", "orin-nano-8gb"]) == 2
+        err = capsys.readouterr().err
+        assert "256 MiB" in err and "--max-packed-tokens" in err
+        assert mf.load(copy).plans == []
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)

@@ -77,7 +77,7 @@ def role_profiles(manifest: Manifest) -> dict[str, Profile]:
 
 def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability: str | None = None,
                flavour: str | None = None, profiles: dict[str, Profile] | None = None,
-               timing_cache: Path | None = None, log=print) -> dict:
+               timing_cache: Path | None = None, workspace_bytes: int | None = None, log=print) -> dict:
     """Parse ``root/manifest.graph`` and write a serialized plan to ``out``; returns what to record."""
     trt = import_tensorrt(flavour)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -97,6 +97,8 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
                                      "build on the device or use tensorrt_rtx")
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
+    if workspace_bytes is not None:  # a device's budget (plan.DEVICES): tactics needing more are not chosen
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
         config.clear_flag(trt.BuilderFlag.TF32)  # TF32 (on by default) rounds fp32 GEMM inputs to 10 bits
     profiles = profiles or role_profiles(manifest)
@@ -113,6 +115,10 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     t0 = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     if plan is None:
+        if workspace_bytes is not None:
+            raise EngineFileError(f"TensorRT could not build a plan from {graph} within a {workspace_bytes >> 20} MiB "
+                                  "workspace (see the log above): this engine's limits need more on that device; "
+                                  "export one with smaller --max-packed-tokens / --max-state-tokens for it")
         raise EngineFileError(f"TensorRT failed to build a plan from {graph} (see the log above)")
     data = bytes(plan)
     out.write_bytes(data)
@@ -128,4 +134,5 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
             "precision": manifest.precision, "profiles": {name: p.as_dict() for name, p in profiles.items()},
             "timing_cache": str(timing_cache) if cache is not None else None,
             "tf32": bool(config.get_flag(trt.BuilderFlag.TF32)) if hasattr(trt.BuilderFlag, "TF32") else None,
+            "workspace_bytes": int(config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE)),
             "build_seconds": round(seconds, 1)}
