@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from onepass.runtime.server.memory import rss_bytes
+
 RESULTS = Path(__file__).resolve().parent / "results"
 NOUL = {"type": "noul", "instructions": "Does the customer ask for a refund?"}
 TICKET = "I was charged twice for my subscription this month. Please refund the second payment."
@@ -48,11 +50,7 @@ def free_port() -> int:
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_bytes(pid) / 2**20
 
 
 def post(url: str, raw: bytes, headers: dict | None = None, timeout: float = 120):

@@ -64,13 +64,8 @@ def _summary(scored: list[dict]) -> dict:
         rows = [r for r in scored if r["dataset"] == name]
         if all(len(r["scores"]) == 2 for r in rows):
             out[name]["auc"] = _auc([r["scores"][0] - r["scores"][1] for r in rows],
-                                    [_label_index(r) == 0 for r in rows])
+                                    [r["label"] == 0 for r in rows])
     return out
-
-
-def _label_index(row: dict) -> int:
-    label = row["label"]
-    return label if isinstance(label, int) else row["names"].index(label)
 
 
 def _auc(margin: list, positive: list) -> float | None:

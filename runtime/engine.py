@@ -236,8 +236,8 @@ class Engine:
                 out[i] = err
         for members in groups.values():
             state = members[0][1]
-            scored = self._score_merged(state, members) if len(members) > 1 else None
-            if scored is None:  # alone, or the merged pass failed: each request can only fail itself
+            scored = self._score_merged(state, members)
+            if scored is None:  # the pass failed: each request alone, so that it can only fail itself
                 for i, _, questions, _, _ in members:
                     try:
                         out[i] = self.run(state, questions, readout)
@@ -258,7 +258,7 @@ class Engine:
         return out
 
     def _score_merged(self, state: State, members: list):
-        """(logprobs, heads) of several requests' questions in one pass, or None if that pass fails."""
+        """(logprobs, heads) of the requests' questions in one pass, or None if that pass fails."""
         try:
             _, logprobs, heads = self._score(state, [q for m in members for q in m[3]])
         except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
@@ -343,8 +343,6 @@ def parse_request(body: Mapping) -> tuple:
         raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
     if body.get("assets"):
         raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
-    for qid in raw:
-        check_question_id(qid)
     return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
 
 

@@ -15,7 +15,6 @@ import gzip
 import json
 import random
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from onepass.runtime.prompt import state_text  # noqa: E402
 from onepass.runtime.server.app import Server  # noqa: E402
 from onepass.runtime.server.body import MAX_DEPTH, HTTPError, decode, nesting_depth, parse_json  # noqa: E402
 from onepass.runtime.server.config import ServerConfig  # noqa: E402
+from onepass.runtime.server.memory import rss_bytes  # noqa: E402
+from test_server import _free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NOUL = {"type": "noul", "instructions": "Does the customer ask for a refund?"}
@@ -192,15 +193,8 @@ def test_parser_fuzz_10000_bodies_never_raise_anything_but_4xx(engine):
 # -- a real server process under a memory cap ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+    return rss_bytes(pid) / 2**20
 
 
 def post(url: str, raw: bytes, headers: dict | None = None, timeout: float = 120):

@@ -72,4 +72,3 @@ class OrtCpuBackend(Backend):
             )
         length = kv.length + n
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
-

@@ -7,7 +7,7 @@ unreachable, 503 deadline passed while queued (both with Retry-After). Error bod
 input never yields a 5xx, and an unexpected fault is a logged 500 with the request id.
 
 A request's deadline is the server's ``request_timeout_s`` or the client's ``X-Request-Timeout``
-(seconds). Responses carry ``Server-Timing`` (queue, engine, total milliseconds).
+(seconds). Responses carry ``Server-Timing`` (engine: queue wait + pass, total; milliseconds).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Server:
         self.dispatcher.measured(time.monotonic() - start)
         self.ready = True
 
-    def on_batch(self, size: int, seconds: float) -> None:
+    def on_batch(self, size: int) -> None:
         """After each engine batch: metrics, and free memory handed back to the system."""
         self.metrics.on_batch(size)
         release_free_memory()
@@ -234,14 +234,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
                      f"{TIMEOUT_HEADER}", headers={"Retry-After": str(server.config.retry_after_s)}))
         ms = (time.monotonic() - start) * 1000
         response.headers[REQUEST_ID] = rid
-        timing = request.state.timing
         response.headers["Server-Timing"] = ", ".join(
-            [f"{k};dur={v:.2f}" for k, v in timing.items()] + [f"total;dur={ms:.2f}"])
-        server.metrics.requests.labels(_route_label(request), str(response.status_code)).inc()
-        access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": _route_label(request),
+            [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
+        route, length = _route_label(request), request.headers.get("content-length") or ""
+        server.metrics.requests.labels(route, str(response.status_code)).inc()
+        access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": route,
                                     "status": response.status_code, "ms": round(ms, 2),
-                                    "bytes": int(request.headers.get("content-length") or 0)
-                                    if (request.headers.get("content-length") or "").isdigit() else None,
+                                    "bytes": int(length) if length.isdigit() else None,
                                     "encoding": request.headers.get("content-encoding")}, ensure_ascii=True))
         return response
 

@@ -166,8 +166,7 @@ def _check_values(data) -> None:
         elif isinstance(value, str):
             _check_text(value, path)
         elif isinstance(value, _Refused):
-            field = _field(path)
-            raise HTTPError(422, f"{field}: {value.why}", field, detail=_detail(path, value.why))
+            raise _refused(path, value.why)
 
 
 def _check_text(text: str, path: tuple, is_key: bool = False) -> None:
@@ -177,13 +176,16 @@ def _check_text(text: str, path: tuple, is_key: bool = False) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         where = "a key" if is_key else "a string"
-        why = f"{where} is not valid UTF-8 text (a lone surrogate at character {err.start}); send UTF-8 text"
-        field = _field(path)
-        raise HTTPError(422, f"{field}: {why}" if field else why, field or None, detail=_detail(path, why)) from None
+        raise _refused(path, f"{where} is not valid UTF-8 text (a lone surrogate at character {err.start}); "
+                             "send UTF-8 text") from None
 
 
-def _field(path: tuple) -> str:
-    return ".".join(str(p) if isinstance(p, int) or _printable(p) else "?" for p in path)
+def _refused(path: tuple, why: str) -> HTTPError:
+    """422 naming the field at ``path`` (keys UTF-8 cannot encode shown as "?")."""
+    loc = [p if isinstance(p, int) or _printable(p) else "?" for p in path]
+    field = ".".join(map(str, loc))
+    return HTTPError(422, f"{field}: {why}" if field else why, field or None,
+                     detail=[{"loc": ["body", *loc], "msg": why, "type": "value_error"}])
 
 
 def _printable(key: str) -> bool:
@@ -192,7 +194,3 @@ def _printable(key: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _detail(path: tuple, why: str) -> list:
-    return [{"loc": ["body", *(p if _printable(str(p)) else "?" for p in path)], "msg": why, "type": "value_error"}]

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 from ..engine import Engine
+from ..questions import as_text
 
 EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass estimate
 
@@ -57,7 +57,7 @@ class Dispatcher:
                  on_drop=None):
         self.engine = engine
         self.max_queue, self.window_s, self.max_batch = max_queue, window_s, max_batch
-        self.on_batch = on_batch or (lambda size, seconds: None)
+        self.on_batch = on_batch or (lambda size: None)
         self.on_drop = on_drop or (lambda: None)
         self.seconds_per_pass = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
         self._queue: queue.Queue = queue.Queue()
@@ -92,10 +92,9 @@ class Dispatcher:
         key = _state_key(state)
         with self._lock:
             passes = self.passes_with(key)
-            if self._depth >= self.max_queue:
-                raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})",
-                                self.expected_wait(passes))
             wait = self.expected_wait(passes)
+            if self._depth >= self.max_queue:
+                raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
             left = deadline - time.monotonic()
             if wait > left:
                 raise QueueFull(f"{self._depth} requests ({passes} passes with this one) are queued: about "
@@ -149,9 +148,8 @@ class Dispatcher:
             results = self.engine.run_many([(item.state, item.questions) for item in group])
         except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
             results = [err] * len(group)
-        seconds = time.monotonic() - start
-        self.measured(seconds)
-        self.on_batch(len(group), seconds)
+        self.measured(time.monotonic() - start)
+        self.on_batch(len(group))
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
 
@@ -170,9 +168,10 @@ class Dispatcher:
 
 
 def _state_key(state):
-    """Requests with equal keys are about the same state (and share a pass)."""
+    """Requests with equal keys are about the same state (and share a pass): the state's text as the engine
+    reads it."""
     try:
-        return state if isinstance(state, str) else json.dumps(state, sort_keys=True)
+        return as_text(state)
     except (TypeError, ValueError, RecursionError):
         return object()  # unkeyable: its own pass
 

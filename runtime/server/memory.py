@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _libc = None
@@ -27,10 +28,10 @@ def release_free_memory() -> None:
         _libc.malloc_trim(0)
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc; 0 where unknown)."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set size, this one by default (Linux /proc; 0 where unknown)."""
     try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * 4096
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
