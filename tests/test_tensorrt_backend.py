@@ -240,3 +240,61 @@ def test_a_failed_capture_falls_back_to_plain_enqueue_once(plan_dir, engine, cap
     assert device.captures == 1 and device.launches == 0 and trt.backend.graphs == 0
     assert trt.backend.capture_failures == 1
     assert sum("capture failed" in r.message for r in caplog.records) == 1
+
+
+STATE_2 = "My parcel arrived broken. I want a replacement, not a refund, and I want it this week please."
+
+
+def _alternate(trt, engine, rounds: int = 2):
+    """Two states (two past lengths: two graph keys) asked in turn; each answer checked against ONNX Runtime."""
+    encoded = engine.encode_questions(QUESTIONS)
+    for _ in range(rounds):
+        for state in (STATE, STATE_2):
+            for x, y in zip(trt.option_logprobs(state, encoded), engine.option_logprobs(state, encoded)):
+                np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+
+
+def test_each_graph_replays_on_its_own_context_in_one_shared_activation_buffer(plan_dir, engine):
+    """Issue 16 item 5: graphs of several keys, replayed in turn, give ONNX Runtime's answers; each has its own
+    execution context, and every context runs in the backend's single activation buffer (no STATIC memory)."""
+    device = HostDevice()
+    trt = load(plan_dir, device)
+    _alternate(trt, engine)
+    backend = trt.backend
+    assert device.captures == 2 and device.launches == 4 and backend.graphs == 2
+    contexts = [ctx for _, ctx in backend._graphs.values()] + list(backend.contexts.values())
+    assert len({id(c) for c in contexts}) == len(contexts)  # one context per graph, none shared
+    assert {c.memory for c in contexts} == {backend._activation}
+    assert backend.engine.static_contexts == 0 and backend.activation_bytes == backend.engine.device_memory_size_v2
+
+
+def test_negative_control_graphs_sharing_one_context_are_caught(plan_dir, engine, monkeypatch):
+    """The stand-in models TensorRT's per-context state: the previous design (every graph captured on the one
+    score context) fails when an older graph is replayed after another key was set up."""
+    trt = load(plan_dir, HostDevice())
+    backend = trt.backend
+    monkeypatch.setattr(backend, "_new_context", lambda role: backend._score)
+    with pytest.raises(AssertionError, match="since set up for other shapes"):
+        _alternate(trt, engine)
+
+
+def test_out_of_device_memory_frees_the_pools_kept_blocks_then_is_a_clear_error(plan_dir):
+    """Finite device memory: a state that does not fit makes the pool free its kept blocks and retry; when it
+    still does not fit, the error is a typed one that says so."""
+    from onepass.runtime.backends.cuda_device import DeviceError
+
+    device = HostDevice()
+    backend = load(plan_dir, device).backend
+    short, long = list(range(100, 400)), list(range(100, 1100))
+    backend.prefill(long, 4096)  # the pass buffers of both sizes exist from here on (the state is dropped)
+    backend.pool.clear()
+    kv = backend.prefill(short, 4096)
+    del kv  # its block is kept by the pool for the next state of its size class
+    kept, granule = backend.pool.kept_bytes, backend.pool.granule
+    assert kept > 0
+    need = -(-len(long) * backend.model.kv_bytes_per_token() // granule) * granule
+    device.capacity = device.live_bytes - kept + need  # the long state fits only once the kept block is freed
+    kv = backend.prefill(long, 4096)
+    assert kv.length == len(long) and backend.pool.kept_bytes == 0
+    with pytest.raises(DeviceError, match="out of memory"):
+        backend.prefill(list(range(100, 2100)), 4096)

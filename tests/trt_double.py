@@ -9,6 +9,16 @@ refuses (returns False) an input shape outside the plan's optimisation profile a
 address that is not 256-byte aligned. Stream capture
 records each enqueued pass with the shapes and addresses bound *at capture time*, as a
 CUDA graph does, so a replay that relies on addresses set later reads the wrong data.
+
+Also modelled, because a real GPU punishes them silently or late:
+
+* **per-context state**: an enqueue sets up the context for its shapes (as TensorRT's
+  shape-dependent internal state); replaying a graph on a context that has since been set up
+  for other shapes raises;
+* **activation memory**: a context needs ``device_memory_size_v2`` bytes; the default (STATIC)
+  strategy allocates them per context, ``USER_MANAGED`` needs ``set_device_memory`` first;
+* **finite memory**: ``HostDevice(capacity=)`` refuses an allocation past it, as cuMemAlloc does;
+* **capture failure**: ``HostDevice(uncapturable=True)``.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ def _needs_context(method):
 class HostDevice:
     """Device memory as numpy blocks at fake addresses; its context is current only where activated."""
 
-    def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False, uncapturable: bool = False):
+    def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False, uncapturable: bool = False,
+                 capacity: int | None = None):
         self._thread = threading.local()
         self.activate()  # as CudaDevice makes its context current on the creating thread
         self.compute_capability = compute_capability
@@ -51,12 +62,17 @@ class HostDevice:
         self.allocations = self.frees = self.captures = self.launches = 0
         self.pitch_bug = pitch_bug  # negative control: copy_rows ignores the destination pitch
         self.uncapturable = uncapturable  # the graph holds an operation stream capture refuses
+        self.capacity = capacity  # bytes of device memory (None: unlimited)
 
     def activate(self) -> None:
         self._thread.active = True
 
     @_needs_context
     def alloc(self, nbytes: int) -> int:
+        if self.capacity is not None and self.live_bytes + max(int(nbytes), 1) > self.capacity:
+            from onepass.runtime.backends.cuda_device import DeviceError
+
+            raise DeviceError("cuMemAlloc failed: out of memory")
         ptr = self._next
         self._next += (int(nbytes) + 4095) // 4096 * 4096 + 4096  # a guard gap after every block
         bisect.insort(self._bases, ptr)
@@ -148,12 +164,17 @@ def write_plan(manifest, graph: str = "decoder.onnx") -> tuple[bytes, dict]:
     return json.dumps({"format": PLAN_FORMAT, "graph": graph, "profiles": profiles}).encode(), profiles
 
 
+ACTIVATION_BYTES = 3 << 20  # what the double's "plan" says a context needs for its activations
+
+
 class _Context:
-    def __init__(self, session: ort.InferenceSession, device: HostDevice, profiles: list):
+    def __init__(self, session: ort.InferenceSession, device: HostDevice, profiles: list, user_managed: bool):
         self.session, self.device, self.profiles = session, device, profiles
         self.profile = profiles[0]
         self.shapes: dict = {}
         self.addresses: dict = {}
+        self.set_up_for: dict | None = None  # the shapes of the last enqueue: TensorRT's shape-dependent state
+        self.memory = None if user_managed else device.alloc(ACTIVATION_BYTES)  # STATIC: its own, for life
         self.inputs = {i.name: i for i in session.get_inputs()}
         self.outputs = [o.name for o in session.get_outputs()]
 
@@ -177,6 +198,12 @@ class _Context:
         self.shapes.clear()
         return True
 
+    def set_device_memory(self, ptr: int, size: int) -> None:
+        if int(ptr) % 256 or size < ACTIVATION_BYTES:
+            raise AssertionError(f"activation memory {ptr:#x} (+{size}) is misaligned or under {ACTIVATION_BYTES}")
+        self.device.view(ptr, ACTIVATION_BYTES)  # inside one live allocation
+        self.memory = int(ptr)
+
     def set_tensor_address(self, name, ptr) -> bool:
         if name not in self.inputs and name not in self.outputs:
             raise AssertionError(f"{name} is not a tensor of the plan")
@@ -196,8 +223,15 @@ class _Context:
                   [n for n in self.inputs if n not in shapes]
         if missing:
             raise AssertionError(f"enqueued with unbound tensors: {missing[:3]}")
+        if self.memory is None:
+            raise AssertionError("enqueued on a USER_MANAGED context that has no device memory")
+        self.set_up_for = shapes
 
         def run():
+            if self.set_up_for != shapes:  # only a replay can see this: an enqueue has just set it
+                raise AssertionError("a graph replayed on an execution context since set up for other shapes "
+                                     "(TensorRT's per-context state no longer matches the capture)")
+            self.device.view(self.memory, ACTIVATION_BYTES)[:64] = 0xCD  # scratch use of the activations
             feeds = {}
             for name, info in self.inputs.items():
                 dtype = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}[info.type]
@@ -216,16 +250,24 @@ class _Context:
 
 
 class _Engine:
+    device_memory_size_v2 = ACTIVATION_BYTES
+
     def __init__(self, session, device, profiles):
         self.session, self.device, self.profiles = session, device, profiles
         self._names = [i.name for i in session.get_inputs()] + [o.name for o in session.get_outputs()]
         self.num_io_tensors = len(self._names)
+        self.contexts_created = self.static_contexts = 0
 
     def get_tensor_name(self, i: int) -> str:
         return self._names[i]
 
-    def create_execution_context(self):
-        return _Context(self.session, self.device, self.profiles)
+    def create_execution_context(self, strategy=0):
+        self.contexts_created += 1
+        self.static_contexts += strategy != USER_MANAGED
+        return _Context(self.session, self.device, self.profiles, user_managed=strategy == USER_MANAGED)
+
+
+USER_MANAGED = 2  # the value of ExecutionContextAllocationStrategy.USER_MANAGED in TensorRT
 
 
 def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
@@ -250,6 +292,8 @@ def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
             session = ort.InferenceSession(str(Path(root) / spec["graph"]), opts, providers=["CPUExecutionProvider"])
             return _Engine(session, device, list(spec["profiles"].values()))
 
-    module = types.SimpleNamespace(Logger=Logger, Runtime=Runtime, __version__=version)
+    strategy = types.SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=USER_MANAGED)
+    module = types.SimpleNamespace(Logger=Logger, Runtime=Runtime, ExecutionContextAllocationStrategy=strategy,
+                                   __version__=version)
     module.__name__ = "tensorrt_double"
     return module

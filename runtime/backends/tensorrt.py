@@ -20,9 +20,13 @@ Memory:
   pass of each (state, bucket) is captured once and replayed: only the inputs are
   uploaded and the two [R] outputs read back.
 
-One stream per backend and one execution context per optimisation profile of the plan
-(``prefill`` and ``score``, see ``tensorrt_build.role_profiles``); calls are serialised by the
-engine.
+One stream per backend; calls are serialised by the engine. Execution contexts: one per
+optimisation profile of the plan (``prefill`` and ``score``, see ``tensorrt_build.role_profiles``)
+for plain passes, plus **one per captured CUDA graph**: TensorRT keeps shape-dependent state in
+its context, so a graph is only replayed on the context it was captured on, which never sees
+another shape (NVIDIA's CUDA-graph guidance). All contexts are created ``USER_MANAGED`` and run
+in **one** activation buffer of the plan's device-memory size: passes never overlap (one stream,
+serialised calls), so memory does not grow with the number of contexts.
 """
 
 from __future__ import annotations
@@ -79,6 +83,12 @@ class Block:
         self._finalizer.atexit = False
 
 
+def _activation_bytes(engine) -> int:
+    """The device memory a context of the plan needs for any profile (TensorRT >= 10.1: ``_v2``)."""
+    size = getattr(engine, "device_memory_size_v2", None)
+    return int(size if size is not None else engine.device_memory_size)
+
+
 class StatePool:
     """Device blocks for state K/V, rounded up to ``granule`` bytes and reused by size.
 
@@ -94,14 +104,23 @@ class StatePool:
         self.allocations = 0
 
     def take(self, nbytes: int) -> Block:
+        """A block of at least ``nbytes``: a kept one of its size class, else a new allocation; when the device
+        is out of memory, the kept blocks of other sizes are freed and the allocation is tried once more."""
         self.drain()
         size = -(-max(int(nbytes), 1) // self.granule) * self.granule
         free = self._free.get(size)
         if free:
             self.kept_bytes -= size
             return Block(self, free.pop(), size)
+        try:
+            ptr = self.device.alloc(size)
+        except OnepassError:
+            if not self.kept_bytes:
+                raise
+            self.clear()
+            ptr = self.device.alloc(size)
         self.allocations += 1
-        return Block(self, self.device.alloc(size), size)
+        return Block(self, ptr, size)
 
     def _give_back(self, ptr: int, size: int) -> None:
         if self.kept_bytes + size <= self.keep_bytes:
@@ -159,15 +178,15 @@ class TensorRTBackend(Backend):
             raise EngineFileError(f"TensorRT could not load {self.plan['file']} (see its log above)")
         self.stream = device.stream()
         self._handle = device.handle(self.stream)
+        self._user_managed = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        self.activation_bytes = _activation_bytes(self.engine)
+        self._activation = device.alloc(self.activation_bytes)  # shared by every context (passes never overlap)
         roles = list(self.plan.get("profiles", {"prefill": None}))  # older plans: one profile for both roles
-        self.contexts = {}
-        for index, role in enumerate(roles):
-            context = self.engine.create_execution_context()
-            if index and not context.set_optimization_profile_async(index, self._handle):
-                raise EngineFileError(f"TensorRT could not select profile {index} ({role}) of {self.plan['file']}")
-            self.contexts[role] = context
+        self._profile = {role: index for index, role in enumerate(roles)}
+        self.contexts = {role: self._new_context(role) for role in roles}
         self._prefill = self.contexts["prefill"]
         self._score = self.contexts.get("score", self._prefill)
+        self._score_role = "score" if "score" in self.contexts else "prefill"
         device.synchronize(self.stream)
         m = manifest.model
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
@@ -185,6 +204,20 @@ class TensorRTBackend(Backend):
         self._graphs: OrderedDict = OrderedDict()
         self._uncapturable: set = set()  # graph keys whose capture failed: run without a graph
         self.capture_failures = 0
+
+    def _new_context(self, role: str):
+        """An execution context on ``role``'s profile that runs in the shared activation buffer."""
+        context = self.engine.create_execution_context(self._user_managed)
+        if context is None:
+            raise EngineFileError(f"TensorRT could not create an execution context for {self.plan['file']}")
+        if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1
+            context.set_device_memory(self._activation, self.activation_bytes)
+        else:
+            context.device_memory = self._activation
+        index = self._profile[role]
+        if index and not context.set_optimization_profile_async(index, self._handle):
+            raise EngineFileError(f"TensorRT could not select profile {index} ({role}) of {self.plan['file']}")
+        return context
 
     # -- state K/V ---------------------------------------------------------------------------------
 
@@ -352,7 +385,8 @@ class TensorRTBackend(Backend):
             self._enqueue(ctx)
             return self._read(ptrs, host, r)
         entry = self._graphs.get(key)
-        if entry is None:  # addresses and shapes are set once, then baked into the graph
+        if entry is None:  # a context of its own: shapes and addresses are set once, then baked into the graph
+            ctx = self._new_context(self._score_role)
             self._point(ctx, shapes, kv, ptrs, presents)
             self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
@@ -367,17 +401,17 @@ class TensorRTBackend(Backend):
                 return self._read(ptrs, host, r)
             # The key holds the state's address and length: a graph is only replayed for a live state at
             # that address with that layout, so it need not keep an evicted state's block alive.
-            entry = self._graphs[key] = graph
+            entry = self._graphs[key] = (graph, ctx)
             while len(self._graphs) > MAX_GRAPHS:
-                self.device.release_graph(self._graphs.popitem(last=False)[1])
+                self.device.release_graph(self._graphs.popitem(last=False)[1][0])
         else:
             self._graphs.move_to_end(key)
-        self.device.launch(entry, self.stream)
+        self.device.launch(entry[0], self.stream)
         return self._read(ptrs, host, r)
 
     def _release_graphs(self) -> None:
         while self._graphs:
-            self.device.release_graph(self._graphs.popitem(last=False)[1])
+            self.device.release_graph(self._graphs.popitem(last=False)[1][0])  # its context goes with it
 
     def close(self) -> None:
         """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""
@@ -393,6 +427,11 @@ class TensorRTBackend(Backend):
             self._scratch = None
         self._presents.clear()
         self.pool.clear()
+        self.contexts.clear()
+        self._prefill = self._score = None
+        if self._activation is not None:
+            self.device.free(self._activation)
+            self._activation = None
 
     @property
     def graphs(self) -> int:
