@@ -290,7 +290,8 @@ def cmd_export(args) -> int:
         head, head_info = load_head_info(args.head)
     from .export.adapter import resolve
 
-    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=Scoring(args.readout),
+    scoring = Scoring(args.readout) if args.readout else None
+    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=scoring,
                   head=head, head_info=head_info, precision=args.precision, adapters=resolve(args.adapter, args.model))
     return 0
 
@@ -307,8 +308,9 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-packed-tokens", type=int, default=4096)
     ex.add_argument("--max-questions", type=int, default=64)
     ex.add_argument("--max-options", type=int, default=32)
-    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default="mean",
-                    help="how option log-likelihoods become probabilities (see benchmarks/readout_eval.md)")
+    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
+                    help="how option log-likelihoods become probabilities (default: the read-out the adapter was "
+                         "trained for, else mean; see benchmarks/readout_eval.md)")
     ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
                     help="fp16/bf16: block weights and GEMMs in fp16/bf16 (half the weight bytes; norms, softmax, "
                          "residual stream, read-out and K/V stay float32); bf16 engines run on TensorRT or "

@@ -115,7 +115,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     extra, model_spec, export_adapters = {}, spec, list(adapters)
     if config.method == "lora":
         adapter_dir = save(model, work / "adapter", {"base_sha256": loaded.source.get("sha256"),
-                                                     "base": tuning.base, "tuning": dataclasses.asdict(tuning)})
+                                                     "base": tuning.base, "readout": base.scoring.readout,
+                                                     "tuning": dataclasses.asdict(tuning)})
         export_adapters.append(adapter_dir)
         extra = {n: adapter_dir / n for n in (WEIGHTS, CONFIG, CARD)}
     else:

@@ -53,13 +53,14 @@ def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
 
 
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
-                  limits: mf.Limits = mf.Limits(), scoring: mf.Scoring = mf.Scoring(),
+                  limits: mf.Limits = mf.Limits(), scoring: mf.Scoring | None = None,
                   prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
                   precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
                   extra_files: dict | None = None) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
-    ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
+    ``scoring`` None: the read-out the last adapter was trained for (its card's ``readout``), else the
+    default (mean). ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
     ``head`` the engine's read-out. ``precision="fp16"`` (or ``"bf16"``) stores the block weights in
     fp16 (bf16) and runs their GEMMs in it; embedding, norms, softmax, residual stream, read-out and
     K/V stay float32. A bf16 engine runs on TensorRT or the PyTorch backend, not ONNX Runtime's CPU.
@@ -80,6 +81,9 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     loaded = load_model(model, adapters)
     if tuning is None and adapters and card(adapters[-1]).get("tuning"):
         tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
+    if scoring is None:
+        trained_for = card(adapters[-1]).get("readout") if adapters else None
+        scoring = mf.Scoring(readout=trained_for) if trained_for else mf.Scoring()
     decoder = lower_precision(PackedDecoder(loaded.model).attach_head(head), precision).eval()
     dims = decoder.dims
     if head is not None:

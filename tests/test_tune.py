@@ -156,12 +156,14 @@ def test_config_is_validated():
 
 @pytest.mark.slow
 def test_default_engine_records_its_adapter_and_tuning(engine):
-    from onepass.export.adapter import DEFAULT_ADAPTER, WEIGHTS
+    from onepass.export.adapter import DEFAULT_ADAPTER, WEIGHTS, card
     from onepass.runtime.manifest import sha256_file
 
     tuning, adapters = engine.manifest.tuning, engine.manifest.source["adapters"]
     assert tuning is not None and tuning.method == "lora" and tuning.steps > 0 and tuning.rows > 0
     assert adapters[0]["sha256"] == sha256_file(DEFAULT_ADAPTER / WEIGHTS)
+    # the engine answers with the read-out its adapter was trained through, not the export's fallback
+    assert engine.manifest.scoring.readout == card(DEFAULT_ADAPTER)["readout"]
 
 
 def _colour_rows(tmp_path):
@@ -189,6 +191,9 @@ def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
     assert m.tuning.data[0]["sha256"] == summary["tuning"]["data"][0]["sha256"] and m.tuning.rank == 2
     assert m.tuning.steps == summary["tuning"]["steps"] > 0 and "adapter_model.safetensors" in m.files
     assert m.name == f"{Engine.load(engine_dir).name}-tuned"  # not the name of a file copied into the engine
+    from onepass.export.adapter import card
+
+    assert card(out)["readout"] == m.scoring.readout == Engine.load(engine_dir).manifest.scoring.readout
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["after"]["all"]["nll"] == pytest.approx(metrics["heldout_best"]["nll"], abs=1e-3)  # served == trained
     assert not (tmp_path / "tuned.tune").exists()
