@@ -65,3 +65,37 @@ def test_the_jetson_image_uses_its_python_and_the_package_allows_it():
     assert "l4t-jetpack:r36" in text and "python3 -m pip install" in text and "python3.1" not in text
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert requires == ">=3.10"
+
+
+def test_ngc_requirements_leave_the_bases_constrained_packages_at_its_versions(tmp_path):
+    """Issue 16 item 7: NGC's PIP_CONSTRAINT pins every package of the image; the GPU image's requirements drop
+    the project's pin exactly for those (numpy, onnx here) and keep every other exact pin, markers evaluated."""
+    import subprocess
+    import sys
+
+    constraint = tmp_path / "constraint.txt"
+    constraint.write_text("numpy==1.26.4\n# a comment\nonnx==1.18.0  # pinned by the image\n"
+                          "-r other.txt\nPackaging==25.0\n")
+    script = ROOT / "docker" / "constrained_requirements.py"
+    out = subprocess.run([sys.executable, str(script), str(ROOT / "pyproject.toml"), "--extras", "serve",
+                          "--also", "onnx==1.23.2", "peft==0.21.2", "--constraint", str(constraint)],
+                         capture_output=True, text=True, check=True)
+    lines = out.stdout.split()
+    assert "numpy" in lines and "onnx" in lines  # the base's versions, through its constraint
+    assert "peft==0.21.2" in lines and "zstandard==0.25.0" in lines and "tokenizers==0.23.3" in lines
+    fastapi = [x for x in lines if x.startswith("fastapi")]
+    assert fastapi == ["fastapi==0.165.0" if sys.version_info >= (3, 11) else "fastapi==0.162.5"]  # one, by marker
+    assert not any(x.startswith("torch") for x in lines)
+    assert "numpy, onnx" in out.stderr
+    text = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    assert "constrained_requirements.py" in text and not re.search(r"pip install[^\n]*'\.\[serve\]'", text)
+
+
+def test_without_a_constraint_file_every_pin_is_kept(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "constrained_requirements.py"),
+                          str(ROOT / "pyproject.toml"), "--constraint", str(tmp_path / "absent.txt")],
+                         capture_output=True, text=True, check=True)
+    assert all("==" in line for line in out.stdout.split()) and any(x.startswith("numpy==") for x in out.stdout.split())
