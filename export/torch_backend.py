@@ -94,6 +94,10 @@ class TorchBackend(Backend):
             raise ValueError("CUDA graphs need a CUDA device")
         self.buckets = (on_cuda if buckets is None else buckets) or self.cuda_graphs
         self._graphs: OrderedDict = OrderedDict()
+        # One memory pool for every captured graph: a graph's temporaries live only during its replay and
+        # replays never overlap (one stream, serialised calls), so graphs may reuse each other's temporaries;
+        # a pool per graph would hold MAX_GRAPHS copies of the activations.
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass, padded to a bucket (and replayed from a CUDA graph) when configured."""
@@ -124,7 +128,7 @@ class TorchBackend(Backend):
                     self.decoder(*static[:3], *past, *static[3:])
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self._pool):
                 out = self.decoder(*static[:3], *past, *static[3:])
             entry = (graph, static, out, kv)  # kv: keeps the state's buffers alive while the graph exists
             self._graphs[key] = entry

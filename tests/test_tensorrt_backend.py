@@ -196,6 +196,26 @@ def test_no_cuda_driver_is_a_clear_error():
         pytest.skip(f"this machine has a GPU ({device.name}); the no-driver path cannot be shown here")
 
 
+def test_cuda_bindings_newer_than_the_driver_is_a_clear_error(monkeypatch):
+    """Issue 16 item 10: cuda-bindings 13 on a CUDA 12 driver (JetPack 6, R570) is refused at start, by name,
+    with the pip line that fits; a matching driver passes the check."""
+    import types
+
+    from onepass.runtime.backends import cuda_device
+
+    result = types.SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_NO_DEVICE=100)
+    fake = types.SimpleNamespace(CUresult=result, cuInit=lambda flags: (0,), cuDriverGetVersion=lambda: (0, 12060),
+                                 cuDeviceGetCount=lambda: (0, 0))
+    monkeypatch.setattr(cuda_device, "_driver", lambda: fake)
+    monkeypatch.setattr(cuda_device, "bindings_version", lambda: "13.0.3")
+    with pytest.raises(BackendUnavailable, match=r"needs a CUDA 13 driver; .*CUDA 12\.6: pip install "
+                                                 r"'cuda-bindings>=12\.6,<13'"):
+        cuda_device.CudaDevice()
+    monkeypatch.setattr(cuda_device, "bindings_version", lambda: "12.9.4")
+    with pytest.raises(BackendUnavailable, match="this machine has 0"):  # past the version check: no device
+        cuda_device.CudaDevice()
+
+
 def test_serve_with_tensorrt_and_no_gpu_is_a_one_line_error(plan_dir, capsys):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed")

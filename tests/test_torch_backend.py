@@ -101,6 +101,12 @@ def test_cuda_graph_replays_equal_eager_passes(engine_dir):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
         np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
     assert len(graphs.backend._graphs) == 1
+    # graphs of other keys share one memory pool: replayed in any order, each still equals eager
+    other = STATE + " I have asked three times already."
+    for state in (other, STATE, other, STATE):
+        for a, c in zip(graphs.option_logprobs(state, encoded), eager.option_logprobs(state, encoded)):
+            np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
+    assert len(graphs.backend._graphs) == 2
 
 
 @pytest.mark.gpu

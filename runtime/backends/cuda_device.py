@@ -18,6 +18,24 @@ class DeviceError(OnepassError):
     """A CUDA driver call failed."""
 
 
+def bindings_version() -> str:
+    """The installed cuda-bindings version ("13.0.3")."""
+    from cuda import bindings
+
+    return str(getattr(bindings, "__version__", "0"))
+
+
+def check_driver_supports_bindings(driver_version: int, bindings: str) -> None:
+    """cuda-bindings N.x calls the CUDA N driver API: a driver older than CUDA N (``driver_version`` as
+    cuDriverGetVersion gives it, 12060 = 12.6) fails later in obscure ways, so it is refused here by name."""
+    major = int(bindings.split(".", 1)[0])
+    if driver_version // 1000 < major:
+        have = f"{driver_version // 1000}.{driver_version % 1000 // 10}"
+        fits = f"cuda-bindings>={have},<{driver_version // 1000 + 1}"
+        raise BackendUnavailable(f"cuda-bindings {bindings} needs a CUDA {major} driver; this machine's driver "
+                                 f"supports CUDA {have}: pip install '{fits}' (JetPack 6 and R570 hosts are CUDA 12)")
+
+
 def _driver():
     try:
         from cuda.bindings import driver
@@ -36,6 +54,8 @@ class CudaDevice:
             self._check(cu.cuInit(0), "cuInit")
         except RuntimeError as exc:  # libcuda.so.1 missing: no driver on this machine
             raise BackendUnavailable(f"no CUDA driver on this machine ({exc})") from exc
+        check_driver_supports_bindings(int(self._check(cu.cuDriverGetVersion(), "cuDriverGetVersion")),
+                                       bindings_version())
         count = self._check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if ordinal >= count:
             raise BackendUnavailable(f"CUDA device {ordinal} asked for, this machine has {count}")
