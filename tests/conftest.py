@@ -35,3 +35,14 @@ def hf_model():
     from onepass.export.model_source import load_model
 
     return load_model(None, resolve(None, None)).model
+
+
+ENGINE_FIXTURES = {"engine_dir", "hf_model"}  # what exports or loads the default model
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs the default model, through any chain of fixtures, is ``slow``: the marker follows the
+    fixtures, so ``-m "not slow"`` (``make test-fast``) never exports or loads the model."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)

@@ -270,6 +270,15 @@ class _Engine:
 USER_MANAGED = 2  # the value of ExecutionContextAllocationStrategy.USER_MANAGED in TensorRT
 
 
+@functools.lru_cache(maxsize=2)
+def _session(graph: str) -> ort.InferenceSession:
+    """One ONNX Runtime session per graph file for the whole test session (loading the 540 MB graph takes
+    seconds; a session is stateless between runs, so every stand-in engine may share it)."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+
+
 def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
     """A module-like object with the slice of the TensorRT API the backend uses."""
 
@@ -287,10 +296,7 @@ def fake_tensorrt(root: Path, device: HostDevice, version: str = "0.1"):
             spec = json.loads(data)
             if spec.get("format") != PLAN_FORMAT:
                 return None
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = 2
-            session = ort.InferenceSession(str(Path(root) / spec["graph"]), opts, providers=["CPUExecutionProvider"])
-            return _Engine(session, device, list(spec["profiles"].values()))
+            return _Engine(_session(str(Path(root) / spec["graph"])), device, list(spec["profiles"].values()))
 
     strategy = types.SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=USER_MANAGED)
     module = types.SimpleNamespace(Logger=Logger, Runtime=Runtime, ExecutionContextAllocationStrategy=strategy,
