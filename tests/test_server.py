@@ -247,21 +247,19 @@ def test_merged_requests_equal_each_request_alone(engine):
               {"state": TICKET, "questions": {"a": QUESTIONS["mood"]}},
               {"state": "another state entirely", "questions": {"x": QUESTIONS["team"]}},
               {"state": TICKET, "questions": {"bad": {"type": "score", "instructions": "x", "criteria": ["1"]}}}]
-    parsed = []
-    for b in bodies:
-        try:
-            parsed.append(parse_request(b))
-        except Exception as err:  # noqa: BLE001 - the bad one is checked below
-            parsed.append(err)
-    good = [p for p in parsed if isinstance(p, tuple)]
+    from onepass.runtime.errors import OnepassError
+
+    good = [parse_request(b) for b in bodies[:3]]
+    with pytest.raises(OnepassError, match="criteria"):  # a one-level score is refused at parse time
+        parse_request(bodies[3])
     merged = engine.run_many(good)
+    assert len(merged) == len(good) == 3
     for (state, questions), result in zip(good, merged):
         alone = engine.run(state, questions)
         assert result.input_tokens == alone.input_tokens
         for qid, a in alone.answers.items():
             for k, p in _probs(a).items():
                 assert abs(_probs(result.answers[qid])[k] - p) <= PROB_TOL, (qid, k)
-    assert not isinstance(parsed[3], tuple)
 
 
 def test_merged_pass_is_really_shared(engine):
