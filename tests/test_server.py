@@ -378,3 +378,27 @@ def test_mcp_tools_over_stdio(engine_dir, engine):
     assert picked["choice"] == want.choice
     assert picked["probabilities"] == pytest.approx(want.probabilities, abs=1e-6)
     assert "2 to 10 levels" in bad["error"]
+
+
+def test_readyz_is_503_until_the_warm_up_ends_while_healthz_answers(engine, monkeypatch):
+    """The server accepts connections at once and warms up in the background: /healthz 200 and /readyz 503 while
+    warming, /readyz 200 after (the README's readiness claim, over real HTTP)."""
+    from onepass.runtime.server import app as app_module
+
+    release = threading.Event()
+    real = app_module.Server.warm_up
+
+    def slow_warm_up(self):
+        release.wait(60)
+        real(self)
+
+    monkeypatch.setattr(app_module.Server, "warm_up", slow_warm_up)
+    with running(engine) as base:
+        assert get(base, "/healthz")[0] == 200
+        status, _, body = get(base, "/readyz")
+        assert status == 503 and json.loads(body)["status"] == "warming up"
+        release.set()
+        deadline = time.monotonic() + 60
+        while get(base, "/readyz")[0] != 200:
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.05)

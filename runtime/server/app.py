@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 import uuid
 from typing import Any
@@ -113,6 +114,19 @@ class Server:
         self.dispatcher.measured(time.monotonic() - start)
         self.ready = True
 
+    def start_warm_up(self) -> threading.Thread:
+        """Warm up in the background: the server accepts connections at once (``/healthz`` 200, ``/readyz``
+        503 until warm), as orchestrators' liveness and readiness probes expect."""
+        def run():
+            try:
+                self.warm_up()
+            except Exception:  # noqa: BLE001 - never ready; the log says why
+                access_log.exception("warm-up failed: the server stays not ready")
+
+        thread = threading.Thread(target=run, name="onepass-warm-up", daemon=True)
+        thread.start()
+        return thread
+
     def on_batch(self, size: int) -> None:
         """After each engine batch: metrics, and free memory handed back to the system."""
         self.metrics.on_batch(size)
@@ -207,7 +221,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
                   description="TypeSafe System One compatible decision engine")
     app.state.server = server
     if warm:
-        app.router.on_startup.append(server.warm_up)
+        app.router.on_startup.append(server.start_warm_up)
     else:
         server.ready = True
     app.router.on_shutdown.append(server.dispatcher.close)
