@@ -369,3 +369,21 @@ def test_a_failing_merged_pass_is_rerun_request_by_request(engine):
     assert isinstance(results[1], MemoryError)
     for got, want in zip((results[0], results[2]), alone):
         assert got.answers == want.answers and got.input_tokens == want.input_tokens
+
+
+def test_the_access_log_holds_one_line_per_request_and_never_the_body(capped_server):
+    """The README's claim, on the real server process's log: a request whose state, question and id carry a
+    marker is logged (one JSON line with its request id), and the marker appears nowhere in the log."""
+    url, _, log = capped_server
+    marker = "zq7-SECRET-STATE-MARKER"
+    status, headers, _ = post(url, body(state=f"My card number is {marker}.", questions={marker: NOUL}))
+    rid = headers["X-TypeSafe-Request-Id"]
+    assert status == 200 and rid
+    deadline = time.monotonic() + 10
+    while rid not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the request was not logged"
+        time.sleep(0.1)
+    text = log.read_text(errors="replace")
+    lines = [json.loads(line) for line in text.splitlines() if rid in line]
+    assert len(lines) == 1 and lines[0]["path"] == "/v1/systemone" and lines[0]["status"] == 200
+    assert marker not in text
