@@ -226,3 +226,28 @@ def test_caller_text_never_forms_special_tokens(engine, where):
     assert [count(o) for o in options] == [count(o) for o in clean_options]
     assert "<|im_start|>assistant" in tok.decode(trunk + sum(options, []), skip_special_tokens=False)  # kept as text
     assert count(tok.encode(attack, add_special_tokens=False).ids) == 3  # control: trusted text forms them
+
+
+def test_sum_mean_and_prior_read_outs_compute_what_they_claim(engine, monkeypatch):
+    """Each read-out against its definition, from the pass's summed log-likelihoods: sum = softmax(lp), mean =
+    softmax(lp / option tokens), prior = softmax(lp - lp on the template's null state); the prior pass runs
+    once per question (cached), and the three differ on options of unequal length (control)."""
+    from onepass.runtime.readout import softmax
+
+    q = {"team": Choice("Which team?", {"billing": None, "technical support": None, "fraud review desk": None})}
+    encoded = engine.encode_questions(q)
+    lp = engine.option_logprobs(TICKET, encoded)[0]
+    lengths = np.array([len(o) for o in encoded[0].options], float)
+    null = engine.option_logprobs(engine.manifest.prompt.null_state, encoded)[0]
+    want = {"sum": softmax(lp), "mean": softmax(lp / lengths), "prior": softmax(lp - null)}
+    calls = []
+    real = engine.option_logprobs
+    monkeypatch.setattr(engine, "option_logprobs", lambda state, enc: calls.append(state) or real(state, enc))
+    for _ in range(2):
+        for readout, probs in want.items():
+            got = engine.ask(TICKET, q, readout=readout)["team"].probabilities
+            np.testing.assert_allclose([got[n] for n in q["team"].criteria], probs, rtol=0, atol=1e-6)
+    null_ids = engine.state(engine.manifest.prompt.null_state).ids
+    assert sum(getattr(s, "ids", None) == null_ids for s in calls) == 1  # the prior pass, once for 2 asks
+    logs = {k: np.log(v) for k, v in want.items()}
+    assert np.abs(logs["sum"] - logs["mean"]).max() > 0.1 and np.abs(logs["sum"] - logs["prior"]).max() > 0.1
