@@ -91,35 +91,39 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
-    export_decoder(decoder, tmp / GRAPH)
-    name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
-    step("writing tokenizer and golden file")
-    loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
-    for file_name, path in (extra_files or {}).items():
-        shutil.copyfile(path, tmp / file_name)
-    write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
-    step("hashing files and writing the manifest")
-    files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
-    info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
-                        dims.head_dim, dims.vocab_size, dims.max_position)
-    manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
-                           files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
-                           tuning=tuning, precision=precision,
-                           source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
-                                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "dims": asdict(dims)})
-    mf.write(tmp, manifest)
-    if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 GEMM: see export/bf16_check.py
-        from .bf16_check import check_bf16_engine
+    try:
+        step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
+        export_decoder(decoder, tmp / GRAPH)
+        name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
+        step("writing tokenizer and golden file")
+        loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
+        for file_name, path in (extra_files or {}).items():
+            shutil.copyfile(path, tmp / file_name)
+        write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
+        step("hashing files and writing the manifest")
+        files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
+        info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
+                            dims.head_dim, dims.vocab_size, dims.max_position)
+        manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
+                               files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
+                               tuning=tuning, precision=precision,
+                               source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
+                                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                       "dims": asdict(dims)})
+        mf.write(tmp, manifest)
+        if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 GEMM: see export/bf16_check.py
+            from .bf16_check import check_bf16_engine
 
-        step("checking the bf16 graph: its fp32 twin on ONNX Runtime, its weights in the PyTorch backend")
-        diffs = check_bf16_engine(tmp, PackedDecoder(loaded.model).attach_head(head).eval(),
-                                  out.with_name(out.name + ".bf16-twin"))
-    else:
-        step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")
-        diffs = check_golden(Engine.load(tmp, verify=False))
-    log.info("golden max differences: %s", diffs)
+            step("checking the bf16 graph: its fp32 twin on ONNX Runtime, its weights in the PyTorch backend")
+            diffs = check_bf16_engine(tmp, PackedDecoder(loaded.model).attach_head(head).eval(),
+                                      out.with_name(out.name + ".bf16-twin"))
+        else:
+            step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")
+            diffs = check_golden(Engine.load(tmp, verify=False))
+        log.info("golden max differences: %s", diffs)
+    except BaseException:  # nothing half-written: a failed export leaves no directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

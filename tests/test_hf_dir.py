@@ -52,3 +52,29 @@ def test_unknown_model_sources_are_refused(tmp_path):
     with pytest.raises(ModelSourceError, match="model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
         DecoderDims.from_hf_config(transformers.GPT2Config())
     assert default_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_export_refuses_to_finish_unless_onnx_runtime_reproduces_the_golden_file(qwen3_dir, tmp_path, monkeypatch):
+    """The README's claim: a golden file the graph does not reproduce (here: PyTorch's log-probs shifted by 0.01,
+    50x the tolerance) stops the export with a typed error; nothing is left on disk and an engine already at
+    ``--out`` is untouched. Control: the same export without the shift finishes."""
+    from onepass.export import build
+    from onepass.runtime.errors import EngineFileError
+
+    real = build.write_golden
+
+    def shifted(decoder, encoder, path):
+        real(decoder, encoder, path)
+        data = dict(np.load(path))
+        data["target_logprob"] = data["target_logprob"] + 0.01
+        np.savez(path, **data)
+
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "keep.txt").write_text("a previous engine")
+    monkeypatch.setattr(build, "write_golden", shifted)
+    with pytest.raises(EngineFileError, match="does not reproduce its golden file"):
+        export_engine(out, str(qwen3_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"] and (out / "keep.txt").is_file()
+    monkeypatch.setattr(build, "write_golden", real)
+    assert (export_engine(out, str(qwen3_dir)) / "manifest.json").is_file()
