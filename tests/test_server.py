@@ -370,14 +370,26 @@ def test_mcp_tools_over_stdio(engine_dir, engine):
             picked = await client.call_tool("choice", {"state": TICKET, "instructions": "Which team?",
                                                        "options": {"billing": None, "technical": None}})
             bad = await client.call_tool("score", {"state": TICKET, "instructions": "How?", "levels": ["one"]})
-            return tools, picked.structured_content, bad.structured_content
+            yes = await client.call_tool("noul", {"state": TICKET, "instructions": "Is a refund requested?",
+                                                  "true": "the customer wants money back"})
+            rated = await client.call_tool("score", {"state": TICKET, "instructions": "How frustrated?",
+                                                     "levels": ["Calm", "Frustrated", "Very angry"]})
+            return tools, picked.structured_content, bad.structured_content, yes.structured_content, \
+                rated.structured_content
 
-    tools, picked, bad = asyncio.run(asyncio.wait_for(session(), timeout=240))
+    tools, picked, bad, yes, rated = asyncio.run(asyncio.wait_for(session(), timeout=240))
     assert tools == {"noul", "choice", "score"}
-    want = engine.ask(TICKET, {"q": Choice("Which team?", {"billing": None, "technical": None})})["q"]
-    assert picked["choice"] == want.choice
-    assert picked["probabilities"] == pytest.approx(want.probabilities, abs=1e-6)
+    asked = {"q": Choice("Which team?", {"billing": None, "technical": None}),
+             "y": Noul("Is a refund requested?", {"true": "the customer wants money back"}),
+             "s": Score("How frustrated?", ["Calm", "Frustrated", "Very angry"])}
+    want = {k: engine.ask(TICKET, {k: q})[k] for k, q in asked.items()}  # each alone, as each tool call is
+    assert picked["choice"] == want["q"].choice
+    assert picked["probabilities"] == pytest.approx(want["q"].probabilities, abs=1e-6)
     assert "2 to 10 levels" in bad["error"]
+    assert yes["noul"] == pytest.approx(want["y"].noul, abs=1e-6)  # the criteria reach the prompt as asked alone
+    assert rated["score"] == pytest.approx(want["s"].score, abs=1e-5)
+    assert rated["probabilities"] == pytest.approx(want["s"].probabilities, abs=1e-6)
+    assert rated["legend"] == {"0": "Calm", "1": "Frustrated", "2": "Very angry"}
 
 
 def test_readyz_is_503_until_the_warm_up_ends_while_healthz_answers(engine, monkeypatch):
