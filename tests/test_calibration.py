@@ -14,6 +14,7 @@ from onepass.calibration.fit import fit, fit_group  # noqa: E402
 from onepass.runtime.calibration import Calibration, GroupCalibration, group_key  # noqa: E402
 from onepass.runtime.errors import InvalidRequest  # noqa: E402
 from onepass.runtime.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
+from onepass.runtime.readout import option_scores, softmax  # noqa: E402
 
 
 def _sample(rng, scores, true_scores):
@@ -120,7 +121,8 @@ def test_manifest_round_trip_with_calibration():
 @pytest.mark.slow
 def test_temperature_only_calibration_keeps_every_argmax(engine):
     groups = {k: GroupCalibration(t) for k, t in (("noul", 3.0), ("choice/3-4", 0.4), ("score/3", 5.0))}
-    calibrated = Engine(engine.root, dataclasses.replace(engine.manifest, calibration=Calibration(groups, "mean")),
+    readout = engine.manifest.scoring.readout
+    calibrated = Engine(engine.root, dataclasses.replace(engine.manifest, calibration=Calibration(groups, readout)),
                         engine.backend)
     questions = {"a": Noul("Is the customer angry?"),
                  "b": Choice("Which team?", {"billing": None, "technical": None, "sales": None}),
@@ -166,9 +168,79 @@ def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path
     assert groups["noul"].rows == 30 and len(groups) == 2  # the type group and this one question's group
     (qkey,) = set(groups) - {"noul"}
     assert qkey.startswith("question/") and groups[qkey].rows == 30
+    # ask the calibrated engine: the answer is the question's own group applied by hand (the keys built at fit
+    # time and at ask time agree; if they drifted apart, the type group would answer: the control below)
+    q = Noul("Is the review positive?")
+    encoded = loaded.encode_questions({"q": q})
+    text = "Review 99: wonderful, fun, I loved it."
+    lengths = np.array([len(o) for o in encoded[0].options], float)
+    raw = option_scores(loaded.option_logprobs(text, encoded)[0], lengths, None, loaded.manifest.scoring.readout)
+    own, by_type = groups[qkey].apply(raw, ["yes", "no"]), groups["noul"].apply(raw)
+    got = loaded.ask(text, {"q": q})["q"].noul
+    assert got == pytest.approx(softmax(own)[0], abs=1e-9)
+    assert abs(softmax(by_type)[0] - got) > 1e-3  # control: the two groups give different answers
     for name in ("report.json", "report.md", "reliability.png", "coverage.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"state": "x", "question": {"type": "noul", "instructions": "y"}, "label": "maybe"}))
     with pytest.raises(InvalidRequest, match="bad.jsonl:1: .*yes/no"):
         calibrate(copy, bad)
+
+
+@pytest.mark.slow
+def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_computed_probabilities(engine):
+    """Calibration round trip for each kind, through Engine.ask, against the documented formulas applied by hand
+    to the uncalibrated mean read-out: noul T + yes bias, choice T, score T + per-level bias, a question group's
+    option-name bias, a question group's matrix. Controls: other instructions fall back to the type group, and
+    reordered options keep each name's probability."""
+    from onepass.runtime.calibration import question_key
+
+    text = "I was charged twice for my order and want the second payment back today."
+    qs = {"n": Noul("Does the customer want money back?"),
+          "c": Choice("Which team?", {"billing": None, "technical": None, "sales": None}),
+          "s": Score("How urgent?", ["Low", "Medium", "High"]),
+          "g": Choice("Who handles it?", {"billing": None, "technical": None, "sales": None}),
+          "m": Choice("Refund or replacement?", {"refund": None, "replacement": None})}
+
+    def key(q):
+        names = engine.encoder.options(q)
+        return question_key(q.type, engine.encoder.instructions(q), names)
+
+    groups = {"noul": GroupCalibration(2.0, (0.7, 0.0)), "choice/3-4": GroupCalibration(0.5),
+              "score/3": GroupCalibration(1.5, (0.2, -0.1, 0.4)), "choice/2": GroupCalibration(3.0),
+              key(qs["g"]): GroupCalibration(1.3, option_bias={"billing": 1.0, "technical": -0.5}),
+              key(qs["m"]): GroupCalibration(option_bias={"refund": 0.25, "replacement": -0.25},
+                                             matrix_names=("refund", "replacement"),
+                                             matrix=((1.2, 0.3), (-0.2, 0.9)))}
+    readout = engine.manifest.scoring.readout  # the engine's own (sum or mean): calibration is fitted on it
+    calibrated = Engine(engine.root, dataclasses.replace(engine.manifest, calibration=Calibration(groups, readout)),
+                        engine.backend)
+    encoded = engine.encode_questions(qs)
+    raw = {qid: option_scores(lp, np.array([len(o) for o in e.options], float), None, readout)
+           for qid, lp, e in zip(qs, engine.option_logprobs(text, encoded), encoded)}
+    want = {"n": softmax(raw["n"] / 2.0 + np.array([0.7, 0.0])),
+            "c": softmax(raw["c"] / 0.5),
+            "s": softmax(raw["s"] / 1.5 + np.array([0.2, -0.1, 0.4])),
+            "g": softmax(raw["g"] / 1.3 + np.array([1.0, -0.5, 0.0])),
+            "m": softmax(np.array([[1.2, 0.3], [-0.2, 0.9]]) @ raw["m"] + np.array([0.25, -0.25]))}
+    got = calibrated.ask(text, qs)
+
+    def probs(a):
+        return np.array([a.noul, 1 - a.noul]) if hasattr(a, "noul") else np.array(list(a.probabilities.values()))
+
+    for qid in qs:
+        np.testing.assert_allclose(probs(got[qid]), want[qid], rtol=0, atol=1e-9, err_msg=qid)
+        assert np.abs(probs(got[qid]) - softmax(raw[qid])).max() > 1e-3, qid  # calibration changed it
+    # control: the question group is keyed by instructions; other instructions get the type group (T = 0.5)
+    other = {"o": Choice("Who handles this one?", {"billing": None, "technical": None, "sales": None})}
+    lp = engine.option_logprobs(text, engine.encode_questions(other))[0]
+    lengths = np.array([len(o) for o in engine.encode_questions(other)[0].options], float)
+    np.testing.assert_allclose(probs(calibrated.ask(text, other)["o"]),
+                               softmax(option_scores(lp, lengths, None, readout) / 0.5), atol=1e-9)
+    # control: option order does not matter for name-keyed groups (bias and matrix)
+    for qid, names in (("g", {"sales": None, "billing": None, "technical": None}),
+                       ("m", {"replacement": None, "refund": None})):
+        swapped = Choice(qs[qid].instructions, names)
+        again = calibrated.ask(text, {qid: swapped})[qid].probabilities
+        for name, p in got[qid].probabilities.items():
+            assert again[name] == pytest.approx(p, abs=1e-4), (qid, name)
