@@ -40,10 +40,14 @@ def test_golden_negative_control(engine):
     assert run_golden(engine, position_shift=1)["target_logprob"] > 100 * TOLERANCES["target_logprob"]
 
 
-def test_chunked_prefill_equals_one_shot(engine):
+def test_chunked_prefill_equals_one_shot(engine, monkeypatch):
     ids = engine.encoder.state("word " * 300)
     one = engine.backend.prefill(ids, chunk=len(ids))
+    passes = []
+    real = engine.backend._run
+    monkeypatch.setattr(engine.backend, "_run", lambda batch, kv: passes.append(batch.num_tokens) or real(batch, kv))
     chunked = engine.backend.prefill(ids, chunk=128)
+    assert passes == [min(128, len(ids) - s) for s in range(0, len(ids), 128)] and len(passes) >= 3  # in chunks
     assert chunked.length == one.length == len(ids)
     for (k1, v1), (k2, v2) in zip(one.layers, chunked.layers):
         np.testing.assert_allclose(k2.numpy(), k1.numpy(), rtol=0, atol=1e-4)

@@ -46,10 +46,15 @@ def test_torch_backend_answers_like_onnxruntime(torch_engine, engine):
     assert abs(got["refund"].noul - want["refund"].noul) < 1e-4
 
 
-def test_chunked_prefill_into_preallocated_buffers_equals_one_chunk(torch_engine):
+def test_chunked_prefill_into_preallocated_buffers_equals_one_chunk(torch_engine, monkeypatch):
     ids = torch_engine.encoder.state(STATE)
     one = torch_engine.backend.prefill(ids, 4096)
+    passes = []
+    real = torch_engine.backend._run
+    monkeypatch.setattr(torch_engine.backend, "_run", lambda batch, kv: passes.append(batch.num_tokens) or
+                        real(batch, kv))
     chunked = torch_engine.backend.prefill(ids, 7)
+    assert passes == [min(7, len(ids) - s) for s in range(0, len(ids), 7)]  # really in chunks of 7
     for (k1, v1), (k2, v2) in zip(one.layers, chunked.layers):
         assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
     assert chunked.length == len(ids) and chunked.nbytes == one.nbytes
@@ -74,8 +79,12 @@ def test_bucket_padding_changes_no_real_output(engine_dir, torch_engine):
     encoded = torch_engine.encode_questions(QUESTIONS)
     state = torch_engine.state(STATE)
     batch = torch_engine.pack(state, encoded)
-    assert bucket(batch.num_tokens) > batch.num_tokens  # the pass really is padded
+    assert bucket(batch.num_tokens) > batch.num_tokens  # a padded pass differs from the plain one
+    seen = []
+    real = padded.backend._run
+    padded.backend._run = lambda b, kv: seen.append((b.num_tokens, b.readout_index.shape[0])) or real(b, kv)
     got, _ = padded.backend.score_all(state.kv, batch)
+    assert seen == [(bucket(batch.num_tokens), bucket(batch.readout_index.shape[0]))]  # the backend padded it
     want, _ = torch_engine.backend.score_all(state.kv, batch)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
