@@ -27,9 +27,9 @@ QUESTIONS = {
     "mood": Score("How upset is the customer?", ["Calm", "Somewhat annoyed", "Very angry"]),
     "zh": Choice("情绪是什么?", {"积极": None, "消极": None, "中性": None}),
 }
-HF_TOL = 5e-4  # ONNX Runtime fp32 vs transformers fp32 eager, per option log-likelihood (measured ~6e-5)
-PACK_TOL = 1e-4  # the same graph, packed vs alone
-ORDER_TOL = 1e-5  # probabilities after shuffling
+HF_TOL = 2e-4  # ONNX Runtime fp32 vs transformers fp32 eager, per option log-likelihood (measured 6.3e-5)
+PACK_TOL = 6e-5  # the same graph, packed vs alone (measured 1.6e-5)
+ORDER_TOL = 0.0  # probabilities after shuffling questions and options: bit for bit (measured 0 over 5 shuffles)
 
 
 def encoded(engine, questions=QUESTIONS):
