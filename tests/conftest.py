@@ -8,15 +8,48 @@ from pathlib import Path
 import pytest
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export_fingerprint() -> str:
+    """What the default engine is made from: the export and runtime code, the shipped adapter and the model's
+    GGUF (path, size, mtime). Any change there gives a new fingerprint, hence a fresh export."""
+    import hashlib
+
+    from onepass.export.model_source import default_gguf
+
+    digest = hashlib.sha256()
+    for folder in ("export", "runtime"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    gguf = default_gguf()
+    digest.update(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
-    """An engine directory of the default model. ONEPASS_TEST_ENGINE reuses a prebuilt one (local runs)."""
+    """An engine directory of the default model, exported once and cached across test sessions under
+    $ONEPASS_CACHE/test-engines/<fingerprint> (a clean clone exports once). ONEPASS_TEST_ENGINE names a
+    prebuilt one instead (local runs)."""
     prebuilt = os.environ.get("ONEPASS_TEST_ENGINE")
     if prebuilt:
         return Path(prebuilt)
+    from onepass import Engine
     from onepass.export.build import export_engine
+    from onepass.runtime.errors import OnepassError
+    from onepass.runtime.paths import cache_root
 
-    return export_engine(tmp_path_factory.mktemp("engine") / "smollm2")
+    cached = cache_root() / "test-engines" / f"smollm2-{export_fingerprint()}"
+    if (cached / "manifest.json").is_file():
+        try:
+            Engine.load(cached)  # every file's hash verified: a damaged cache is exported again
+            return cached
+        except OnepassError:
+            pass
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    return export_engine(cached)
 
 
 @pytest.fixture(scope="session")
