@@ -11,6 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def fuzz_cases(default: int) -> int:
+    """A fuzz test's number of cases: ``default`` (what CI runs) times $ONEPASS_FUZZ (default 1; 0.1 for a quick
+    local run, 10 for a long one), at least 50."""
+    return max(50, int(default * float(os.environ.get("ONEPASS_FUZZ", "1"))))
+
+
 def export_fingerprint() -> str:
     """What the default engine is made from: the export and runtime code, the shipped adapter and the model's
     GGUF (path, size, mtime). Any change there gives a new fingerprint, hence a fresh export."""

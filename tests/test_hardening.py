@@ -33,6 +33,7 @@ from onepass.runtime.server.app import Server  # noqa: E402
 from onepass.runtime.server.body import MAX_DEPTH, HTTPError, decode, nesting_depth, parse_json  # noqa: E402
 from onepass.runtime.server.config import ServerConfig  # noqa: E402
 from onepass.runtime.server.memory import rss_bytes  # noqa: E402
+from conftest import fuzz_cases  # noqa: E402
 from test_server import _free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -168,8 +169,8 @@ def test_parser_fuzz_10000_bodies_never_raise_anything_but_4xx(engine):
                                                "criteria": {"billing": "money", "tech": None}}}),
                  *(raw for raw, _, _ in hostile().values() if not raw.startswith(b"\x1f\x8b"))]
         outcomes: dict = {}
-        cases = 0
-        while cases < 10_000:
+        cases, wanted = 0, fuzz_cases(10_000)
+        while cases < wanted:
             raw = _structured(rng) if rng.random() < 0.5 else _mutate(rng.choice(seeds), rng)
             try:
                 _, state, questions = server.parse(raw)
@@ -186,7 +187,7 @@ def test_parser_fuzz_10000_bodies_never_raise_anything_but_4xx(engine):
     finally:
         server.dispatcher.close()
     print("parser fuzz outcomes:", outcomes)
-    assert sum(outcomes.values()) >= 10_000
+    assert sum(outcomes.values()) >= wanted
     assert {"runnable", 400, 404, 422} <= set(outcomes), outcomes
 
 
