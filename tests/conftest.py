@@ -82,6 +82,9 @@ ENGINE_FIXTURES = {"engine_dir", "hf_model"}  # what exports or loads the defaul
 def pytest_collection_modifyitems(config, items):
     """A test that needs the default model, through any chain of fixtures, is ``slow``: the marker follows the
     fixtures, so ``-m "not slow"`` (``make test-fast``) never exports or loads the model."""
+    asked_for_archs = "archs" in (config.getoption("-m") or "")
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
             item.add_marker(pytest.mark.slow)
+        if "archs" in item.keywords and not asked_for_archs:
+            item.add_marker(pytest.mark.skip(reason="every TensorRT architecture: run with -m archs"))

@@ -7,10 +7,14 @@ import pytest
 from onepass.runtime import manifest as mf
 
 pytestmark = pytest.mark.slow
-ARCHS = ["sm80", "sm86", "sm89"]
 
 
-def test_build_plans_for_ampere_and_ada(engine_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("archs", [pytest.param(["sm89"], id="sm89"),
+                                   pytest.param(["sm80", "sm86", "sm89"], id="ampere-and-ada",
+                                                marks=pytest.mark.archs)])
+def test_build_plans(engine_dir, tmp_path, monkeypatch, archs):
+    """One architecture by default; every one behind the ``archs`` marker (``pytest -m archs``)."""
+    ARCHS = archs
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from test_engine import _copy_engine
 
