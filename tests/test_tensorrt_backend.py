@@ -320,3 +320,15 @@ def test_out_of_device_memory_frees_the_pools_kept_blocks_then_is_a_clear_error(
     assert kv.length == len(long) and backend.pool.kept_bytes == 0
     with pytest.raises(DeviceError, match="out of memory"):
         backend.prefill(list(range(100, 2100)), 4096)
+
+
+def test_a_context_that_says_it_cannot_be_captured_runs_without_a_graph(plan_dir, engine):
+    """TensorRT for RTX answers is_stream_capturable(stream): when it says no, no capture is tried and the pass
+    runs by plain enqueue (equal to ONNX Runtime), counted once as a capture failure."""
+    device = HostDevice(says_capturable=False)
+    trt = load(plan_dir, device)
+    encoded = engine.encode_questions(QUESTIONS)
+    for _ in range(2):
+        for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    assert device.captures == 0 and trt.backend.graphs == 0 and trt.backend.capture_failures == 1

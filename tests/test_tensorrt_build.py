@@ -39,6 +39,7 @@ def test_build_plans(engine_dir, tmp_path, monkeypatch, archs):
             assert record["timing_cache"] is None  # TensorRT for RTX: timing caches are no-ops, none is kept
             assert record["tf32"] is False  # fp32 plans keep fp32 GEMM inputs (TF32 is on by default)
             assert record["workspace_bytes"] == 8192 << 20  # the H200 profile's builder workspace (plan.DEVICES)
+            assert record["user_allocation"] is True  # TensorRT for RTX: stream capture needs the backend's memory
         assert not (tmp_path / "cache" / "tensorrt").exists()
     finally:
         shutil.rmtree(copy, ignore_errors=True)

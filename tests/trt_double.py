@@ -50,7 +50,7 @@ class HostDevice:
     """Device memory as numpy blocks at fake addresses; its context is current only where activated."""
 
     def __init__(self, compute_capability: str = "sm90", pitch_bug: bool = False, uncapturable: bool = False,
-                 capacity: int | None = None):
+                 capacity: int | None = None, says_capturable: bool = True):
         self._thread = threading.local()
         self.activate()  # as CudaDevice makes its context current on the creating thread
         self.compute_capability = compute_capability
@@ -63,6 +63,7 @@ class HostDevice:
         self.pitch_bug = pitch_bug  # negative control: copy_rows ignores the destination pitch
         self.uncapturable = uncapturable  # the graph holds an operation stream capture refuses
         self.capacity = capacity  # bytes of device memory (None: unlimited)
+        self.says_capturable = says_capturable  # what a context's is_stream_capturable answers (TensorRT-RTX)
 
     def activate(self) -> None:
         self._thread.active = True
@@ -197,6 +198,9 @@ class _Context:
         self.profile = self.profiles[index]
         self.shapes.clear()
         return True
+
+    def is_stream_capturable(self, stream_handle) -> bool:
+        return self.device.says_capturable
 
     def set_device_memory(self, ptr: int, size: int) -> None:
         if int(ptr) % 256 or size < ACTIVATION_BYTES:

@@ -391,6 +391,8 @@ class TensorRTBackend(Backend):
             self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
             try:
+                if hasattr(ctx, "is_stream_capturable") and not ctx.is_stream_capturable(self._handle):
+                    raise OnepassError("TensorRT says this context cannot be stream-captured")
                 graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
             except OnepassError as err:  # e.g. an operation that cannot be captured: this key runs uncaptured
                 self._uncapturable.add(key)

@@ -101,6 +101,8 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
         config.clear_flag(trt.BuilderFlag.TF32)  # TF32 (on by default) rounds fp32 GEMM inputs to 10 bits
+    if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):  # TensorRT for RTX >= 1.2: the plan runs in the
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)  # memory the backend gives it, as stream capture needs
     profiles = profiles or role_profiles(manifest)
     m = manifest.model
     for profile in profiles.values():
@@ -135,4 +137,6 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
             "timing_cache": str(timing_cache) if cache is not None else None,
             "tf32": bool(config.get_flag(trt.BuilderFlag.TF32)) if hasattr(trt.BuilderFlag, "TF32") else None,
             "workspace_bytes": int(config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE)),
+            "user_allocation": (bool(config.get_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION))
+                                if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION") else None),
             "build_seconds": round(seconds, 1)}
