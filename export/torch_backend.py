@@ -39,6 +39,12 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     state = {(i.name.replace(".inner.", ".") if i.name.startswith("blocks.") else i.name):
              torch.from_numpy(_initializer(root, i).astype(np.float32))  # bf16 (ml_dtypes) upcasts exactly
              for i in graph.graph.initializer if i.name == "embed" or "." in i.name}
+    missing = [f"blocks.{i}.{n}.weight" for i in range(dims["num_layers"]) for n in ("input_norm", "post_norm")
+               if f"blocks.{i}.{n}.weight" not in state]
+    if missing:  # the ONNX optimizer merges identical initializers (e.g. norms still all ones): names are lost
+        raise EngineFileError(f"{root}: the graph has no initializer {missing[0]} (and {len(missing) - 1} more): "
+                              "identical weights were merged at export, so the PyTorch backend cannot rebuild the "
+                              "decoder from this engine; use ONNX Runtime or TensorRT with it")
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
 
 

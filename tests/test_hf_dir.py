@@ -44,6 +44,14 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
     for q, lp in zip(encoded, packed):
         want = option_logprobs_alone(hf, state.ids, q)
         np.testing.assert_allclose(lp, want, rtol=0, atol=5e-4, err_msg=f"max {np.abs(lp - want).max()}")
+    # a fresh model's norms are all ones: the ONNX optimizer merged them into one initializer, so the PyTorch
+    # backend (which rebuilds the decoder from the graph's initializers by name) refuses clearly, not with a
+    # NoneType error deep inside (found by the one-call GPU check's random-weight model)
+    from onepass.export.torch_backend import factory
+    from onepass.runtime.errors import EngineFileError
+
+    with pytest.raises(EngineFileError, match="identical weights were merged at export"):
+        Engine.load(out, backend=factory("cpu"), verify=False)
 
 
 def test_unknown_model_sources_are_refused(tmp_path):
