@@ -37,3 +37,21 @@ def test_int8_within_loose_thresholds_is_written_with_its_measurement(engine_dir
     assert 0.0 <= record["agreement"] <= 1.0 and record["max_logprob_error"] > 0 and record["speedup"] > 0
     answer = engine.ask("I was charged twice.", {"q": Noul("Is it about money?")})["q"]
     assert 0.0 <= answer.noul <= 1.0
+    # the graph really is INT8 where it claims to be: int8 weights for the middle blocks' seven projections,
+    # float weights for the kept blocks (first two, last two) and for the read-out
+    import onnx
+
+    from onepass.calibration.quantize import KEEP_BLOCKS
+
+    graph = onnx.load(str(tmp_path / "int8" / engine.manifest.graph), load_external_data=False).graph
+    int8 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT8}
+    floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    layers = engine.manifest.model.num_layers
+    for b in range(layers):
+        quantized = {n for n in int8 if n.startswith(f"blocks.{b}.") and n.endswith("_quantized")}
+        if b in KEEP_BLOCKS:
+            assert not quantized and any(n.startswith(f"blocks.{b}.q.weight") for n in floats), b
+        else:
+            assert len(quantized) == 7, (b, sorted(quantized))  # q k v o gate up down
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= {n.op_type for n in graph.node}
+    assert set(KEEP_BLOCKS) == {0, 1, layers - 2, layers - 1} and record["fp32_blocks"] == list(KEEP_BLOCKS)
