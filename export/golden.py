@@ -1,6 +1,7 @@
 """Golden file: a real packed request's graph inputs and the PyTorch float32 outputs, versioned.
 
-The runtime's graph is checked against it (tests/test_golden.py): prefill K/V of the
+The runtime's graph is checked against it (runtime/selfcheck.py, at export and by ``onepass check``;
+tests/test_graph.py): prefill K/V of the
 state, then the packed score pass over that state.
 """
 

@@ -9,7 +9,7 @@ its full length (chunks are written in place); a score pass reads them without c
 them to the host.
 
 Lives beside the exporter (it is the exporter's module) so that the runtime never imports
-torch; ``onepass serve --backend torch`` loads it lazily.
+torch; ``onepass serve --backend torch-cpu`` (or ``torch-cuda``) loads it lazily.
 """
 
 from __future__ import annotations
