@@ -123,7 +123,8 @@ class Engine:
         cached = self.cache.get(ids)
         if cached is not None:
             return cached
-        kv = self.backend.prefill(ids, self.manifest.limits.prefill_chunk)
+        with self.backend.serial():
+            kv = self.backend.prefill(ids, self.manifest.limits.prefill_chunk)
         prefilled = State(ids, kv)
         self.cache.put(ids, prefilled, kv.nbytes)
         return prefilled
@@ -188,7 +189,8 @@ class Engine:
 
     def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[PackedBatch, list, list | None]:
         batch = self.pack(state, encoded)
-        logprob, head = self.backend.score_all(state.kv, batch)
+        with self.backend.serial():
+            logprob, head = self.backend.score_all(state.kv, batch)
         heads = option_head_scores(batch, head) if head is not None else None
         return batch, option_logprobs(batch, logprob), heads
 

@@ -251,3 +251,25 @@ def test_sum_mean_and_prior_read_outs_compute_what_they_claim(engine, monkeypatc
     assert sum(getattr(s, "ids", None) == null_ids for s in calls) == 1  # the prior pass, once for 2 asks
     logs = {k: np.log(v) for k, v in want.items()}
     assert np.abs(logs["sum"] - logs["mean"]).max() > 0.1 and np.abs(logs["sum"] - logs["prior"]).max() > 0.1
+
+
+def asked_from_threads_equals_asked_alone(engine, threads: int = 8, rounds: int = 2) -> None:
+    """``ask`` from ``threads`` threads at once (different states, different question sets, cache misses and
+    hits mixed) gives exactly the single-threaded answers: the backend's passes never interleave unsafely."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    states = [f"Ticket {i}: I was charged {i + 2} times and want a refund." for i in range(4)]
+    sets = [{"r": Noul("Is a refund requested?")},
+            {"t": Choice("Which team?", {"billing": None, "technical": None, "fraud review": None})},
+            {"m": Score("How angry?", ["Calm", "Annoyed", "Furious"]), "r": Noul("Refund?")}]
+    jobs = [(states[i % len(states)], sets[i % len(sets)]) for i in range(threads * rounds)]
+    alone = [engine.ask(s, q) for s, q in jobs]
+    engine.cache.clear()
+    with ThreadPoolExecutor(threads) as pool:
+        together = list(pool.map(lambda job: engine.ask(*job), jobs))
+    for want, got in zip(alone, together):
+        assert {k: a.to_wire() for k, a in got.items()} == {k: a.to_wire() for k, a in want.items()}
+
+
+def test_ask_from_8_threads_equals_single_threaded_on_onnx_runtime(engine):
+    asked_from_threads_equals_asked_alone(engine)

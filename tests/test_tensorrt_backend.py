@@ -332,3 +332,13 @@ def test_a_context_that_says_it_cannot_be_captured_runs_without_a_graph(plan_dir
         for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
     assert device.captures == 0 and trt.backend.graphs == 0 and trt.backend.capture_failures == 1
+
+
+def test_ask_from_8_threads_equals_single_threaded_on_the_tensorrt_stand_in(plan_dir):
+    """The TensorRT backend shares its pass buffers, scratch, stream and graphs: the engine runs its passes one
+    at a time (Backend.serial), so 8 threads asking at once get the single-threaded answers."""
+    from test_engine import asked_from_threads_equals_asked_alone
+
+    trt = load(plan_dir)
+    assert not trt.backend.concurrent
+    asked_from_threads_equals_asked_alone(trt)

@@ -212,3 +212,11 @@ def test_hf_baseline_from_the_engine_alone_equals_transformers_with_the_adapter(
         assert (model(ids).logits - ref).abs().max().item() > 1e-3
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(engine_dir):
+    from test_engine import asked_from_threads_equals_asked_alone
+
+    from onepass.export.torch_backend import factory
+
+    asked_from_threads_equals_asked_alone(Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,10 +24,22 @@ class StateKV:
 
 
 class Backend(ABC):
-    """Runs the decoder graph. Subclasses implement ``_run``; callers use prefill/score."""
+    """Runs the decoder graph. Subclasses implement ``_run``; callers use prefill/score.
+
+    ``concurrent``: whether passes may run from several threads at once. A backend with per-pass
+    state of its own (device buffers, a stream, captured graphs) leaves it False, and callers run
+    its passes one at a time under ``serial()``: that is what makes ``Engine.ask`` thread-safe.
+    """
+
+    concurrent = False
 
     def __init__(self, model: ModelInfo):
         self.model = model
+        self._serial = threading.RLock()
+
+    def serial(self):
+        """A context in which one pass runs: the backend's lock, or nothing for a concurrent backend."""
+        return contextlib.nullcontext() if self.concurrent else self._serial
 
     def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
         """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""

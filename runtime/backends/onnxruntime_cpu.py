@@ -18,6 +18,8 @@ from .base import Backend, StateKV
 class OrtCpuBackend(Backend):
     """The decoder graph in an ``onnxruntime.InferenceSession`` on CPU."""
 
+    concurrent = True  # InferenceSession.run is thread-safe and every pass has its own arrays
+
     def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None):
         super().__init__(model)
         opts = ort.SessionOptions()
