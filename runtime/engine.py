@@ -84,6 +84,19 @@ class Engine:
                        cache_bytes)
         return cls(root, manifest, backend(root, manifest, threads), cache_bytes)
 
+    def close(self) -> None:
+        """Drop the cached states and release the backend (device memory, graphs). Engines made by
+        :meth:`with_limits` share the backend: close the last one used."""
+        self.cache.clear()
+        with self.backend.serial():
+            self.backend.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def with_limits(self, **lower) -> "Engine":
         """This engine (same session and cache) with some limits lowered; raising one past the manifest is refused."""
         lower = {k: v for k, v in lower.items() if v is not None}

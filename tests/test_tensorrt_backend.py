@@ -342,3 +342,15 @@ def test_ask_from_8_threads_equals_single_threaded_on_the_tensorrt_stand_in(plan
     trt = load(plan_dir)
     assert not trt.backend.concurrent
     asked_from_threads_equals_asked_alone(trt)
+
+
+def test_closing_the_engine_frees_every_device_buffer(plan_dir):
+    """Engine.close() (or leaving ``with``) drops the cached states and closes the backend: graphs, pass
+    buffers, scratch, state blocks and the activation buffer all go back; closing twice is harmless."""
+    device = HostDevice()
+    with load(plan_dir, device) as trt:
+        trt.ask(STATE, QUESTIONS)
+        trt.ask(STATE_2, QUESTIONS)
+        assert trt.backend.graphs == 2 and device.live_bytes > 1 << 20
+    assert device.live_bytes <= 4096  # only the 256-byte address of empty tensors is left
+    trt.close()

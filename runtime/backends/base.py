@@ -41,6 +41,9 @@ class Backend(ABC):
         """A context in which one pass runs: the backend's lock, or nothing for a concurrent backend."""
         return contextlib.nullcontext() if self.concurrent else self._serial
 
+    def close(self) -> None:
+        """Release what the backend holds beyond Python memory (device buffers, graphs); idempotent."""
+
     def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
         """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
         if len(ids) == 0:
