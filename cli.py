@@ -57,6 +57,83 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Latency percentiles of an engine in process or of a server over HTTP, open loop (rates) or closed loop."""
+    import platform
+    import urllib.error
+    import urllib.request
+
+    from .runtime.loadgen import closed_loop, open_loop
+
+    body = _request(args)
+    if args.engine:
+        from .runtime.engine import Engine
+
+        engine = Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend))
+        engine.request(body)  # bad input fails here, once, with its own message
+
+        def send():
+            engine.request(body)
+        target = {"engine": str(args.engine), "name": engine.name, "backend": args.backend,
+                  "precision": engine.manifest.precision}
+    else:
+        data = json.dumps({"model": args.model, **body}).encode()
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {args.api_key}"}
+                                                          if args.api_key else {})}
+
+        def send():
+            req = urllib.request.Request(args.url.rstrip("/") + "/v1/systemone", data=data, headers=headers)
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                resp.read()
+        try:
+            send()
+        except (urllib.error.URLError, OSError) as err:
+            raise OnepassError(f"cannot reach {args.url}: {getattr(err, 'reason', err)}") from None
+        target = {"url": args.url}
+    for _ in range(args.warmup):
+        send()
+    runs = []
+    for rate in args.rate or []:
+        runs.append(open_loop(send, rate, args.duration, seed=args.seed).summary())
+        _print_run(runs[-1])
+    for concurrency in args.concurrency or ([] if args.rate else [1]):
+        runs.append(closed_loop(send, concurrency, duration=args.duration).summary())
+        _print_run(runs[-1])
+    report = {"target": target, "machine": {"cpu": platform.processor() or platform.machine(),
+                                            "python": platform.python_version()},
+              "workload": {"questions": len(body.get("questions", {})), "duration_s": args.duration,
+                           "warmup": args.warmup}, "runs": runs}
+    if args.report:
+        out = Path(args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        (out / "bench.md").write_text(_bench_markdown(report), encoding="utf-8")
+        print(f"report written to {out}/bench.{{json,md}}")
+    return 0
+
+
+def _print_run(r: dict) -> None:
+    load = f"{r['offered']:g} req/s" if r["mode"] == "open" else f"concurrency {r['offered']:g}"
+    if not r["requests"]:
+        print(f"{r['mode']:6s} {load}: no successful request; failures {r['failures']}")
+        return
+    print(f"{r['mode']:6s} {load}: {r['requests']} ok, {sum(r['failures'].values())} failed, "
+          f"{r['throughput']:.1f} req/s; ms p50 {r['p50']:.2f} p90 {r['p90']:.2f} p99 {r['p99']:.2f} "
+          f"p99.9 {r['p99.9']:.2f} max {r['max']:.2f}")
+
+
+def _bench_markdown(report: dict) -> str:
+    rows = ["| mode | load | ok | failed | req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        cells = [f"{r.get(k, float('nan')):.2f}" for k in ("p50", "p90", "p99", "p99.9", "max")]
+        rows.append(f"| {r['mode']} | {r['offered']:g} | {r['requests']} | {sum(r['failures'].values())} | "
+                    f"{r['throughput'] or 0:.1f} | " + " | ".join(cells) + " |")
+    return (f"# onepass bench: {report['target']}\n\nOpen loop: Poisson arrivals at the rate, latency from each "
+            "request's intended send time (coordinated omission corrected). Closed loop: each sender sends again "
+            "when answered.\n\n" + "\n".join(rows) + "\n")
+
+
 def cmd_check(args) -> int:
     """Verify an engine's files (sha256) and run its golden file through the graph."""
     from .runtime.engine import Engine
@@ -328,6 +405,24 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
     ask.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     ask.set_defaults(func=cmd_ask)
+    bench = sub.add_parser("bench", help="latency percentiles of an engine (in process) or a server (HTTP)")
+    where = bench.add_mutually_exclusive_group(required=True)
+    where.add_argument("--engine", help="engine directory (in-process)")
+    where.add_argument("--url", help="a TypeSafe System One server, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--state", help="file with the state text")
+    bench.add_argument("--json-state", action="store_true", help="the state file holds JSON")
+    bench.add_argument("--questions", required=True, help="JSON questions or a full request")
+    bench.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--model", default="jev-latest", help="model name sent over HTTP")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--rate", type=float, nargs="*", help="open loop: requests/s (Poisson arrivals), one run each")
+    bench.add_argument("--concurrency", type=int, nargs="*", help="closed loop: senders, one run each (default 1)")
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    bench.add_argument("--warmup", type=int, default=3, help="requests before measuring")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--report", help="directory for bench.json and bench.md")
+    bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
     check.add_argument("--engine", required=True, help="engine directory")
     check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")

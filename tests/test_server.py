@@ -417,3 +417,34 @@ def test_readyz_is_503_until_the_warm_up_ends_while_healthz_answers(engine, monk
         while get(base, "/readyz")[0] != 200:
             assert time.monotonic() < deadline, "never became ready"
             time.sleep(0.05)
+
+
+def test_bench_against_a_real_server_and_in_process(url, engine_dir, tmp_path, capsys):
+    """`onepass bench` over HTTP against the running server (open loop at 5 req/s and closed loop at 2 senders,
+    one second each) and in process: every request answered, the report files written and parsed."""
+    from onepass.cli import main
+
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps(QUESTIONS))
+    state = tmp_path / "state.txt"
+    state.write_text(TICKET)
+    assert main(["bench", "--url", url, "--state", str(state), "--questions", str(questions), "--rate", "5",
+                 "--concurrency", "2", "--duration", "1", "--warmup", "1", "--report", str(tmp_path / "http")]) == 0
+    report = json.loads((tmp_path / "http" / "bench.json").read_text())
+    assert [r["mode"] for r in report["runs"]] == ["open", "closed"]
+    assert all(r["requests"] > 0 and not r["failures"] and r["p50"] <= r["p99"] for r in report["runs"])
+    assert "| open | 5 |" in (tmp_path / "http" / "bench.md").read_text()
+    assert main(["bench", "--engine", str(engine_dir), "--state", str(state), "--questions", str(questions),
+                 "--duration", "1", "--warmup", "1"]) == 0
+    assert "closed concurrency 1:" in capsys.readouterr().out
+
+
+def test_bench_with_an_unreachable_url_is_a_one_line_error(tmp_path, capsys):
+    from onepass.cli import main
+
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps(QUESTIONS))
+    assert main(["bench", "--url", f"http://127.0.0.1:{_free_port()}", "--state", str(questions),
+                 "--questions", str(questions), "--duration", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot reach http://127.0.0.1:") and err.count("\n") == 1

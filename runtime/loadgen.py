@@ -1,0 +1,147 @@
+"""Load generation and latency percentiles: the measurement core of ``onepass bench`` (issue 15).
+
+Two ways to drive a ``send()`` callable (one request; raises on failure):
+
+* **open loop** (``open_loop``): requests are *scheduled* at Poisson arrival times for a given
+  rate, independent of how fast answers come back, and each latency is measured from the
+  request's **intended** send time. A stall therefore counts for every request that should have
+  been sent during it — the correction for coordinated omission (Gil Tene; wrk2). Senders are a
+  pool of threads, so a slow answer never delays the schedule while a sender is free;
+* **closed loop** (``closed_loop``): ``concurrency`` senders, each sending its next request when
+  the previous one is answered (what most load generators do): throughput at that concurrency,
+  and latency measured from the actual send time — which under-reports tails when the system
+  stalls (the stall is counted once per sender, not for the requests it held back).
+
+Latencies go into an HdrHistogram (the ``hdrhistogram`` package: 1 µs to 1 h, 3 significant
+digits), from which the percentiles are read; failures are counted by kind and never dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from hdrh.histogram import HdrHistogram
+
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+MAX_MICROS = 3600 * 10**6
+
+
+@dataclass
+class Run:
+    """What one load run measured: a latency histogram (µs) and failures by kind."""
+
+    mode: str
+    offered: float | None = None  # requests/s scheduled (open loop) or concurrency (closed loop)
+    histogram: HdrHistogram = field(default_factory=lambda: HdrHistogram(1, MAX_MICROS, 3))
+    failures: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    late_starts: int = 0  # open loop: requests that started after their intended time (no sender free)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, seconds: float) -> None:
+        with self._lock:
+            self.histogram.record_value(min(MAX_MICROS, max(1, int(round(seconds * 1e6)))))
+
+    def fail(self, kind: str) -> None:
+        with self._lock:
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+
+    @property
+    def count(self) -> int:
+        return self.histogram.get_total_count()
+
+    def summary(self) -> dict:
+        """Percentiles, min/max/mean/std in milliseconds, counts and achieved throughput."""
+        h = self.histogram
+        ms = 1e-3
+        out = {"mode": self.mode, "offered": self.offered, "requests": self.count,
+               "failures": dict(self.failures), "seconds": round(self.seconds, 3),
+               "throughput": round(self.count / self.seconds, 3) if self.seconds > 0 else None,
+               "late_starts": self.late_starts}
+        if self.count:
+            out.update({f"p{p:g}": h.get_value_at_percentile(p) * ms for p in PERCENTILES})
+            out.update({"min": h.get_min_value() * ms, "max": h.get_max_value() * ms,
+                        "mean": h.get_mean_value() * ms, "std": h.get_stddev() * ms})
+        return out
+
+
+def poisson_schedule(rate: float, duration: float, seed: int = 0) -> list[float]:
+    """Intended send times (seconds from the start) of a Poisson process of ``rate`` per second."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"the rate must be a positive number of requests per second, got {rate!r}")
+    rng, t, times = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return times
+        times.append(t)
+
+
+def _classify(err: BaseException) -> str:
+    status = getattr(err, "status", None) or getattr(err, "code", None)
+    return f"http {status}" if isinstance(status, int) else type(err).__name__
+
+
+def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int = 0) -> Run:
+    """Send at Poisson times for ``duration`` seconds; latency from each request's intended send time."""
+    schedule = poisson_schedule(rate, duration, seed)
+    run = Run("open", offered=rate)
+    start = time.perf_counter() + 0.01
+
+    def one(intended: float) -> None:
+        at = start + intended
+        wait = at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        elif wait < -0.001:
+            with run._lock:
+                run.late_starts += 1
+        try:
+            send()
+        except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
+            run.fail(_classify(err))
+            return
+        run.record(time.perf_counter() - at)
+
+    with ThreadPoolExecutor(senders) as pool:
+        list(pool.map(one, schedule))
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def closed_loop(send, concurrency: int, duration: float | None = None, requests: int | None = None) -> Run:
+    """``concurrency`` senders, each sending again when answered, for ``duration`` s or ``requests`` in all;
+    latency from the actual send time."""
+    if (duration is None) == (requests is None):
+        raise ValueError("give a duration or a number of requests")
+    run = Run("closed", offered=concurrency)
+    left = [requests if requests is not None else -1]
+    start = time.perf_counter()
+    stop = start + duration if duration is not None else math.inf
+
+    def worker() -> None:
+        while time.perf_counter() < stop:
+            with run._lock:
+                if left[0] == 0:
+                    return
+                left[0] -= 1
+            t0 = time.perf_counter()
+            try:
+                send()
+            except Exception as err:  # noqa: BLE001 - counted by kind
+                run.fail(_classify(err))
+                continue
+            run.record(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run.seconds = time.perf_counter() - start
+    return run

@@ -1,0 +1,88 @@
+"""The load generator's percentiles against a synthetic system with known latencies and an injected stall.
+
+The system answers in 5 ms, one request at a time, except for a 600 ms stall starting 0.5 s into
+the run. At 40 requests/s for 2 s (~80 requests), about 24 requests are *scheduled* during the
+stall: a user sending at that rate sees every one of them wait. The open-loop run must report
+that (from intended send times); a closed-loop run at concurrency 1 sees the stall once.
+"""
+
+import threading
+import time
+
+import pytest
+
+from onepass.runtime.loadgen import closed_loop, open_loop, poisson_schedule
+
+SERVICE_S, STALL_AT, STALL_S = 0.005, 0.5, 0.6
+
+
+class StallingSystem:
+    """One request at a time (a lock), 5 ms each, and one 600 ms stall at STALL_AT seconds after start."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.start = None
+        self.stalled = False
+
+    def send(self):
+        with self.lock:
+            now = time.perf_counter()
+            self.start = self.start or now
+            if not self.stalled and now - self.start >= STALL_AT:
+                self.stalled = True
+                time.sleep(STALL_S)
+            time.sleep(SERVICE_S)
+
+
+def _slow_fraction(run, threshold_ms: float = 100.0) -> float:
+    """Share of recorded requests slower than ``threshold_ms`` (from the histogram)."""
+    h = run.histogram
+    slow = sum(item.count_added_in_this_iter_step for item in h.get_recorded_iterator()
+               if item.value_iterated_to > threshold_ms * 1000)
+    return slow / run.count
+
+
+def test_poisson_schedule_has_the_rate_and_is_seeded():
+    times = poisson_schedule(200.0, 10.0, seed=3)
+    assert 1800 < len(times) < 2200 and times == poisson_schedule(200.0, 10.0, seed=3)
+    assert all(0 < a < b < 10.0 for a, b in zip(times, times[1:]))
+    with pytest.raises(ValueError, match="positive number"):
+        poisson_schedule(0.0, 1.0)
+
+
+def test_open_loop_counts_the_stall_for_every_request_scheduled_during_it():
+    run = open_loop(StallingSystem().send, rate=40.0, duration=2.0, seed=1)
+    s = run.summary()
+    # ~24 of ~80 requests were scheduled during the stall (or queued behind it): well over 10% are slow
+    assert run.count >= 60 and not run.failures
+    assert _slow_fraction(run) > 0.15, s
+    assert s["p90"] > 100.0 and s["max"] >= STALL_S * 1000 * 0.9, s
+
+
+def test_negative_control_closed_loop_sees_the_stall_once():
+    """The naive count: one sender, latency from the actual send. The same stall is one slow request out of
+    many — the assertion the open loop passes fails here (coordinated omission)."""
+    run = closed_loop(StallingSystem().send, concurrency=1, duration=2.0)
+    assert run.count > 100 and run.summary()["max"] >= STALL_S * 1000 * 0.9
+    assert not _slow_fraction(run) > 0.15  # the open-loop assertion, failing as it should
+    assert 1 <= round(_slow_fraction(run) * run.count) <= 3  # the stalled request (+ a rare scheduler hiccup)
+
+
+def test_failures_are_counted_by_kind_never_dropped():
+    calls = []
+
+    def send():
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise ConnectionError("refused")
+
+    run = closed_loop(send, concurrency=2, requests=30)
+    assert run.count + sum(run.failures.values()) == 30 == len(calls)
+    assert run.failures == {"ConnectionError": 10}
+
+
+def test_summary_percentiles_from_known_latencies():
+    run = closed_loop(lambda: time.sleep(0.002), concurrency=1, requests=20)
+    s = run.summary()
+    assert s["requests"] == 20 and 1.9 <= s["min"] <= s["p50"] <= s["p99"] <= s["max"] < 50
+    assert s["throughput"] == pytest.approx(20 / s["seconds"], rel=1e-2)
