@@ -327,6 +327,13 @@ class Engine:
             raise InvalidRequest(f"min_confidence must be within 0..1, got {min_confidence}", "min_confidence")
         return {qid: dataclasses.replace(a, abstained=a.certainty < min_confidence) for qid, a in answers.items()}
 
+    def decide(self, state, model, min_confidence: float | None = None):
+        """A pydantic model's fields answered about ``state`` in one packed pass (:mod:`onepass.runtime.decide`):
+        a ``Decision`` with the validated instance, every field's answer and the fields that abstained."""
+        from .decide import decide
+
+        return decide(self, state, model, min_confidence)
+
     def request(self, body: Mapping) -> dict:
         """Answer a TypeSafe System One request body; returns the response body."""
         state, questions = parse_request(body)
