@@ -52,7 +52,7 @@ def test_fp16_engine_is_close_to_fp32_but_not_fp32(fp16_dir, engine):
     encoded = engine.encode_questions(questions)
     errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
                                                   fp16.option_logprobs(state, encoded))]
-    assert max(errors) <= 0.1  # measured 0.02 on the 78-question benchmark
+    assert max(errors) <= 0.05  # the README's claim: at most 0.022 on the 78-question benchmark (2x headroom)
     assert max(errors) > 1e-4  # control: the GEMMs really ran in fp16
     weights = sum(p.stat().st_size for p in fp16_dir.glob("decoder.onnx*"))
     assert weights < 0.7 * sum(p.stat().st_size for p in Path(engine.root).glob("decoder.onnx*"))
@@ -101,7 +101,7 @@ def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(bf1
     encoded = engine.encode_questions(questions)
     errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
                                                   bf16.option_logprobs(state, encoded))]
-    assert 1e-3 < max(errors) <= 1.0  # bf16 GEMMs really ran (measured 0.28 on the 78-question benchmark)
+    assert 1e-3 < max(errors) <= 0.5  # bf16 GEMMs really ran; the README claims at most 0.28 on 78 questions
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
