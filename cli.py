@@ -228,6 +228,30 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """Accuracy vs majority, NLL, Brier, ECE, coverage and confusion of an engine on labelled rows."""
+    try:
+        from .calibration.evaluate import evaluate_engine, write
+    except ImportError as err:
+        raise OnepassError(f"eval needs the [calibrate] extra ({err.name} is missing): "
+                           "pip install 'onepass[calibrate]'") from None
+    report = evaluate_engine(args.engine, args.data, args.min_confidence, args.target_accuracy, args.threads)
+    m = report["all"]
+    print(f"{report['rows']} rows ({report['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} (majority "
+          f"{m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
+    if "at_min_confidence" in m:
+        at = m["at_min_confidence"]
+        acc = f"{at['accuracy']:.3f}" if at["accuracy"] is not None else "-"
+        print(f"confidence >= {at['min_confidence']}: coverage {at['coverage']:.3f}, accuracy {acc}")
+    if "for_target_accuracy" in m:
+        t = m["for_target_accuracy"]
+        print(f"accuracy >= {t['target']}: coverage {t['coverage']:.3f} at confidence >= {t['min_confidence']}")
+    if args.report:
+        write(report, Path(args.report))
+        print(f"report written to {args.report}")
+    return 0
+
+
 def cmd_tune(args) -> int:
     """Fine-tune an engine's decoder on labelled rows and export the tuned engine."""
     try:
@@ -436,6 +460,14 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
+    ev = sub.add_parser("eval", help="how good an engine is on labelled JSONL rows (accuracy, NLL, ECE, coverage)")
+    ev.add_argument("--engine", required=True, help="engine directory")
+    ev.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    ev.add_argument("--min-confidence", type=float, default=None, help="report coverage and accuracy above it")
+    ev.add_argument("--target-accuracy", type=float, default=None, help="find the confidence that reaches it")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--report", default=None, help="folder for eval.json/.md and plots")
+    ev.set_defaults(func=cmd_eval)
     tn = sub.add_parser("tune", help="fine-tune the decoder (LoRA or all weights) on labelled rows; writes a tuned engine")
     tn.add_argument("--engine", required=True, help="the base engine directory")
     tn.add_argument("--data", required=True, nargs="+", help="JSONL rows: state, question, label (or probabilities)")

@@ -244,3 +244,44 @@ def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_comput
         again = calibrated.ask(text, {qid: swapped})[qid].probabilities
         for name, p in got[qid].probabilities.items():
             assert again[name] == pytest.approx(p, abs=1e-4), (qid, name)
+
+
+@pytest.mark.slow
+def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_dir, tmp_path, capsys):
+    """`onepass eval` on 12 rows of two questions: the numbers agree with the engine's own answers (accuracy
+    and confusion recomputed here from engine.ask), the majority baseline is right, the files are written."""
+    from onepass.cli import main
+
+    rows = []
+    for i in range(6):
+        happy = i % 2 == 0
+        text = f"Review {i}: " + ("Lovely film, I enjoyed it." if happy else "Dreadful film, I hated it.")
+        rows.append({"state": text, "question": {"type": "noul", "instructions": "Is the review positive?"},
+                     "label": "yes" if happy else "no", "dataset": "reviews"})
+        rows.append({"state": text, "question": {"type": "choice", "instructions": "What is the tone?",
+                                                 "criteria": {"warm": None, "cold": None, "neutral": None}},
+                     "label": "warm" if happy else "cold", "dataset": "tone"})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["eval", "--engine", str(engine_dir), "--data", str(data), "--min-confidence", "0.0",
+                 "--target-accuracy", "0.5", "--report", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    engine = Engine.load(engine_dir)
+    hits, tone = 0, np.zeros((3, 3), int)
+    for r in rows:
+        q = {"q": Noul(r["question"]["instructions"]) if r["question"]["type"] == "noul"
+             else Choice(r["question"]["instructions"], r["question"]["criteria"])}
+        a = engine.ask(r["state"], q)["q"]
+        guess = ("yes" if a.noul >= 0.5 else "no") if hasattr(a, "noul") else a.choice
+        hits += guess == r["label"]
+        if not hasattr(a, "noul"):
+            names = ["warm", "cold", "neutral"]
+            tone[names.index(r["label"]), names.index(guess)] += 1
+    assert report["rows"] == 12 and report["all"]["accuracy"] == pytest.approx(hits / 12)
+    assert report["all"]["majority"] == pytest.approx(0.5) and report["datasets"]["tone"]["rows"] == 6
+    (confusion,) = [q["confusion"] for q in report["questions"].values() if q["instructions"] == "What is the tone?"]
+    assert confusion == tone.tolist()
+    assert report["all"]["at_min_confidence"]["coverage"] == 1.0
+    assert (tmp_path / "out" / "eval.md").read_text().count("|") > 20
+    assert (tmp_path / "out" / "plots" / "reliability.png").stat().st_size > 0
+    assert "rows (" in capsys.readouterr().out
