@@ -1,0 +1,82 @@
+"""Confidence gates and cascades (issue 12 item 3): act on what is certain, send the rest on.
+
+* ``Gate(min_confidence, per_question=...)`` splits answers into *decided* and *for review* by
+  their confidence ((K p_max - 1)/(K - 1); |2p - 1| for noul). Per-question thresholds may come
+  from ``onepass eval --target-accuracy``.
+* ``Cascade([fast, strong, ...], min_confidence)`` asks the first engine; only the questions it
+  answers below the threshold are asked again of the next engine, about the same state; the last
+  engine's answers are final. The result says which engine answered each question.
+
+Engines here are anything with ``name`` and ``ask(state, questions)`` (an ``Engine``, or a client).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .errors import InvalidRequest
+
+
+def _threshold(value, what: str) -> float:
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise InvalidRequest(f"{what} must be a number within 0..1, got {value!r}", what)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Answers at or above their question's threshold are decided; the rest go for review."""
+
+    min_confidence: float
+    per_question: Mapping = field(default_factory=dict)
+
+    def __post_init__(self):
+        _threshold(self.min_confidence, "min_confidence")
+        for qid, t in self.per_question.items():
+            _threshold(t, f"per_question.{qid}")
+
+    def threshold(self, qid: str) -> float:
+        return float(self.per_question.get(qid, self.min_confidence))
+
+    def split(self, answers: Mapping) -> tuple[dict, dict]:
+        """(decided, for_review): both keyed by question id, answers unchanged."""
+        decided, review = {}, {}
+        for qid, answer in answers.items():
+            (decided if answer.certainty >= self.threshold(qid) else review)[qid] = answer
+        return decided, review
+
+
+@dataclass
+class CascadeResult:
+    answers: dict  # question id -> answer (the engine that was sure enough, or the last one)
+    answered_by: dict  # question id -> engine name
+    asked: list  # per engine, the question ids it was asked
+
+
+class Cascade:
+    """Ask engines in order; a question goes to the next engine only while its answer is below the gate."""
+
+    def __init__(self, engines: list, min_confidence: float | None = None, gate: Gate | None = None):
+        if len(engines) < 2:
+            raise InvalidRequest("a cascade needs at least two engines", "engines")
+        if (min_confidence is None) == (gate is None):
+            raise InvalidRequest("give the cascade min_confidence or a Gate", "min_confidence")
+        self.engines = list(engines)
+        self.gate = gate or Gate(min_confidence)
+
+    def ask(self, state, questions: Mapping) -> CascadeResult:
+        pending = dict(questions)
+        answers, by, asked = {}, {}, []
+        for i, engine in enumerate(self.engines):
+            asked.append(list(pending))
+            got = engine.ask(state, pending)
+            decided, review = self.gate.split(got)
+            if i == len(self.engines) - 1:
+                decided, review = got, {}
+            for qid, answer in decided.items():
+                answers[qid], by[qid] = answer, engine.name
+                pending.pop(qid)
+            if not pending:
+                break
+        return CascadeResult({q: answers[q] for q in questions}, {q: by[q] for q in questions}, asked)
