@@ -46,8 +46,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(engine, **settings):
-    """A real uvicorn server on a loopback port, in a thread; yields its base URL."""
+def running(engine, wait_ready: bool = True, **settings):
+    """A real uvicorn server on a loopback port, in a thread; yields its base URL once /readyz says ready
+    (the warm-up runs in the background), or as soon as it accepts connections with ``wait_ready=False``."""
     config = ServerConfig(port=_free_port(), **settings)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host="127.0.0.1", port=config.port,
                                            log_level="warning", access_log=False))
@@ -58,8 +59,13 @@ def running(engine, **settings):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.05)
+    base = f"http://127.0.0.1:{config.port}"
+    while wait_ready and get(base, "/readyz")[0] != 200:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not become ready")
+        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{config.port}"
+        yield base
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -408,7 +414,7 @@ def test_readyz_is_503_until_the_warm_up_ends_while_healthz_answers(engine, monk
         real(self)
 
     monkeypatch.setattr(app_module.Server, "warm_up", slow_warm_up)
-    with running(engine) as base:
+    with running(engine, wait_ready=False) as base:
         assert get(base, "/healthz")[0] == 200
         status, _, body = get(base, "/readyz")
         assert status == 503 and json.loads(body)["status"] == "warming up"
@@ -448,3 +454,13 @@ def test_bench_with_an_unreachable_url_is_a_one_line_error(tmp_path, capsys):
                  "--questions", str(questions), "--duration", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot reach http://127.0.0.1:") and err.count("\n") == 1
+
+
+def test_limits_endpoint_reports_the_effective_limits(url, engine):
+    status, _, raw = get(url, "/v1/limits")
+    limits = json.loads(raw)
+    m = engine.manifest.limits
+    assert status == 200 and limits["engine"] == engine.name
+    assert (limits["max_state_tokens"], limits["max_packed_tokens"], limits["max_questions"], limits["max_options"]) \
+        == (m.max_state_tokens, m.max_packed_tokens, m.max_questions, m.max_options)
+    assert limits["max_levels"] == 10 and limits["max_body_bytes"] == ServerConfig().max_body_bytes

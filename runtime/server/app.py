@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import Engine, parse_request, response_body
+from ..questions import MAX_LEVELS
 from ..errors import InvalidRequest, LimitExceeded, OnepassError
 from .body import HTTPError, parse_json, read_body
 from .config import ServerConfig
@@ -272,6 +273,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     async def models(request: Request):
         server.check_auth(request)
         return server.models()
+
+    @app.get("/v1/limits")
+    async def limits(request: Request):
+        """The effective limits a client must respect: the engine's (tokens, questions, options) and the server's."""
+        server.check_auth(request)
+        lim, cfg = engine.manifest.limits, server.config
+        return {"engine": engine.name, "max_state_tokens": lim.max_state_tokens,
+                "max_packed_tokens": lim.max_packed_tokens, "max_questions": lim.max_questions,
+                "max_options": lim.max_options, "max_levels": MAX_LEVELS, "max_body_bytes": cfg.max_body_bytes,
+                "max_queue": cfg.max_queue, "request_timeout_s": cfg.request_timeout_s}
 
     @app.get("/healthz")
     async def healthz():
