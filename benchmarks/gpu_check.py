@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, HFBaselines, many_questions, percentiles, state_of_tokens  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
@@ -171,6 +172,10 @@ def markdown(report: dict) -> str:
         lines.append(f"- {name}: {p}")
     for name, why in report["skipped"].items():
         lines.append(f"- {name}: not run ({why})")
+    if report.get("parity_after"):
+        lines += ["", "## Parity after the latency loops (golden again; replayed graphs of 3 buckets x 2 states "
+                  "against ONNX Runtime on the CPU)", ""]
+        lines += [f"- {name}: {p}" for name, p in report["parity_after"].items()]
     lines += ["", "## Latency (ms)", "", "| backend | measurement | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|"]
     for name, m in report["latency"].items():
         flat = [(k, v) for k, v in m.items() if isinstance(v, dict) and "p50" in v]
@@ -206,7 +211,7 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {what}{tail}", flush=True)
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
-    report = {"environment": environment(args.device), "parity": {}, "latency": {}}
+    report = {"environment": environment(args.device), "parity": {}, "latency": {}, "parity_after": {}}
     log(json.dumps(report["environment"]))
     ok, report["skipped"] = backends(args.device, Path(args.engine), out)
     log(f"backends: {sorted(ok)}; skipped: {report['skipped']}")
@@ -218,6 +223,11 @@ def main(argv=None) -> int:
         except Exception as err:  # noqa: BLE001 - the baseline is optional; say why it is missing
             report["skipped"]["hf_eager"] = f"{type(err).__name__}: {err}"[:300]
             log(f"HF baseline skipped: {report['skipped']['hf_eager']}")
+    try:  # the CPU reference of the replayed-graph comparisons (bf16 engines have none on ONNX Runtime)
+        reference = Engine.load(args.engine, verify=False)
+    except Exception as err:  # noqa: BLE001
+        reference = None
+        report["skipped"]["parity_after"] = f"{type(err).__name__}: {err}"[:300]
     for name, (root, make) in ok.items():
         engine = Engine.load(root, backend=make, verify=False)
         diffs = run_golden(engine)
@@ -229,10 +239,34 @@ def main(argv=None) -> int:
         report["latency"][name] = measure(engine, hf, Timer(args.device), args.iters, deadline, log)
         hf = None  # HF baselines once, beside the first backend
         save(report, out)
+        if reference is not None:
+            after = run_golden(engine)  # the golden pass again, now that many graphs were captured
+            report["parity_after"][name] = {
+                "golden": {k: {"max_diff": v, "within_tolerance": v <= tol[k]} for k, v in after.items()},
+                "replayed": parity_after(engine, reference, tol["target_logprob"])}
+            log(f"{name} parity after the loops {report['parity_after'][name]}")
+            save(report, out)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     save(report, out)
     print(markdown(report))
     return 0
+
+
+def parity_after(engine: Engine, reference: Engine, tolerance: float) -> dict:
+    """After the latency loops (graphs captured for many keys): every option log-likelihood of 1, 4 and 13
+    questions (three buckets) on two states of different lengths, replayed, against ONNX Runtime on the CPU."""
+    worst = 0.0
+    cases = 0
+    for text in (state_of_tokens(engine, 100), state_of_tokens(engine, 512)):
+        for k in (1, 4, 13):
+            qs = many_questions(k)
+            encoded = engine.encode_questions(qs)
+            for _ in range(2):  # the second call replays the captured graph
+                got = engine.option_logprobs(text, encoded)
+            want = reference.option_logprobs(text, reference.encode_questions(qs))
+            worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(got, want)))
+            cases += 1
+    return {"cases": cases, "max_diff": worst, "within_tolerance": worst <= tolerance}
 
 
 def save(report: dict, out: Path) -> None:
