@@ -178,7 +178,13 @@ def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path
     own, by_type = groups[qkey].apply(raw, ["yes", "no"]), groups["noul"].apply(raw)
     got = loaded.ask(text, {"q": q})["q"].noul
     assert got == pytest.approx(softmax(own)[0], abs=1e-9)
-    assert abs(softmax(by_type)[0] - got) > 1e-3  # control: the two groups give different answers
+    # control: change only the question's own group; the engine's answer follows it, away from the type group's
+    moved = GroupCalibration(groups[qkey].temperature, option_bias={"yes": -60.0, "no": 0.0})  # towards no
+    cal = dataclasses.replace(loaded.manifest.calibration, groups={**groups, qkey: moved})
+    shifted = Engine(loaded.root, dataclasses.replace(loaded.manifest, calibration=cal), loaded.backend)
+    now = shifted.ask(text, {"q": q})["q"].noul
+    assert now == pytest.approx(softmax(moved.apply(raw, ["yes", "no"]))[0], abs=1e-9)
+    assert abs(now - softmax(by_type)[0]) > 1e-3 and abs(now - got) > 1e-3
     for name in ("report.json", "report.md", "reliability.png", "coverage.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     bad = tmp_path / "bad.jsonl"

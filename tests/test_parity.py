@@ -29,7 +29,7 @@ QUESTIONS = {
 }
 HF_TOL = 2e-4  # ONNX Runtime fp32 vs transformers fp32 eager, per option log-likelihood (measured 6.3e-5)
 PACK_TOL = 6e-5  # the same graph, packed vs alone (measured 1.6e-5)
-ORDER_TOL = 0.0  # probabilities after shuffling questions and options: bit for bit (measured 0 over 5 shuffles)
+ORDER_TOL = 1e-5  # probabilities after shuffling questions and options: float rounding only (0 on one machine, not all)
 
 
 def encoded(engine, questions=QUESTIONS):
