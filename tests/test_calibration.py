@@ -146,6 +146,13 @@ def test_abstain_flags_low_confidence_answers(engine):
         engine.ask("Charged twice.", q, min_confidence=2.0)
 
 
+def _review_rows(n: int, good: str, bad: str, dataset: str) -> list[dict]:
+    """``n`` labelled rows of "Is the review positive?", alternating a good and a bad review."""
+    return [{"state": f"Review {i}: " + (good if i % 2 == 0 else bad),
+             "question": {"type": "noul", "instructions": "Is the review positive?"},
+             "label": "yes" if i % 2 == 0 else "no", "dataset": dataset} for i in range(n)]
+
+
 @pytest.mark.slow
 def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path):
     from test_engine import _copy_engine
@@ -153,12 +160,7 @@ def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path
     from onepass.calibration.run import calibrate
 
     copy = _copy_engine(engine_dir, tmp_path / "engine")
-    rows = []
-    for i in range(40):
-        happy = i % 2 == 0
-        text = f"Review {i}: " + ("I loved it, wonderful and fun." if happy else "Awful, boring, I hated it.")
-        rows.append({"state": text, "question": {"type": "noul", "instructions": "Is the review positive?"},
-                     "label": "yes" if happy else "no", "dataset": "toy"})
+    rows = _review_rows(40, "I loved it, wonderful and fun.", "Awful, boring, I hated it.", "toy")
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     report = calibrate(copy, data, holdout=0.25, seed=3, report_dir=tmp_path / "report")
@@ -259,14 +261,11 @@ def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_di
     from onepass.cli import main
 
     rows = []
-    for i in range(6):
-        happy = i % 2 == 0
-        text = f"Review {i}: " + ("Lovely film, I enjoyed it." if happy else "Dreadful film, I hated it.")
-        rows.append({"state": text, "question": {"type": "noul", "instructions": "Is the review positive?"},
-                     "label": "yes" if happy else "no", "dataset": "reviews"})
-        rows.append({"state": text, "question": {"type": "choice", "instructions": "What is the tone?",
-                                                 "criteria": {"warm": None, "cold": None, "neutral": None}},
-                     "label": "warm" if happy else "cold", "dataset": "tone"})
+    for i, review in enumerate(_review_rows(6, "Lovely film, I enjoyed it.", "Dreadful film, I hated it.", "reviews")):
+        rows.append(review)
+        rows.append({"state": review["state"], "question": {"type": "choice", "instructions": "What is the tone?",
+                                                            "criteria": {"warm": None, "cold": None, "neutral": None}},
+                     "label": "warm" if i % 2 == 0 else "cold", "dataset": "tone"})
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     assert main(["eval", "--engine", str(engine_dir), "--data", str(data), "--min-confidence", "0.0",
