@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -43,11 +44,15 @@ class State:
 
 @dataclass(frozen=True)
 class Result:
-    """Answers of one request plus what was spent."""
+    """Answers of one request plus what was spent: tokens, the state tokens served from the cache, and the
+    milliseconds of each stage (tokenize, prefill — 0 when cached —, score — a merged pass is counted for
+    each request it answered —, readout)."""
 
     answers: dict
     input_tokens: int
     packed_tokens: int
+    cached_tokens: int = 0
+    timings: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -121,8 +126,13 @@ class Engine:
 
     def state(self, state) -> State:
         """Prefill a state (a string, bytes in UTF-8, or a JSON value) or take it from the cache."""
+        return self._state(state)[0]
+
+    def _state(self, state, clock: dict | None = None) -> tuple[State, bool]:
+        """(the state, whether it came from the cache); ``clock`` gets the tokenize and prefill milliseconds."""
+        t0 = time.perf_counter()
         if isinstance(state, State):
-            return state
+            return state, True
         text = state_text(state)
         limit = self.manifest.limits.max_state_tokens
         if self.encoder.surely_over(text, limit):
@@ -133,14 +143,20 @@ class Engine:
             raise LimitExceeded(
                 f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
                 "Shorten the state or export an engine with a larger --max-state-tokens", "state")
+        t1 = time.perf_counter()
+        if clock is not None:
+            clock["tokenize"] = clock.get("tokenize", 0.0) + (t1 - t0) * 1000
+            clock["prefill"] = 0.0
         cached = self.cache.get(ids)
         if cached is not None:
-            return cached
+            return cached, True
         with self.backend.serial():
             kv = self.backend.prefill(ids, self.manifest.limits.prefill_chunk)
         prefilled = State(ids, kv)
         self.cache.put(ids, prefilled, kv.nbytes)
-        return prefilled
+        if clock is not None:
+            clock["prefill"] = (time.perf_counter() - t1) * 1000
+        return prefilled, False
 
     # -- questions ------------------------------------------------------------------------------
 
@@ -225,11 +241,18 @@ class Engine:
 
     def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
         """Answer questions about a state in one packed forward pass."""
+        clock: dict = {}
+        t0 = time.perf_counter()
         encoded = self.encode_questions(questions)
-        state = self.state(state)
+        clock["tokenize"] = (time.perf_counter() - t0) * 1000
+        state, hit = self._state(state, clock)
+        t1 = time.perf_counter()
         batch, logprobs, heads = self._score(state, encoded)
+        t2 = time.perf_counter()
         answers = self._answers(questions, encoded, logprobs, readout, heads=heads)
-        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens)
+        clock.update(score=(t2 - t1) * 1000, readout=(time.perf_counter() - t2) * 1000)
+        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens,
+                      state.num_tokens if hit else 0, clock)
 
     def run_many(self, requests: list, readout: str | None = None) -> list:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
@@ -241,17 +264,23 @@ class Engine:
         """
         out: list = [None] * len(requests)
         groups: dict = {}
+        clocks: list = [{} for _ in requests]
+        hits: list = [False] * len(requests)
         for i, (raw, questions) in enumerate(requests):
             try:
+                t0 = time.perf_counter()
                 encoded = self.encode_questions(questions)
-                state = self.state(raw)
+                clocks[i]["tokenize"] = (time.perf_counter() - t0) * 1000
+                state, hits[i] = self._state(raw, clocks[i])
                 own = self.pack(state, encoded).num_tokens  # its own size and limits, as if alone
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err
         for members in groups.values():
             state = members[0][1]
+            t1 = time.perf_counter()
             scored = self._score_merged(state, members)
+            score_ms = (time.perf_counter() - t1) * 1000
             if scored is None:  # the pass failed: each request alone, so that it can only fail itself
                 for i, _, questions, _, _ in members:
                     try:
@@ -266,8 +295,11 @@ class Engine:
                 mine = [next(logprobs) for _ in encoded]
                 my_heads = [next(heads) for _ in encoded] if heads is not None else None
                 try:
-                    out[i] = Result(self._answers(questions, encoded, mine, readout, heads=my_heads),
-                                    state.num_tokens + own, own)
+                    t2 = time.perf_counter()
+                    answers = self._answers(questions, encoded, mine, readout, heads=my_heads)
+                    clocks[i].update(score=score_ms, readout=(time.perf_counter() - t2) * 1000)
+                    out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if hits[i] else 0,
+                                    clocks[i])
                 except Exception as err:  # noqa: BLE001 - its failure is its own answer
                     out[i] = err
         return out

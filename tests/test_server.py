@@ -464,3 +464,25 @@ def test_limits_endpoint_reports_the_effective_limits(url, engine):
     assert (limits["max_state_tokens"], limits["max_packed_tokens"], limits["max_questions"], limits["max_options"]) \
         == (m.max_state_tokens, m.max_packed_tokens, m.max_questions, m.max_options)
     assert limits["max_levels"] == 10 and limits["max_body_bytes"] == ServerConfig().max_body_bytes
+
+
+def test_server_timing_stages_and_cached_tokens(url, engine):
+    """Every answer carries Server-Timing with queue, tokenize, prefill, score, readout and total; the stages
+    never add up to more than the total; a new state is prefilled (x-onepass-cached-tokens 0, prefill > 0), the
+    same state again comes from the cache (its token count, prefill 0)."""
+    state = f"A state never seen before: {time.time_ns()}. I want my money back."
+    body = {"model": "jev-latest", "state": state, "questions": {"r": QUESTIONS["refund"]}}
+
+    def timed():
+        status, headers, _ = post(url, body)
+        assert status == 200
+        stages = dict(part.split(";dur=") for part in headers["Server-Timing"].split(", "))
+        return {k: float(v) for k, v in stages.items()}, int(headers["x-onepass-cached-tokens"])
+
+    first, cached_first = timed()
+    second, cached_second = timed()
+    for t in (first, second):
+        assert list(t) == ["queue", "tokenize", "prefill", "score", "readout", "total"]
+        assert sum(v for k, v in t.items() if k != "total") <= t["total"] + 0.05  # rounding of 6 values
+    assert cached_first == 0 and first["prefill"] > 0
+    assert cached_second == engine.state(state).num_tokens and second["prefill"] == 0.0

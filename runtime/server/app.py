@@ -38,6 +38,8 @@ from .metrics import Metrics
 
 access_log = logging.getLogger("onepass.access")
 REQUEST_ID = "x-typesafe-request-id"
+CACHED_TOKENS = "x-onepass-cached-tokens"  # state tokens served from the state cache (0: prefilled now)
+STAGES = ("tokenize", "prefill", "score", "readout")  # Server-Timing, after "queue"; "total" last
 
 
 class QuestionBody(BaseModel):
@@ -186,7 +188,7 @@ class Server:
             retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
             raise HTTPError(429, f"the server is busy: {err}; retry later", headers={"Retry-After": retry}) from None
         result = await future
-        timing["engine"] = (time.monotonic() - queued) * 1000  # queue wait + packed pass
+        waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
         if isinstance(result, DeadlinePassed):
             raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
                             headers={"Retry-After": str(self.config.retry_after_s)})
@@ -198,6 +200,10 @@ class Server:
             raise HTTPError(500, f"engine failure: {type(result).__name__}")
         self.metrics.tokens.labels("input").inc(result.input_tokens)
         self.metrics.tokens.labels("packed").inc(result.packed_tokens)
+        stages = {k: result.timings.get(k, 0.0) for k in STAGES}
+        timing["queue"] = max(0.0, waited - sum(stages.values()))  # waiting for the engine thread and batch
+        timing.update(stages)
+        request.state.cached_tokens = result.cached_tokens
         return response_body(data, self.engine.name, result)
 
     def models(self) -> dict:
@@ -249,6 +255,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
                      f"{TIMEOUT_HEADER}", headers={"Retry-After": str(server.config.retry_after_s)}))
         ms = (time.monotonic() - start) * 1000
         response.headers[REQUEST_ID] = rid
+        if hasattr(request.state, "cached_tokens"):
+            response.headers[CACHED_TOKENS] = str(request.state.cached_tokens)
         response.headers["Server-Timing"] = ", ".join(
             [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
         route, length = _route_label(request), request.headers.get("content-length") or ""
