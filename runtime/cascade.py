@@ -71,9 +71,7 @@ class Cascade:
         for i, engine in enumerate(self.engines):
             asked.append(list(pending))
             got = engine.ask(state, pending)
-            decided, review = self.gate.split(got)
-            if i == len(self.engines) - 1:
-                decided, review = got, {}
+            decided = got if i == len(self.engines) - 1 else self.gate.split(got)[0]  # the last engine is final
             for qid, answer in decided.items():
                 answers[qid], by[qid] = answer, engine.name
                 pending.pop(qid)
