@@ -177,8 +177,13 @@ def cmd_serve(args) -> int:
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=backend_factory(args.backend))
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
+    if (args.cascade is None) != (args.min_confidence is None):
+        raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
+                           "confidence are asked again of the cascade engine")
+    cascade = Engine.load(args.cascade, threads=args.threads) if args.cascade else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    uvicorn.run(create_app(engine, config), host=config.host, port=config.port, access_log=False, log_level="info")
+    app = create_app(engine, config, cascade=cascade, min_confidence=args.min_confidence)
+    uvicorn.run(app, host=config.host, port=config.port, access_log=False, log_level="info")
     return 0
 
 
@@ -544,6 +549,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    serve.add_argument("--cascade", default=None, help="a second (stronger) engine directory: questions answered "
+                                                        "below --min-confidence are asked again of it")
+    serve.add_argument("--min-confidence", type=float, default=None, help="the cascade's threshold (0..1)")
     serve.set_defaults(func=cmd_serve)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     mcp.add_argument("--engine", required=True, help="engine directory")

@@ -486,3 +486,49 @@ def test_server_timing_stages_and_cached_tokens(url, engine):
         assert sum(v for k, v in t.items() if k != "total") <= t["total"] + 0.05  # rounding of 6 values
     assert cached_first == 0 and first["prefill"] > 0
     assert cached_second == engine.state(state).num_tokens and second["prefill"] == 0.0
+
+
+def test_a_server_cascade_re_asks_only_doubtful_questions_of_the_second_engine(engine):
+    """--cascade: with the threshold between the two answers' confidences, the less certain question is answered
+    by the second engine (here the same weights under another name, so its answer is that engine asked alone),
+    the other by the first; the wire format is unchanged and x-onepass-answered-by says who answered what."""
+    strong = Engine(engine.root, dataclasses.replace(engine.manifest, name="strong-engine"), engine.backend)
+    questions = {"refund": QUESTIONS["refund"], "team": QUESTIONS["team"]}
+    body = {"model": "jev-latest", "state": TICKET, "questions": questions}
+    alone = engine.request(body)["answers"]
+    conf = {"refund": abs(2 * alone["refund"]["noul"] - 1), "team": alone["team"]["confidence"]}
+    low, high = sorted(conf, key=conf.get)
+    assert conf[high] - conf[low] > 1e-3  # the threshold can sit between them
+    threshold = (conf[low] + conf[high]) / 2
+    with running(engine) as base:  # control: no cascade, no header
+        _, headers, _ = post(base, body)
+        assert "x-onepass-answered-by" not in headers
+    from onepass.runtime.server.app import create_app
+
+    config = ServerConfig(port=_free_port())
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, cascade=strong, min_confidence=threshold),
+                                           host="127.0.0.1", port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{config.port}"
+        deadline = time.monotonic() + 60
+        while not server.started or get(base, "/readyz")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, headers, got = post(base, body)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert status == 200 and set(got["answers"]) == {"refund", "team"}
+    by = dict(part.split("=") for part in headers["x-onepass-answered-by"].split(","))
+    assert by == {low: "strong-engine", high: engine.name}
+    strong_alone = strong.request({**body, "questions": {low: questions[low]}})["answers"][low]
+    assert got["answers"][low] == strong_alone and got["answers"][high] == alone[high]
+
+
+def test_serve_cascade_without_a_threshold_is_a_one_line_error(engine_dir, capsys):
+    from onepass.cli import main
+
+    assert main(["serve", "--engine", str(engine_dir), "--cascade", str(engine_dir), "--port", "1"]) == 2
+    assert "--cascade DIR and --min-confidence go together" in capsys.readouterr().err

@@ -12,6 +12,7 @@ A request's deadline is the server's ``request_timeout_s`` or the client's ``X-R
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -39,6 +40,7 @@ from .metrics import Metrics
 access_log = logging.getLogger("onepass.access")
 REQUEST_ID = "x-typesafe-request-id"
 CACHED_TOKENS = "x-onepass-cached-tokens"  # state tokens served from the state cache (0: prefilled now)
+ANSWERED_BY = "x-onepass-answered-by"  # with a cascade: "question id=engine name", comma-separated
 STAGES = ("tokenize", "prefill", "score", "readout")  # Server-Timing, after "queue"; "total" last
 
 
@@ -98,8 +100,10 @@ MAX_CLIENT_TIMEOUT_S = 600.0
 class Server:
     """The app's state: engine, settings, dispatcher, metrics."""
 
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: Engine, config: ServerConfig, cascade: Engine | None = None,
+                 min_confidence: float | None = None):
         self.engine, self.config = engine, config
+        self.cascade, self.min_confidence = cascade, min_confidence  # questions below it go to the cascade
         self.ready = False
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
@@ -204,7 +208,28 @@ class Server:
         timing["queue"] = max(0.0, waited - sum(stages.values()))  # waiting for the engine thread and batch
         timing.update(stages)
         request.state.cached_tokens = result.cached_tokens
+        if self.cascade is not None:
+            result = await self.escalate(request, state, questions, result, timing)
         return response_body(data, self.engine.name, result)
+
+    async def escalate(self, request: Request, state, questions: dict, result, timing: dict):
+        """Re-ask the cascade engine the questions answered below ``min_confidence``, about the same state; the
+        response is unchanged in form, and ``x-onepass-answered-by`` names the engine of each question."""
+        import asyncio
+
+        doubtful = {q: questions[q] for q, a in result.answers.items() if a.certainty < self.min_confidence}
+        by = {q: self.engine.name for q in result.answers}
+        if doubtful:
+            start = time.monotonic()
+            try:
+                strong = await asyncio.get_running_loop().run_in_executor(None, self.cascade.ask, state, doubtful)
+            except OnepassError as err:
+                raise _engine_error(err) from None
+            timing["cascade"] = (time.monotonic() - start) * 1000
+            result = dataclasses.replace(result, answers={**result.answers, **strong})
+            by.update({q: self.cascade.name for q in strong})
+        request.state.answered_by = ",".join(f"{q}={name}" for q, name in by.items())
+        return result
 
     def models(self) -> dict:
         """The engine and its aliases."""
@@ -221,9 +246,15 @@ def _route_label(request: Request) -> str:
     return getattr(route, "path", None) or "unmatched"
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = True) -> FastAPI:
-    """The FastAPI app serving ``engine``."""
-    server = Server(engine, config or ServerConfig())
+def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = True, cascade: Engine | None = None,
+               min_confidence: float | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; with ``cascade``, questions answered below ``min_confidence`` are
+    asked again of that engine (same state, same wire format)."""
+    if (cascade is None) != (min_confidence is None):
+        raise ValueError("a cascade engine needs min_confidence (and the other way round)")
+    if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
+        raise ValueError(f"min_confidence must be within 0..1, got {min_confidence}")
+    server = Server(engine, config or ServerConfig(), cascade, min_confidence)
     app = FastAPI(title="onepass", version="0.1.0",
                   description="TypeSafe System One compatible decision engine")
     app.state.server = server
@@ -257,6 +288,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         response.headers[REQUEST_ID] = rid
         if hasattr(request.state, "cached_tokens"):
             response.headers[CACHED_TOKENS] = str(request.state.cached_tokens)
+        if hasattr(request.state, "answered_by"):
+            response.headers[ANSWERED_BY] = request.state.answered_by
         response.headers["Server-Timing"] = ", ".join(
             [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
         route, length = _route_label(request), request.headers.get("content-length") or ""
