@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .runtime.backends import BACKENDS
 from .runtime.errors import OnepassError
 
 
@@ -187,22 +188,11 @@ def cmd_serve(args) -> int:
     return 0
 
 
-BACKENDS = ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda")
-
-
 def backend_factory(name: str):
-    """None (ONNX Runtime on CPU) or the Engine.load factory of the TensorRT or a PyTorch backend, imported lazily."""
-    if name == "onnxruntime":
-        return None
-    if name == "tensorrt":
-        from .runtime.backends.tensorrt import factory as trt_factory
+    """None (ONNX Runtime on CPU) or the Engine.load factory of another backend, from the backend table."""
+    from .runtime.backends import factory
 
-        return trt_factory()
-    try:
-        from .export.torch_backend import factory
-    except ImportError as err:
-        raise OnepassError(f"the {name} backend needs PyTorch and onnx ({err.name} is missing)") from None
-    return factory(name.split("-", 1)[1])
+    return None if name == "onnxruntime" else factory(name)
 
 
 def cmd_mcp(args) -> int:

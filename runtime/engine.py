@@ -73,10 +73,15 @@ class Engine:
              cache_bytes: int = DEFAULT_CACHE_BYTES, backend=None) -> "Engine":
         """Open an engine directory: read and (by default) hash-verify the manifest's files.
 
-        ``backend``: None for ONNX Runtime on CPU, or a factory ``(root, manifest, threads) -> Backend``
-        (e.g. ``onepass.export.torch_backend.factory("cuda")``).
+        ``backend``: None for ONNX Runtime on CPU, a backend's name (``onepass.runtime.backends.BACKENDS``:
+        "onnxruntime", "tensorrt", "torch-cpu", "torch-cuda"), or a factory ``(root, manifest, threads) ->
+        Backend`` (e.g. ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
         """
         root = Path(path)
+        if isinstance(backend, str):
+            from .backends import factory
+
+            backend = None if backend == "onnxruntime" else factory(backend)
         manifest = manifest_mod.load(root, verify=verify)
         if backend is None and manifest.precision == "bf16":
             raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "

@@ -220,3 +220,20 @@ def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(engine_d
     from onepass.export.torch_backend import factory
 
     asked_from_threads_equals_asked_alone(Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False))
+
+
+def test_the_backend_table_opens_each_cpu_backend_by_name(engine_dir):
+    """One table (runtime/backends): Engine.load(backend=<name>) opens the backend by name, the PyTorch one
+    imported only then; an unknown name is a typed error listing the known ones."""
+    from onepass.export.torch_backend import TorchBackend
+    from onepass.runtime.backends import BACKENDS, factory
+    from onepass.runtime.backends.onnxruntime_cpu import OrtCpuBackend
+    from onepass.runtime.errors import BackendUnavailable
+
+    assert BACKENDS == ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda")
+    assert isinstance(Engine.load(engine_dir, backend="onnxruntime", verify=False).backend, OrtCpuBackend)
+    engine = Engine.load(engine_dir, backend="torch-cpu", verify=False)
+    assert isinstance(engine.backend, TorchBackend) and engine.backend.device.type == "cpu"
+    assert isinstance(Engine.load(engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtCpuBackend)
+    with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'; known: onnxruntime, tensorrt"):
+        factory("onnx")

@@ -74,3 +74,10 @@ class OrtCpuBackend(Backend):
             )
         length = kv.length + n
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+
+
+def factory():
+    """The Engine.load factory of this backend (threads from Engine.load)."""
+    def make(root, manifest, threads=None):
+        return OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads)
+    return make
