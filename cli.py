@@ -67,6 +67,12 @@ def cmd_bench(args) -> int:
     from .runtime.loadgen import closed_loop, open_loop
 
     body = _request(args)
+    old_report = None
+    if args.compare:
+        try:
+            old_report = json.loads(Path(args.compare).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise OnepassError(f"--compare {args.compare}: not a readable bench.json ({err})") from None
     if args.engine:
         from .runtime.engine import Engine
 
@@ -91,6 +97,18 @@ def cmd_bench(args) -> int:
         except (urllib.error.URLError, OSError) as err:
             raise OnepassError(f"cannot reach {args.url}: {getattr(err, 'reason', err)}") from None
         target = {"url": args.url}
+    import hashlib
+
+    from .runtime.loadgen import comparable
+
+    workload = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    if old_report is not None and not args.force:
+        probe = {"machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+                 "workload": {"questions": len(body.get("questions", {})), "duration_s": args.duration,
+                              "warmup": args.warmup, "sha256": workload}}
+        why = comparable(old_report, probe)
+        if why:
+            raise OnepassError(f"--compare refused: {'; '.join(why)} (add --force to compare anyway)")
     for _ in range(args.warmup):
         send()
     runs = []
@@ -103,14 +121,44 @@ def cmd_bench(args) -> int:
     report = {"target": target, "machine": {"cpu": platform.processor() or platform.machine(),
                                             "python": platform.python_version()},
               "workload": {"questions": len(body.get("questions", {})), "duration_s": args.duration,
-                           "warmup": args.warmup}, "runs": runs}
+                           "warmup": args.warmup, "sha256": workload}, "runs": runs}
+    if args.compare:
+        from .runtime.loadgen import compare
+
+        for row in compare(old_report, report):
+            load = f"{row['offered']:g} req/s" if row["mode"] == "open" else f"concurrency {row['offered']:g}"
+            print(f"{row['mode']:6s} {load}: new/old " + "  ".join(f"{k} {v:.2f}x" for k, v in row.items()
+                                                                  if k.startswith("p")))
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (out / "bench.md").write_text(_bench_markdown(report), encoding="utf-8")
-        print(f"report written to {out}/bench.{{json,md}}")
+        plotted = _bench_plots(report, out)
+        print(f"report written to {out}/bench.{{json,md}}" + (" and latency_cdf.png" if plotted else ""))
     return 0
+
+
+def _bench_plots(report: dict, out: Path) -> bool:
+    """latency_cdf.png: each run's latency CDF on a log scale (from its histogram); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in report["runs"]:
+        if r.get("cdf"):
+            p, ms = zip(*r["cdf"])
+            ax.plot([max(v, 1e-3) for v in ms], p, marker=".", label=f"{r['mode']} {r['offered']:g}")
+    ax.set(xscale="log", xlabel="latency (ms, log)", ylabel="percentile", title="latency CDF")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _print_run(r: dict) -> None:
@@ -440,7 +488,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     bench.add_argument("--warmup", type=int, default=3, help="requests before measuring")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--report", help="directory for bench.json and bench.md")
+    bench.add_argument("--report", help="directory for bench.json, bench.md and latency_cdf.png")
+    bench.add_argument("--compare", help="an earlier bench.json: print new/old per percentile for the same runs")
+    bench.add_argument("--force", action="store_true", help="compare even when the workload or machine differ")
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
     check.add_argument("--engine", required=True, help="engine directory")

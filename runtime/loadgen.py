@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from hdrh.histogram import HdrHistogram
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+CDF_POINTS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.99, 100.0)
 MAX_MICROS = 3600 * 10**6
 
 
@@ -65,6 +66,7 @@ class Run:
                "late_starts": self.late_starts}
         if self.count:
             out.update({f"p{p:g}": h.get_value_at_percentile(p) * ms for p in PERCENTILES})
+            out["cdf"] = [[p, h.get_value_at_percentile(p) * ms] for p in CDF_POINTS]
             out.update({"min": h.get_min_value() * ms, "max": h.get_max_value() * ms,
                         "mean": h.get_mean_value() * ms, "std": h.get_stddev() * ms})
         return out
@@ -145,3 +147,25 @@ def closed_loop(send, concurrency: int, duration: float | None = None, requests:
         t.join()
     run.seconds = time.perf_counter() - start
     return run
+
+
+def comparable(old: dict, new: dict) -> list[str]:
+    """Why two bench reports should not be compared (empty when they may): other workload, machine or target."""
+    why = []
+    for key in ("workload", "machine"):
+        if old.get(key) != new.get(key):
+            why.append(f"the {key} differs ({old.get(key)} vs {new.get(key)})")
+    return why
+
+
+def compare(old: dict, new: dict) -> list[dict]:
+    """Per run present in both reports (same mode and load): new / old for each percentile."""
+    before = {(r["mode"], r["offered"]): r for r in old.get("runs", [])}
+    out = []
+    for r in new.get("runs", []):
+        o = before.get((r["mode"], r["offered"]))
+        if o is None or not o.get("requests") or not r.get("requests"):
+            continue
+        out.append({"mode": r["mode"], "offered": r["offered"],
+                    **{f"p{p:g}": r[f"p{p:g}"] / o[f"p{p:g}"] for p in PERCENTILES}})
+    return out

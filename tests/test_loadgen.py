@@ -86,3 +86,20 @@ def test_summary_percentiles_from_known_latencies():
     s = run.summary()
     assert s["requests"] == 20 and 1.9 <= s["min"] <= s["p50"] <= s["p99"] <= s["max"] < 50
     assert s["throughput"] == pytest.approx(20 / s["seconds"], rel=1e-2)
+
+
+def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
+    from onepass.runtime.loadgen import comparable, compare
+
+    old = {"machine": {"cpu": "x"}, "workload": {"sha256": "a"},
+           "runs": [{"mode": "open", "offered": 5.0, "requests": 10, "p50": 10.0, "p90": 20.0, "p99": 40.0,
+                     "p99.9": 50.0},
+                    {"mode": "closed", "offered": 1, "requests": 10, "p50": 1.0, "p90": 1.0, "p99": 1.0, "p99.9": 1.0}]}
+    new = {"machine": {"cpu": "x"}, "workload": {"sha256": "a"},
+           "runs": [{"mode": "open", "offered": 5.0, "requests": 10, "p50": 5.0, "p90": 30.0, "p99": 40.0,
+                     "p99.9": 100.0},
+                    {"mode": "open", "offered": 9.0, "requests": 10, "p50": 1.0, "p90": 1.0, "p99": 1.0, "p99.9": 1.0}]}
+    assert compare(old, new) == [{"mode": "open", "offered": 5.0, "p50": 0.5, "p90": 1.5, "p99": 1.0, "p99.9": 2.0}]
+    assert comparable(old, new) == []
+    assert comparable(old, {**new, "workload": {"sha256": "b"}}) == ["the workload differs ({'sha256': 'a'} vs "
+                                                                      "{'sha256': 'b'})"]

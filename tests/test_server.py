@@ -440,6 +440,17 @@ def test_bench_against_a_real_server_and_in_process(url, engine_dir, tmp_path, c
     assert [r["mode"] for r in report["runs"]] == ["open", "closed"]
     assert all(r["requests"] > 0 and not r["failures"] and r["p50"] <= r["p99"] for r in report["runs"])
     assert "| open | 5 |" in (tmp_path / "http" / "bench.md").read_text()
+    assert (tmp_path / "http" / "latency_cdf.png").stat().st_size > 0
+    assert [p for p, _ in report["runs"][0]["cdf"]][:2] == [0.0, 1.0]
+    old = str(tmp_path / "http" / "bench.json")
+    assert main(["bench", "--url", url, "--state", str(state), "--questions", str(questions), "--rate", "5",
+                 "--concurrency", "2", "--duration", "1", "--warmup", "1", "--compare", old]) == 0
+    assert "open   5 req/s: new/old p50 " in capsys.readouterr().out
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"r": QUESTIONS["refund"]}))
+    assert main(["bench", "--url", url, "--state", str(state), "--questions", str(other), "--duration", "1",
+                 "--compare", old]) == 2
+    assert "--compare refused: the workload differs" in capsys.readouterr().err
     assert main(["bench", "--engine", str(engine_dir), "--state", str(state), "--questions", str(questions),
                  "--duration", "1", "--warmup", "1"]) == 0
     assert "closed concurrency 1:" in capsys.readouterr().out
