@@ -2,7 +2,7 @@
 
 Syntax is parsed with Python 3.10's grammar; standard-library names added in 3.11 and regular-expression
 features of 3.11 (possessive quantifiers, atomic groups) are refused. (The whole server suite was also run
-on a real Python 3.10 with the 3.10 pins; see the README's "GPU and edge".)
+on a real Python 3.10 with the 3.10 pins; see docs/gpu.md, "GPU and edge".)
 """
 
 import ast
