@@ -60,11 +60,12 @@ def cmd_ask(args) -> int:
 
 def cmd_bench(args) -> int:
     """Latency percentiles of an engine in process or of a server over HTTP, open loop (rates) or closed loop."""
+    import hashlib
     import platform
     import urllib.error
     import urllib.request
 
-    from .runtime.loadgen import closed_loop, open_loop
+    from .runtime.loadgen import closed_loop, comparable, compare, open_loop
 
     body = _request(args)
     old_report = None
@@ -97,16 +98,11 @@ def cmd_bench(args) -> int:
         except (urllib.error.URLError, OSError) as err:
             raise OnepassError(f"cannot reach {args.url}: {getattr(err, 'reason', err)}") from None
         target = {"url": args.url}
-    import hashlib
-
-    from .runtime.loadgen import comparable
-
-    workload = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    machine = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
+    workload = {"questions": len(body.get("questions", {})), "duration_s": args.duration, "warmup": args.warmup,
+                "sha256": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]}
     if old_report is not None and not args.force:
-        probe = {"machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-                 "workload": {"questions": len(body.get("questions", {})), "duration_s": args.duration,
-                              "warmup": args.warmup, "sha256": workload}}
-        why = comparable(old_report, probe)
+        why = comparable(old_report, {"machine": machine, "workload": workload})
         if why:
             raise OnepassError(f"--compare refused: {'; '.join(why)} (add --force to compare anyway)")
     for _ in range(args.warmup):
@@ -118,13 +114,8 @@ def cmd_bench(args) -> int:
     for concurrency in args.concurrency or ([] if args.rate else [1]):
         runs.append(closed_loop(send, concurrency, duration=args.duration).summary())
         _print_run(runs[-1])
-    report = {"target": target, "machine": {"cpu": platform.processor() or platform.machine(),
-                                            "python": platform.python_version()},
-              "workload": {"questions": len(body.get("questions", {})), "duration_s": args.duration,
-                           "warmup": args.warmup, "sha256": workload}, "runs": runs}
+    report = {"target": target, "machine": machine, "workload": workload, "runs": runs}
     if args.compare:
-        from .runtime.loadgen import compare
-
         for row in compare(old_report, report):
             load = f"{row['offered']:g} req/s" if row["mode"] == "open" else f"concurrency {row['offered']:g}"
             print(f"{row['mode']:6s} {load}: new/old " + "  ".join(f"{k} {v:.2f}x" for k, v in row.items()

@@ -88,10 +88,9 @@ class Engine:
                                      "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
                                      "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
         if backend is None:
-            from .backends.onnxruntime_cpu import OrtCpuBackend
+            from .backends.onnxruntime_cpu import factory
 
-            return cls(root, manifest, OrtCpuBackend(str(root / manifest.graph), manifest.model, threads=threads),
-                       cache_bytes)
+            backend = factory()
         return cls(root, manifest, backend(root, manifest, threads), cache_bytes)
 
     def close(self) -> None:
@@ -244,13 +243,18 @@ class Engine:
         with self._lock:
             return [self._priors.get(q) if q in self._priors else None for q in encoded]
 
-    def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
-        """Answer questions about a state in one packed forward pass."""
+    def _prepare(self, state, questions: Mapping[str, Question]) -> tuple:
+        """(encoded questions, the state, whether it came from the cache, the stage clock so far: tokenize, prefill)."""
         clock: dict = {}
         t0 = time.perf_counter()
         encoded = self.encode_questions(questions)
         clock["tokenize"] = (time.perf_counter() - t0) * 1000
         state, hit = self._state(state, clock)
+        return encoded, state, hit, clock
+
+    def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
+        """Answer questions about a state in one packed forward pass."""
+        encoded, state, hit, clock = self._prepare(state, questions)
         t1 = time.perf_counter()
         batch, logprobs, heads = self._score(state, encoded)
         t2 = time.perf_counter()
@@ -273,10 +277,7 @@ class Engine:
         hits: list = [False] * len(requests)
         for i, (raw, questions) in enumerate(requests):
             try:
-                t0 = time.perf_counter()
-                encoded = self.encode_questions(questions)
-                clocks[i]["tokenize"] = (time.perf_counter() - t0) * 1000
-                state, hits[i] = self._state(raw, clocks[i])
+                encoded, state, hits[i], clocks[i] = self._prepare(raw, questions)
                 own = self.pack(state, encoded).num_tokens  # its own size and limits, as if alone
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer

@@ -12,6 +12,7 @@ A request's deadline is the server's ``request_timeout_s`` or the client's ``X-R
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..cascade import Gate
 from ..engine import Engine, parse_request, response_body
 from ..questions import MAX_LEVELS
 from ..errors import InvalidRequest, LimitExceeded, OnepassError
@@ -103,7 +105,8 @@ class Server:
     def __init__(self, engine: Engine, config: ServerConfig, cascade: Engine | None = None,
                  min_confidence: float | None = None):
         self.engine, self.config = engine, config
-        self.cascade, self.min_confidence = cascade, min_confidence  # questions below it go to the cascade
+        self.cascade = cascade  # questions the gate does not decide are asked again of it
+        self.gate = Gate(min_confidence) if cascade is not None else None
         self.ready = False
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
@@ -215,9 +218,8 @@ class Server:
     async def escalate(self, request: Request, state, questions: dict, result, timing: dict):
         """Re-ask the cascade engine the questions answered below ``min_confidence``, about the same state; the
         response is unchanged in form, and ``x-onepass-answered-by`` names the engine of each question."""
-        import asyncio
-
-        doubtful = {q: questions[q] for q, a in result.answers.items() if a.certainty < self.min_confidence}
+        _, review = self.gate.split(result.answers)
+        doubtful = {q: questions[q] for q in review}
         by = {q: self.engine.name for q in result.answers}
         if doubtful:
             start = time.monotonic()
@@ -252,8 +254,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     asked again of that engine (same state, same wire format)."""
     if (cascade is None) != (min_confidence is None):
         raise ValueError("a cascade engine needs min_confidence (and the other way round)")
-    if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
-        raise ValueError(f"min_confidence must be within 0..1, got {min_confidence}")
     server = Server(engine, config or ServerConfig(), cascade, min_confidence)
     app = FastAPI(title="onepass", version="0.1.0",
                   description="TypeSafe System One compatible decision engine")
