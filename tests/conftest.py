@@ -76,6 +76,40 @@ def hf_model():
     return load_model(None, resolve(None, None)).model
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (SmolLM2's architecture and tokenizer, 2 blocks of width 64) as a Hugging Face folder:
+    what structure tests (tuning, heads, precisions) run on, in seconds instead of a SmolLM2 export each. Its norms
+    are random too: all-ones norms would be merged into one initializer by the ONNX optimizer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from onepass.export.model_source import load_model
+
+    folder = tmp_path_factory.mktemp("llama-tiny")
+    tokenizer = load_model(None, []).tokenizer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=8192, tie_word_embeddings=True, initializer_range=0.2,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama exported once per session (a normal engine: golden file, self-check, manifest)."""
+    from onepass.export.build import export_engine
+
+    return export_engine(tmp_path_factory.mktemp("tiny-engine") / "llama-tiny", str(tiny_llama_dir))
+
+
 ENGINE_FIXTURES = {"engine_dir", "hf_model"}  # what exports or loads the default model
 
 

@@ -11,9 +11,8 @@ def option_logprobs_alone(hf_model, state_ids, question) -> np.ndarray:
     out = []
     for option in question.options:
         seq = list(state_ids) + list(question.trunk) + list(option)
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([seq])).logits[0].double()  # [T, V]
+        with torch.no_grad():  # logits of the positions that predict the option's tokens only (the last L+1 but one)
+            logits = hf_model(torch.tensor([seq]), logits_to_keep=len(option) + 1).logits[0, :-1].double()  # [L, V]
         logprobs = torch.log_softmax(logits, dim=-1)
-        start = len(seq) - len(option)
-        out.append(sum(float(logprobs[start - 1 + k, t]) for k, t in enumerate(option)))
+        out.append(sum(float(logprobs[k, t]) for k, t in enumerate(option)))
     return np.array(out)

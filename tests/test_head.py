@@ -110,34 +110,36 @@ def test_head_readout_on_an_engine_without_head_is_a_clear_error(engine):
         engine.run("The parcel arrived broken.", {"q": Noul("Is the customer unhappy?")}, readout="head")
 
 
+HIDDEN = 64  # the tiny Llama's width
+
+
 @pytest.fixture(scope="module")
-def head_engine(tmp_path_factory, engine_dir):
-    """An engine exported with a seeded random head (what `onepass export --head` does)."""
+def head_engine(tmp_path_factory, tiny_llama_dir):
+    """The tiny Llama exported with a seeded random head (what `onepass export --head` does): the head's wiring
+    into the graph is a structure question, answered without a SmolLM2 export."""
     from onepass.export.build import export_engine
 
     torch.manual_seed(7)
-    model = hd.HeadModel(576, 16, np.random.default_rng(0).normal(0, 0.1, 576).astype(np.float32),
-                         np.full(576, 2.0, np.float32))
+    model = hd.HeadModel(HIDDEN, 16, np.random.default_rng(0).normal(0, 0.1, HIDDEN).astype(np.float32),
+                         np.full(HIDDEN, 2.0, np.float32))
     with torch.no_grad():
         model.beta.fill_(0.7)
         model.head.out.weight.mul_(20.0)  # head scores of a few units: they move the answers
     path = tmp_path_factory.mktemp("head") / "head.pt"
     hd.save(model, hd.HeadConfig(width=16), path, {"data": "test"})
     head, info = hd.load_head_info(path)
-    from onepass.export.model_source import engine_source
-
-    spec, adapters = engine_source(mf.load(engine_dir, verify=False))
-    out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", spec, head=head, head_info=info,
-                        adapters=adapters)
+    out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", str(tiny_llama_dir), head=head, head_info=info)
     return Engine.load(out), model
 
 
 @pytest.mark.slow
-def test_exported_head_matches_its_pytorch_form(head_engine, hf_model):
+def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     from onepass.calibration.head_features import extract
     from onepass.export.decoder import PackedDecoder
+    from onepass.export.model_source import load_model
 
     engine, model = head_engine
+    hf_model = load_model(tiny_llama_dir).model
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.beta == pytest.approx(0.7)
     examples = [bb.Example("t", "t", "Ticket: I was charged twice for one order, please refund.",
                            Choice("Which team?", ["billing", "technical support", "shipping"]), 0),
@@ -149,7 +151,7 @@ def test_exported_head_matches_its_pytorch_form(head_engine, hf_model):
         got = engine.ask(ex.state, {"q": ex.question})["q"]
         np.testing.assert_allclose([got.probabilities[n] for n in ex.question.criteria], p, atol=1e-4)
     # negative control: the same head with its output weights negated gives other answers than the graph's
-    broken = hd.HeadModel(576, 16, model.head.shift.numpy(), model.head.scale.numpy())
+    broken = hd.HeadModel(HIDDEN, 16, model.head.shift.numpy(), model.head.scale.numpy())
     broken.load_state_dict(model.state_dict())
     with torch.no_grad():
         broken.head.out.weight.mul_(-1.0)

@@ -6,7 +6,7 @@ import pytest
 
 from onepass import Engine, Noul
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the quantizer and ONNX Runtime's INT8 kernels take seconds even on the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +20,13 @@ def rows(tmp_path_factory):
     return path
 
 
-def test_int8_that_changes_answers_is_refused(engine_dir, rows, tmp_path):
+def test_int8_that_changes_answers_is_refused(tiny_engine_dir, rows, tmp_path):
+    """The refusal path on the tiny Llama (every block quantized, any error refused); that SmolLM2's INT8 graph
+    misses the default thresholds is the measurement of the next test."""
     from onepass.calibration.quantize import QuantizationRefused, quantize_engine
 
-    with pytest.raises(QuantizationRefused, match=r"max log-prob error .* \(allowed 0.1\); no engine written"):
-        quantize_engine(engine_dir, tmp_path / "int8", rows)
+    with pytest.raises(QuantizationRefused, match=r"max log-prob error .* \(allowed 0.0\); no engine written"):
+        quantize_engine(tiny_engine_dir, tmp_path / "int8", rows, keep_blocks=(), max_error=0.0)
     assert not (tmp_path / "int8").exists() and not (tmp_path / "int8.partial").exists()
 
 
@@ -34,7 +36,8 @@ def test_int8_within_loose_thresholds_is_written_with_its_measurement(engine_dir
     record = quantize_engine(engine_dir, tmp_path / "int8", rows, min_agreement=0.0, max_error=1e9)
     engine = Engine.load(tmp_path / "int8")  # hashes of the INT8 graph verify
     assert engine.manifest.quantization == record and record["rows"] == 6
-    assert 0.0 <= record["agreement"] <= 1.0 and record["max_logprob_error"] > 0 and record["speedup"] > 0
+    assert 0.0 <= record["agreement"] <= 1.0 and record["speedup"] > 0
+    assert record["max_logprob_error"] > 0.1  # so the default thresholds (0.99 agreement, 0.1 error) refuse it
     answer = engine.ask("I was charged twice.", {"q": Noul("Is it about money?")})["q"]
     assert 0.0 <= answer.noul <= 1.0
     # the graph really is INT8 where it claims to be: int8 weights for the middle blocks' seven projections,

@@ -166,22 +166,26 @@ def test_default_engine_records_its_adapter_and_tuning(engine):
     assert engine.manifest.scoring.readout == card(DEFAULT_ADAPTER)["readout"]
 
 
-def _colour_rows(tmp_path):
-    rows = [{"state": f"The {thing} is {color}.", "question": to_wire(Choice("Which colour is mentioned?",
-                                                                             {"red": None, "green": None})),
-             "label": color} for thing in ("car", "door", "cup", "kite", "hat", "box") for color in ("red", "green")]
-    return _write(tmp_path, rows)
+def _fact_rows(tmp_path):
+    """Two yes/no facts whose answers never change, asked about 16 unrelated notes: what a random tiny model can
+    learn in a few steps and carry over to notes it was not trained on."""
+    facts = [(Noul("Is the sky blue on a clear day?"), "yes"), (Noul("Do fish climb trees?"), "no")]
+    return _write(tmp_path, [{"state": f"Note {i}: the meeting moved to room {i + 3}.", "question": to_wire(q),
+                              "label": label} for i in range(16) for q, label in facts], "facts.jsonl")
 
 
 @pytest.mark.slow
-def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
+def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
+    """The whole path on the tiny Llama (SmolLM2's architecture and tokenizer): tune through the packed tree,
+    merge, export, self-check. The shipped adapter shows the same path on SmolLM2 itself (the test above)."""
     from onepass import Engine
     from onepass.calibration.tune_engine import tune
     from onepass.runtime.selfcheck import check_golden
 
-    data = _colour_rows(tmp_path)
+    data = _fact_rows(tmp_path)
     out = tmp_path / "tuned"
-    config = tn.TuneConfig(rank=2, train_blocks=2, epochs=3, batch_questions=4, lr=2e-3, holdout=0.25, patience=3)
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3)
+    engine_dir = tiny_engine_dir
     summary = tune(engine_dir, [data], out, config, report_dir=tmp_path / "report", log=lambda *_: None)
     metrics = summary["tuning"]["metrics"]
     assert metrics["heldout_best"]["nll"] < metrics["heldout_before"]["nll"]  # the loss falls on held-out states
@@ -203,15 +207,15 @@ def test_tune_smoke_trains_exports_and_self_checks(engine_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_tune_method_head_exports_an_engine_that_answers_with_its_head(engine_dir, tmp_path):
+def test_tune_method_head_exports_an_engine_that_answers_with_its_head(tiny_engine_dir, tmp_path):
     from onepass import Engine
     from onepass.calibration.tune_engine import tune
 
     out = tmp_path / "head"
-    summary = tune(engine_dir, [_colour_rows(tmp_path)], out, tn.TuneConfig(method="head", holdout=0.25),
+    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path)], out, tn.TuneConfig(method="head", holdout=0.25),
                    log=lambda *_: None)
     engine = Engine.load(out)  # hash-verified; export already checked the graph against its golden file
-    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 9
+    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 24  # 12 of 16 notes
     assert summary["head"]["heldout_nll_after"] <= summary["head"]["heldout_nll_before"]
     answer = engine.ask("The kite is green.", {"c": Choice("Which colour is mentioned?", {"red": None, "green": None})})
     assert set(answer["c"].probabilities) == {"red", "green"}
