@@ -115,6 +115,9 @@ def plan(model: type[BaseModel], prefix: tuple = ()) -> tuple[dict, dict]:
 
 def build(model: type[M], fields: dict, answers: dict, min_confidence: float | None = None) -> Decision[M]:
     """The validated instance from the answers (None for an optional field whose answer abstains)."""
+    if min_confidence is not None and (isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float))
+                                       or not 0.0 <= min_confidence <= 1.0):
+        raise InvalidRequest(f"min_confidence must be a number from 0 to 1, got {min_confidence!r}", "min_confidence")
     tree: dict = {}
     abstained = set()
     for qid, f in fields.items():

@@ -86,3 +86,16 @@ def test_http_helpers_round_trip_through_the_servers_wire_format(engine):
     assert over_http.value == engine.decide(TICKET, Triage).value
     with pytest.raises(InvalidRequest, match="no answer for refund"):
         parse_response(Triage, {"answers": {}})
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.9", True])
+def test_min_confidence_outside_0_to_1_is_refused_by_name(bad):
+    response = {"answers": {"refund": {"type": "noul", "noul": 0.9}}}
+
+    class Refund(BaseModel):
+        refund: bool = Field(description="Does the customer request a refund?")
+
+    assert parse_response(Refund, response, min_confidence=0.5).value.refund is True  # control: a valid threshold
+    with pytest.raises(InvalidRequest, match="min_confidence must be a number from 0 to 1") as err:
+        parse_response(Refund, response, min_confidence=bad)
+    assert err.value.field == "min_confidence"

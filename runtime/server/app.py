@@ -293,6 +293,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         response.headers["Server-Timing"] = ", ".join(
             [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
         route, length = _route_label(request), request.headers.get("content-length") or ""
+        if response.status_code == 200 and request.state.timing:
+            server.metrics.on_timing(request.state.timing)
         server.metrics.requests.labels(route, str(response.status_code)).inc()
         access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": route,
                                     "status": response.status_code, "ms": round(ms, 2),
@@ -322,7 +324,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         lim, cfg = engine.manifest.limits, server.config
         return {"engine": engine.name, "max_state_tokens": lim.max_state_tokens,
                 "max_packed_tokens": lim.max_packed_tokens, "max_questions": lim.max_questions,
-                "max_options": lim.max_options, "max_levels": MAX_LEVELS, "max_body_bytes": cfg.max_body_bytes,
+                "max_options": lim.max_options, "max_request_tokens": lim.max_request_tokens,
+                "max_levels": MAX_LEVELS, "max_body_bytes": cfg.max_body_bytes,
                 "max_queue": cfg.max_queue, "request_timeout_s": cfg.request_timeout_s}
 
     @app.get("/healthz")

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
 class _CacheCollector:
@@ -31,6 +32,9 @@ class Metrics:
                                 registry=self.registry)
         self.latency = Histogram("onepass_request_seconds", "End-to-end latency of POST /v1/systemone",
                                  buckets=BUCKETS, registry=self.registry)
+        self.stages = Histogram("onepass_stage_seconds", "Time of POST /v1/systemone by stage (the Server-Timing "
+                                "header's entries: queue, tokenize, prefill, score, readout, cascade)", ["stage"],
+                                buckets=STAGE_BUCKETS, registry=self.registry)
         self.tokens = Counter("onepass_tokens", "Tokens processed", ["kind"], registry=self.registry)
         self.batches = Counter("onepass_engine_batches", "Engine batches (one or more merged requests)",
                                registry=self.registry)
@@ -43,6 +47,11 @@ class Metrics:
         depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
         depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))
+
+    def on_timing(self, timing: dict) -> None:
+        """One answered request's stage times (milliseconds, as in Server-Timing)."""
+        for stage, ms in timing.items():
+            self.stages.labels(stage).observe(ms / 1000.0)
 
     def on_batch(self, size: int) -> None:
         """Called by the dispatcher after each engine batch."""
