@@ -216,7 +216,14 @@ def cmd_serve(args) -> int:
         build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=backend_factory(args.backend))
-    engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens)
+    engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
+                                max_questions=args.max_questions, max_options=args.max_options)
+    # a server answers one request's passes back to back, so its batch mates wait for all of them: by default
+    # a request may pack what one pass holds (as before blocks existed); raise it where the hardware answers
+    # more within the deadline (a GPU), e.g. --max-request-tokens 262144 for 5000 questions
+    lim = engine.manifest.limits
+    engine = engine.with_limits(max_request_tokens=args.max_request_tokens or min(lim.max_request_tokens,
+                                                                                  lim.max_packed_tokens))
     if (args.cascade is None) != (args.min_confidence is None):
         raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
                            "confidence are asked again of the cascade engine")
@@ -414,10 +421,11 @@ def cmd_export(args) -> int:
     except ImportError as err:
         raise OnepassError(f"export needs the [export] extra ({err.name} is missing): "
                            "pip install torch==2.13.0 && pip install 'onepass[export]'") from None
-    from .runtime.manifest import Limits, Scoring
+    from .runtime.manifest import Scoring
 
-    limits = Limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
-                    max_questions=args.max_questions, max_options=args.max_options)
+    limits = dict(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
+                  max_questions=args.max_questions, max_options=args.max_options,
+                  max_request_tokens=args.max_request_tokens)  # over the limits derived from the model
     head = head_info = None
     if args.head:
         from .calibration.head import load_head_info
@@ -439,10 +447,13 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="engine directory to write")
     ex.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     ex.add_argument("--name", help="engine name (default: from the model)")
-    ex.add_argument("--max-state-tokens", type=int, default=4096)
-    ex.add_argument("--max-packed-tokens", type=int, default=4096)
-    ex.add_argument("--max-questions", type=int, default=64)
-    ex.add_argument("--max-options", type=int, default=32)
+    ex.add_argument("--max-state-tokens", type=int, default=None,
+                    help="default: the model's context window minus 1024 positions for the questions")
+    ex.add_argument("--max-packed-tokens", type=int, default=4096, help="tokens of one packed pass")
+    ex.add_argument("--max-questions", type=int, default=5000)
+    ex.add_argument("--max-options", type=int, default=1000)
+    ex.add_argument("--max-request-tokens", type=int, default=262144,
+                    help="packed tokens over all passes of one request (blocks of whole questions)")
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
                     help="how option log-likelihoods become probabilities (default: the read-out the adapter was "
                          "trained for, else mean; see benchmarks/readout_eval.md)")
@@ -571,6 +582,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")
     serve.add_argument("--max-state-tokens", type=int, default=None, help="lower the engine's state limit")
     serve.add_argument("--max-packed-tokens", type=int, default=None, help="lower the engine's packed-token limit")
+    serve.add_argument("--max-questions", type=int, default=None, help="lower the engine's questions per request")
+    serve.add_argument("--max-options", type=int, default=None, help="lower the engine's options per choice")
+    serve.add_argument("--max-request-tokens", type=int, default=None,
+                       help="packed tokens per request over all its passes (default: one pass's, max_packed_tokens; "
+                            "up to the engine's max_request_tokens)")
     serve.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
                        help="onnxruntime (CPU, default), tensorrt (the engine's plan for this GPU), "
                             "or the PyTorch backend on CPU or CUDA")

@@ -53,7 +53,7 @@ def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
 
 
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
-                  limits: mf.Limits = mf.Limits(), scoring: mf.Scoring | None = None,
+                  limits: mf.Limits | dict | None = None, scoring: mf.Scoring | None = None,
                   prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
                   precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
                   extra_files: dict | None = None) -> Path:
@@ -104,6 +104,8 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
         files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
         info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
                             dims.head_dim, dims.vocab_size, dims.max_position)
+        if not isinstance(limits, mf.Limits):
+            limits = mf.Limits.for_model(dims.max_position, **(limits or {}))
         manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,
                                files=files, limits=limits, prompt=prompt, scoring=scoring, head=head_info,
                                tuning=tuning, precision=precision,

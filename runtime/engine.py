@@ -21,10 +21,11 @@ from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, from_wire
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
-from .tree import PackedBatch, QuestionTokens, TooManyTokens, option_head_scores, option_logprobs, pack
+from .tree import (PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, option_head_scores,
+                   option_logprobs, pack, packed_size)
 
 DEFAULT_CACHE_BYTES = 512 << 20
-MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the packed limit
+MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
 MAX_QUESTION_ID_CHARS = 256
 PRIOR_CACHE_ITEMS = 4096
 
@@ -181,38 +182,106 @@ class Engine:
             if n_opts > limits.max_options:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
-            if self.encoder.surely_over(self.encoder.caller_text(q), limits.max_packed_tokens):
-                raise LimitExceeded(f"the question is more than {limits.max_packed_tokens} tokens; this engine "
-                                    f"packs at most {limits.max_packed_tokens} per request", f"questions.{qid}")
+            if self.encoder.surely_over(self.encoder.caller_text(q), limits.max_request_tokens):
+                raise LimitExceeded(f"the question is more than {limits.max_request_tokens} tokens; this engine "
+                                    f"packs at most {limits.max_request_tokens} per request", f"questions.{qid}")
             tokens = self.encoder.question(q)
-            if len(tokens.trunk) > limits.max_packed_tokens:
-                raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens; this engine packs at most "
-                                    f"{limits.max_packed_tokens} per request", f"questions.{qid}")
+            if len(tokens.trunk) > limits.max_state_tokens:  # a long trunk is prefilled onto the state
+                raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens before its options; this engine "
+                                    f"allows at most {limits.max_state_tokens}", f"questions.{qid}")
+            longest = max(map(len, tokens.options))
+            if longest > limits.max_packed_tokens:
+                raise LimitExceeded(f"an option is {longest} tokens; this engine packs at most "
+                                    f"{limits.max_packed_tokens} per pass", f"questions.{qid}.criteria")
             total += len(tokens.trunk) + sum(map(len, tokens.options))
-            if total > MAX_ENCODED_FACTOR * limits.max_packed_tokens:  # far past any packing: stop tokenising
-                raise LimitExceeded(f"the questions are more than {MAX_ENCODED_FACTOR * limits.max_packed_tokens} "
-                                    f"tokens before sharing; this engine packs at most {limits.max_packed_tokens}",
-                                    "questions")
+            budget = MAX_ENCODED_FACTOR * limits.max_request_tokens
+            if total > budget:  # far past any packing: stop tokenising
+                raise LimitExceeded(f"the questions are more than {budget} tokens before sharing; this engine packs "
+                                    f"at most {limits.max_request_tokens} per request", "questions")
             encoded.append(tokens)
         return encoded
 
-    def pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
-        """The packed batch of encoded questions over a state; raises LimitExceeded past the limits."""
+    def pack(self, state: State, encoded: list[QuestionTokens], max_tokens: int | None = None) -> PackedBatch:
+        """The questions packed into ONE pass over a state (at most ``max_tokens``, default the engine's
+        max_packed_tokens); raises LimitExceeded past the limits."""
         limits, model = self.manifest.limits, self.manifest.model
         try:
-            batch = pack(encoded, state.num_tokens, max_tokens=limits.max_packed_tokens)
+            batch = pack(encoded, state.num_tokens, max_tokens=max_tokens or limits.max_packed_tokens)
         except TooManyTokens as err:
             raise LimitExceeded(f"the questions pack into {err.num_tokens} tokens; this engine allows at most "
-                                f"{limits.max_packed_tokens} per request. Send fewer or shorter questions",
-                                "questions") from None
+                                f"{max_tokens or limits.max_packed_tokens} per pass", "questions") from None
         last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
         if last + 1 > model.max_position:
             raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {model.max_position}",
                                 "questions")
         return batch
 
+    @property
+    def block_tokens(self) -> int:
+        """Packed tokens per pass when a request is split into blocks of whole questions: the backend's
+        choice (what measures fastest on it), never more than the engine's max_packed_tokens."""
+        limit = self.manifest.limits.max_packed_tokens
+        return min(self.backend.block_tokens or limit, limit)
+
+    def passes(self, state: State, encoded: list[QuestionTokens]) -> list[tuple[list, PackedBatch, State]]:
+        """The packed passes that answer ``encoded`` over ``state``, as ([(question index, option indices)],
+        batch, the state the batch continues).
+
+        One pass when the questions pack into a block (the backend's :attr:`block_tokens`). Else blocks of
+        whole questions (:func:`onepass.runtime.tree.blocks`), each a pass over the same state K/V. A question
+        larger than a block (a choice of hundreds of options, listed in its own text) has its trunk but the
+        last token prefilled onto the state, like a longer state (and cached the same way), and its options
+        scored below that last token in parts (:func:`onepass.runtime.tree.option_groups`). A token attends to
+        the state, its trunk and its own option path only, so the answers do not depend on the split. Raises
+        LimitExceeded past the request's packed-token limit before any pass."""
+        limits, block = self.manifest.limits, self.block_tokens
+        try:
+            whole = [(i, list(range(len(q.options)))) for i, q in enumerate(encoded)]
+            out = [(whole, pack(encoded, state.num_tokens, max_tokens=block), state)]
+        except TooManyTokens:  # counted on the trie, before any [N, N] mask exists
+            small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
+            out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks],
+                                                                        state.num_tokens), state)
+                   for ks in blocks([encoded[i] for i in small], block)]
+            for i in sorted(set(range(len(encoded))) - set(small)):
+                q = encoded[i]
+                longer = self._extended(state, q.trunk[:-1])
+                tail = QuestionTokens(q.trunk[-1:], q.options)
+                for group in option_groups(tail, block):
+                    part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
+                    out.append(([(i, group)], pack([part], longer.num_tokens), longer))
+        total = sum(batch.num_tokens for _, batch, _ in out)
+        if total > limits.max_request_tokens:
+            raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
+                                f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
+                                "questions")
+        for _, batch, _ in out:
+            last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
+            if last + 1 > self.manifest.model.max_position:
+                raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows "
+                                    f"{self.manifest.model.max_position}", "questions")
+        return out
+
+    def _extended(self, state: State, ids: tuple) -> State:
+        """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
+        prefilled onto ``state``'s K/V (which stays as it is)."""
+        limits = self.manifest.limits
+        joint = tuple(state.ids) + tuple(ids)
+        if len(joint) > limits.max_state_tokens:
+            raise LimitExceeded(f"the state and a question's text are {len(joint)} tokens together; this engine "
+                                f"allows at most {limits.max_state_tokens}", "questions")
+        cached = self.cache.get(joint)
+        if cached is not None:
+            return cached
+        with self.backend.serial():
+            kv = self.backend.extend(state.kv, ids, limits.prefill_chunk)
+        longer = State(joint, kv)
+        self.cache.put(joint, longer, kv.nbytes)
+        return longer
+
     def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
-        """Summed log-likelihood of every option of every question, from ONE packed pass."""
+        """Summed log-likelihood of every option of every question (one packed pass, or blocks of whole
+        questions past the backend's block size: see :meth:`passes`)."""
         return self._score(self.state(state), encoded)[1]
 
     def option_values(self, state, encoded: list[QuestionTokens]) -> tuple[list, list | None]:
@@ -220,12 +289,22 @@ class Engine:
         _, logprobs, heads = self._score(self.state(state), encoded)
         return logprobs, heads
 
-    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[PackedBatch, list, list | None]:
-        batch = self.pack(state, encoded)
-        with self.backend.serial():
-            logprob, head = self.backend.score_all(state.kv, batch)
-        heads = option_head_scores(batch, head) if head is not None else None
-        return batch, option_logprobs(batch, logprob), heads
+    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[int, list, list | None]:
+        """(packed tokens over all passes, per-question option log-likelihoods, head scores or None)."""
+        logprobs = [np.zeros(len(q.options)) for q in encoded]
+        heads: list | None = None
+        packed = 0
+        for parts, batch, over in self.passes(state, encoded):
+            with self.backend.serial():
+                logprob, head = self.backend.score_all(over.kv, batch)
+            packed += batch.num_tokens
+            for (i, group), lp in zip(parts, option_logprobs(batch, logprob)):
+                logprobs[i][group] = lp
+            if head is not None:
+                heads = heads if heads is not None else [np.zeros(len(q.options)) for q in encoded]
+                for (i, group), h in zip(parts, option_head_scores(batch, head)):
+                    heads[i][group] = h
+        return packed, logprobs, heads
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
@@ -256,11 +335,11 @@ class Engine:
         """Answer questions about a state in one packed forward pass."""
         encoded, state, hit, clock = self._prepare(state, questions)
         t1 = time.perf_counter()
-        batch, logprobs, heads = self._score(state, encoded)
+        packed, logprobs, heads = self._score(state, encoded)
         t2 = time.perf_counter()
         answers = self._answers(questions, encoded, logprobs, readout, heads=heads)
         clock.update(score=(t2 - t1) * 1000, readout=(time.perf_counter() - t2) * 1000)
-        return Result(answers, state.num_tokens + batch.num_tokens, batch.num_tokens,
+        return Result(answers, state.num_tokens + packed, packed,
                       state.num_tokens if hit else 0, clock)
 
     def run_many(self, requests: list, readout: str | None = None) -> list:
@@ -278,7 +357,7 @@ class Engine:
         for i, (raw, questions) in enumerate(requests):
             try:
                 encoded, state, hits[i], clocks[i] = self._prepare(raw, questions)
-                own = self.pack(state, encoded).num_tokens  # its own size and limits, as if alone
+                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded))  # its own size and limits, as alone
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err

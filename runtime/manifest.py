@@ -48,20 +48,31 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
+QUESTION_BUDGET = 1024  # positions an engine keeps for the questions after the longest state
+
+
 @dataclass(frozen=True)
 class Limits:
     """Request limits the engine enforces. Nothing is ever truncated: over a limit is an error."""
 
     max_state_tokens: int = 4096
-    max_packed_tokens: int = 4096
-    max_questions: int = 64
-    max_options: int = 32
+    max_packed_tokens: int = 4096  # one pass (plan profiles, graph buckets); a question must fit in one
+    max_questions: int = 5000
+    max_options: int = 1000
     prefill_chunk: int = 512
+    max_request_tokens: int = 262144  # over all the passes of one request (blocks of whole questions)
 
     def __post_init__(self):
         for f in fields(self):
             if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0:
                 raise ValueError(f"limits.{f.name} must be a positive integer")
+
+    @classmethod
+    def for_model(cls, max_position: int, **given) -> "Limits":
+        """The limits of an engine of a model with ``max_position`` positions: states up to the context window
+        minus QUESTION_BUDGET positions for the questions; ``given`` (None values ignored) override them."""
+        derived = {"max_state_tokens": max(1, max_position - QUESTION_BUDGET)}
+        return cls(**{**derived, **{k: v for k, v in given.items() if v is not None}})
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,56 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     )
 
 
+def packed_size(question: QuestionTokens) -> int:
+    """The tokens ``question`` packs into alone: its trunk plus every option prefix that has a next token (an
+    option's last token is only read out, never input). Shared with other questions it can only be fewer."""
+    inner = {opt[:k] for opt in question.options for k in range(1, len(opt))}
+    return len(question.trunk) + len(inner)
+
+
+def option_groups(question: QuestionTokens, max_tokens: int) -> list[list[int]]:
+    """Indices of ``question``'s options in groups whose part (the trunk plus those options) packs into at most
+    ``max_tokens``: one group of all options when the question fits. Options go in sorted order, so options that
+    share their first tokens stay in one part and keep sharing them (a 1000-option choice stays a few parts)."""
+    if packed_size(question) <= max_tokens:
+        return [list(range(len(question.options)))]
+    groups: list[list[int]] = []
+    inner: set = set()
+    for i in sorted(range(len(question.options)), key=lambda i: question.options[i]):
+        opt = question.options[i]
+        mine = {opt[:k] for k in range(1, len(opt))}
+        if groups and len(question.trunk) + len(inner | mine) <= max_tokens:
+            groups[-1].append(i)
+            inner |= mine
+        else:
+            groups.append([i])
+            inner = mine
+    return groups
+
+
+def blocks(questions: Sequence[QuestionTokens], max_tokens: int) -> list[list[int]]:
+    """Indices of ``questions`` in blocks of whole questions, each packing into at most ``max_tokens``.
+
+    A question's tokens attend to the state and to their own subtree only, so a block is one pass over
+    the same state K/V and every answer equals the one-pass answer: splitting changes the work, not the
+    result. Blocks follow :func:`pack`'s canonical order, so questions with a common trunk prefix stay
+    together and keep sharing it. The budget is counted on each question alone (an upper bound); a
+    question larger than ``max_tokens`` gets a block of its own.
+    """
+    order = sorted(range(len(questions)), key=lambda i: (questions[i].trunk, sorted(questions[i].options)))
+    out: list[list[int]] = []
+    used = 0
+    for i in order:
+        size = packed_size(questions[i])
+        if out and used + size <= max_tokens:
+            out[-1].append(i)
+            used += size
+        else:
+            out.append([i])
+            used = size
+    return out
+
+
 def causal(ids: Sequence[int], start: int) -> PackedBatch:
     """A single causal trunk (the state, or a chunk of it) starting at position ``start``.
 

@@ -56,6 +56,9 @@ class _Spy:
 
         monkeypatch.setattr(engine.backend, "score_all", score_all)
         monkeypatch.setattr(engine, "run_many", run_many)
+        # one block as large as a pass may be, so that a merge that fits is ONE pass (how a merge is split into
+        # blocks of whole questions when it is larger is tests/test_blocks.py's subject)
+        monkeypatch.setattr(engine.backend, "block_tokens", None, raising=False)
 
 
 @pytest.mark.parametrize("window_s, gap_s, batches", [(0.5, 0.0, [4]), (0.0, 0.3, [1, 1, 1, 1])],
@@ -80,10 +83,10 @@ def test_requests_in_the_batch_window_share_one_pass(engine, monkeypatch, window
 
 
 def test_a_merge_too_large_for_the_limits_falls_back_to_one_pass_each(engine, monkeypatch):
-    """Each request fits the packed-token limit alone, the four together do not: run_many answers each with its
-    own pass (equal to alone) instead of failing them all. Control: with the engine's own limit, one pass."""
+    """Each request fits the request's packed-token limit alone, the four together do not: run_many answers each
+    with its own pass (equal to alone) instead of failing them all. Control: with the engine's own limit, one pass."""
     sizes = [engine.pack(engine.state(TICKET), engine.encode_questions(q)).num_tokens for q in QUESTIONS]
-    small = engine.with_limits(max_packed_tokens=max(sizes) + 1)
+    small = engine.with_limits(max_request_tokens=max(sizes) + 1)
     assert sum(sizes) > max(sizes) + 1
     spy = _Spy(small, monkeypatch)
     results = small.run_many([(TICKET, q) for q in QUESTIONS])

@@ -32,6 +32,10 @@ class Backend(ABC):
     """
 
     concurrent = False
+    # packed tokens per pass when a request is split into blocks of whole questions (None: the engine's
+    # max_packed_tokens, i.e. as few passes as possible). CPU backends set what measures fastest
+    # (benchmarks/results/blocks.md): attention is dense within a pass, so smaller blocks do less work.
+    block_tokens: int | None = None
 
     def __init__(self, model: ModelInfo):
         self.model = model
@@ -48,9 +52,13 @@ class Backend(ABC):
         """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
         if len(ids) == 0:
             raise ValueError("a state needs at least one token")
-        kv = self.empty()
+        return self.extend(self.empty(), ids, chunk)
+
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+        """K/V of ``kv``'s tokens followed by ``ids`` (positions continue after ``kv``), in causal chunks of at
+        most ``chunk``; ``kv`` itself is left as it is (a cached state stays valid)."""
         for start in range(0, len(ids), chunk):
-            _, new, _ = self._run(causal(ids[start:start + chunk], start), kv)
+            _, new, _ = self._run(causal(ids[start:start + chunk], kv.length), kv)
             kv = self._append(kv, new)
         return kv
 

@@ -19,6 +19,7 @@ class OrtCpuBackend(Backend):
     """The decoder graph in an ``onnxruntime.InferenceSession`` on CPU."""
 
     concurrent = True  # InferenceSession.run is thread-safe and every pass has its own arrays
+    block_tokens = 256  # packed tokens per pass of a split request: fastest here (benchmarks/results/blocks.md)
 
     def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None):
         super().__init__(model)

@@ -236,6 +236,10 @@ class TensorRTBackend(Backend):
         self.device.activate()  # every entry point: the calling thread may not be the one that made the backend
         return super().prefill(ids, chunk)
 
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+        self.device.activate()
+        return super().extend(kv, ids, chunk)
+
     def to_host(self, value: DeviceTensor) -> np.ndarray:
         self.device.activate()
         out = np.empty(value.shape, np.float32)
