@@ -71,6 +71,21 @@ def coverage_curve(probs: np.ndarray, labels: np.ndarray, k: np.ndarray | None =
     return out
 
 
+def coverage_at(probs: np.ndarray, labels: np.ndarray, target: float, k: np.ndarray | None = None) -> dict:
+    """The largest share of rows that can be answered at ``target`` accuracy by answering only the most confident
+    ones: {"coverage", "min_confidence"} (coverage 0 and min_confidence None when no prefix reaches it)."""
+    k = np.full(len(labels), probs.shape[1]) if k is None else np.asarray(k)
+    conf = (k * probs.max(1) - 1) / (k - 1)
+    order = np.argsort(-conf, kind="stable")
+    hits = (probs.argmax(1) == labels)[order]
+    acc = np.cumsum(hits) / np.arange(1, len(hits) + 1)
+    ok = np.nonzero(acc >= target - 1e-12)[0]
+    if not len(ok):
+        return {"coverage": 0.0, "min_confidence": None}
+    n = int(ok.max()) + 1
+    return {"coverage": n / len(labels), "min_confidence": float(conf[order][n - 1])}
+
+
 def summary(probs: np.ndarray, labels: np.ndarray) -> dict:
     """accuracy, nll, brier, ece of one set of predictions."""
     return {"accuracy": accuracy(probs, labels), "nll": nll(probs, labels), "brier": brier(probs, labels),

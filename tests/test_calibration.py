@@ -290,3 +290,15 @@ def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_di
     assert (tmp_path / "out" / "eval.md").read_text().count("|") > 20
     assert (tmp_path / "out" / "plots" / "reliability.png").stat().st_size > 0
     assert "rows (" in capsys.readouterr().out
+
+
+def test_coverage_at_a_target_accuracy_matches_a_hand_count():
+    # confidences 0.8, 0.6, 0.2, 0.1 (two options: 2p - 1); right, right, wrong, right
+    probs = np.array([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.55, 0.45]])
+    labels = np.array([0, 0, 1, 0])
+    assert metrics.coverage_at(probs, labels, 0.9) == {"coverage": 0.5, "min_confidence": pytest.approx(0.6)}
+    assert metrics.coverage_at(probs, labels, 0.7)["coverage"] == 1.0  # 3 of 4 right overall
+    assert metrics.coverage_at(probs, labels, 0.76)["coverage"] == 0.5  # the 3-row prefix is 2/3, the 4-row 3/4
+    # control: the wrong row made the most confident one: no prefix reaches 0.9
+    worst = np.array([[0.99, 0.01], [0.8, 0.2], [0.6, 0.4], [0.55, 0.45]])
+    assert metrics.coverage_at(worst, np.array([1, 0, 0, 0]), 0.9) == {"coverage": 0.0, "min_confidence": None}
