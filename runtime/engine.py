@@ -182,9 +182,12 @@ class Engine:
             if n_opts > limits.max_options:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
-            if self.encoder.surely_over(self.encoder.caller_text(q), limits.max_request_tokens):
-                raise LimitExceeded(f"the question is more than {limits.max_request_tokens} tokens; this engine "
-                                    f"packs at most {limits.max_request_tokens} per request", f"questions.{qid}")
+            # its text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it is
+            # refused after tokenising no more than the bound, never the whole text
+            bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+            if self.encoder.surely_over(self.encoder.caller_text(q), bound):
+                raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
+                                    f"{bound} per question", f"questions.{qid}")
             tokens = self.encoder.question(q)
             if len(tokens.trunk) > limits.max_state_tokens:  # a long trunk is prefilled onto the state
                 raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens before its options; this engine "
