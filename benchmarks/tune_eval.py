@@ -163,8 +163,7 @@ def coverage(base_test: list[dict], tuned_test: list[dict], targets=(0.9, 0.95))
     for target in targets:
         base, tuned = metrics.coverage_at(pb, labels, target, k), metrics.coverage_at(pt, labels, target, k)
         gate = base["min_confidence"] if base["min_confidence"] is not None else np.inf
-        conf = (k * pb.max(1) - 1) / (k - 1)
-        cascade = np.where((conf >= gate)[:, None], pb, pt)
+        cascade = np.where((metrics.confidence(pb, k) >= gate)[:, None], pb, pt)
         out[str(target)] = {"base": base, "tuned": tuned, "cascade": metrics.coverage_at(cascade, labels, target, k)}
     return out
 

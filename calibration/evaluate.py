@@ -21,12 +21,8 @@ from . import metrics
 from .run import load_rows, probabilities, score_rows
 
 
-def _confidence(probs: np.ndarray, k: np.ndarray) -> np.ndarray:
-    return (k * probs.max(1) - 1) / (k - 1)
-
-
 def _block(probs, labels, k, min_confidence, target_accuracy) -> dict:
-    conf = _confidence(probs, k)
+    conf = metrics.confidence(probs, k)
     hits = probs.argmax(1) == labels
     kept = conf >= min_confidence if min_confidence is not None else np.ones(len(labels), bool)
     out = {**metrics.summary(probs, labels), "majority": float(np.bincount(labels).max() / len(labels))}

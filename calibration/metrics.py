@@ -53,14 +53,17 @@ def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> 
              "accuracy": float(hit[index == b].mean()) if (index == b).any() else None} for b in range(bins)]
 
 
-def coverage_curve(probs: np.ndarray, labels: np.ndarray, k: np.ndarray | None = None, steps: int = 20) -> list[dict]:
-    """Answering only the most confident rows: accuracy at each coverage, with the confidence threshold.
+def confidence(probs: np.ndarray, k: np.ndarray | None = None) -> np.ndarray:
+    """Each row's confidence, (K * p_max - 1) / (K - 1) as in the answers; ``k`` gives each row's K when rows of
+    different option counts are padded with zero probabilities into one array."""
+    k = np.full(len(probs), probs.shape[1]) if k is None else np.asarray(k)
+    return (k * probs.max(1) - 1) / (k - 1)
 
-    Confidence is (K * p_max - 1) / (K - 1), as in the answers; ``k`` gives each row's K when
-    rows of different option counts are padded with zero probabilities into one array.
-    """
-    k = np.full(len(labels), probs.shape[1]) if k is None else np.asarray(k)
-    conf = (k * probs.max(1) - 1) / (k - 1)
+
+def coverage_curve(probs: np.ndarray, labels: np.ndarray, k: np.ndarray | None = None, steps: int = 20) -> list[dict]:
+    """Answering only the most confident rows: accuracy at each coverage, with the confidence threshold
+    (:func:`confidence`)."""
+    conf = confidence(probs, k)
     order = np.argsort(-conf, kind="stable")
     hits = (probs.argmax(1) == labels)[order]
     out = []
@@ -74,8 +77,7 @@ def coverage_curve(probs: np.ndarray, labels: np.ndarray, k: np.ndarray | None =
 def coverage_at(probs: np.ndarray, labels: np.ndarray, target: float, k: np.ndarray | None = None) -> dict:
     """The largest share of rows that can be answered at ``target`` accuracy by answering only the most confident
     ones: {"coverage", "min_confidence"} (coverage 0 and min_confidence None when no prefix reaches it)."""
-    k = np.full(len(labels), probs.shape[1]) if k is None else np.asarray(k)
-    conf = (k * probs.max(1) - 1) / (k - 1)
+    conf = confidence(probs, k)
     order = np.argsort(-conf, kind="stable")
     hits = (probs.argmax(1) == labels)[order]
     acc = np.cumsum(hits) / np.arange(1, len(hits) + 1)

@@ -174,6 +174,10 @@ class Engine:
             raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
                                 "per request", "questions")
         encoded, total = [], 0
+        # a question's text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it
+        # is refused after tokenising no more than the bound, never the whole text
+        bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+        budget = MAX_ENCODED_FACTOR * limits.max_request_tokens  # tokens before sharing: past it, stop tokenising
         for qid, q in questions.items():
             check_question_id(qid)
             if not hasattr(q, "instructions"):
@@ -182,9 +186,6 @@ class Engine:
             if n_opts > limits.max_options:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
-            # its text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it is
-            # refused after tokenising no more than the bound, never the whole text
-            bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
             if self.encoder.surely_over(self.encoder.caller_text(q), bound):
                 raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
                                     f"{bound} per question", f"questions.{qid}")
@@ -197,27 +198,31 @@ class Engine:
                 raise LimitExceeded(f"an option is {longest} tokens; this engine packs at most "
                                     f"{limits.max_packed_tokens} per pass", f"questions.{qid}.criteria")
             total += len(tokens.trunk) + sum(map(len, tokens.options))
-            budget = MAX_ENCODED_FACTOR * limits.max_request_tokens
-            if total > budget:  # far past any packing: stop tokenising
+            if total > budget:
                 raise LimitExceeded(f"the questions are more than {budget} tokens before sharing; this engine packs "
                                     f"at most {limits.max_request_tokens} per request", "questions")
             encoded.append(tokens)
         return encoded
 
-    def pack(self, state: State, encoded: list[QuestionTokens], max_tokens: int | None = None) -> PackedBatch:
-        """The questions packed into ONE pass over a state (at most ``max_tokens``, default the engine's
-        max_packed_tokens); raises LimitExceeded past the limits."""
-        limits, model = self.manifest.limits, self.manifest.model
+    def pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
+        """The questions packed into ONE pass over a state (at most max_packed_tokens); raises LimitExceeded past
+        the limits."""
+        limits = self.manifest.limits
         try:
-            batch = pack(encoded, state.num_tokens, max_tokens=max_tokens or limits.max_packed_tokens)
+            batch = pack(encoded, state.num_tokens, max_tokens=limits.max_packed_tokens)
         except TooManyTokens as err:
             raise LimitExceeded(f"the questions pack into {err.num_tokens} tokens; this engine allows at most "
-                                f"{max_tokens or limits.max_packed_tokens} per pass", "questions") from None
-        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
+                                f"{limits.max_packed_tokens} per pass", "questions") from None
+        self._check_positions(batch, state.num_tokens)
+        return batch
+
+    def _check_positions(self, batch: PackedBatch, past: int) -> None:
+        """LimitExceeded when the batch's last token sits past the model's positions."""
+        model = self.manifest.model
+        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else past
         if last + 1 > model.max_position:
             raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {model.max_position}",
                                 "questions")
-        return batch
 
     @property
     def block_tokens(self) -> int:
@@ -258,11 +263,8 @@ class Engine:
             raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
                                 f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
                                 "questions")
-        for _, batch, _ in out:
-            last = int(batch.position_ids.max()) + 1 if batch.num_tokens else state.num_tokens
-            if last + 1 > self.manifest.model.max_position:
-                raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows "
-                                    f"{self.manifest.model.max_position}", "questions")
+        for _, batch, over in out:
+            self._check_positions(batch, over.num_tokens)
         return out
 
     def _extended(self, state: State, ids: tuple) -> State:
