@@ -234,6 +234,67 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _autoscale(text: str | None) -> tuple | None:
+    if text is None:
+        return None
+    low, sep, high = text.partition(":")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+        raise OnepassError(f"--autoscale must be MIN:MAX replicas (e.g. 1:4), got {text!r}")
+    return int(low), int(high)
+
+
+def cmd_cluster(args) -> int:
+    """Serve the same HTTP API from replicas on Ray Serve, requests about one state kept on one replica."""
+    import os
+    import shutil
+    import tempfile
+    import time
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray
+        from ray import serve
+
+        from .runtime.server.cluster import ClusterConfig, build
+        from .runtime.server.config import ServerConfig
+    except ImportError as err:
+        raise OnepassError(f"the cluster needs the [cluster] extra ({err.name} is missing): "
+                           "pip install 'onepass[cluster]'") from None
+    engine = Path(args.engine).resolve()
+    if not (engine / "manifest.json").is_file():
+        raise OnepassError(f"{args.engine} holds no engine (no manifest.json); run `onepass export --out "
+                           f"{args.engine}` first")
+    server = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
+                                   max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                                   batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
+    metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
+    config = dict(engine=str(engine), replicas=args.replicas, autoscale=_autoscale(args.autoscale),
+                  routing=args.routing, cpus_per_replica=args.cpus_per_replica, threads=args.threads,
+                  cache_mib=args.cache_mib, retries=args.retries, metrics_dir=metrics_dir,
+                  server={k: getattr(server, k) for k in ServerConfig.__dataclass_fields__})
+    try:
+        ClusterConfig(**config)  # bad settings fail here, before Ray starts
+        if args.address:
+            ray.init(address=args.address)
+        else:
+            ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build(config), name="onepass", route_prefix="/")
+        size = f"{args.autoscale} replicas (autoscaled)" if args.autoscale else f"{args.replicas} replicas"
+        print(f"onepass cluster: {engine.name} on http://{args.host}:{args.port} with {size}, routing by "
+              f"{args.routing}; Ctrl-C stops it", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
 def backend_factory(name: str):
     """None (ONNX Runtime on CPU) or the Engine.load factory of another backend, from the backend table."""
     from .runtime.backends import factory
@@ -600,6 +661,28 @@ def parser() -> argparse.ArgumentParser:
                                                         "below --min-confidence are asked again of it")
     serve.add_argument("--min-confidence", type=float, default=None, help="the cascade's threshold (0..1)")
     serve.set_defaults(func=cmd_serve)
+    cl = sub.add_parser("cluster", help="serve the same HTTP API from replicas on Ray Serve, routed by state")
+    cl.add_argument("--engine", required=True, help="engine directory (every replica loads it)")
+    cl.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    cl.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                    help="let Serve's autoscaler keep MIN..MAX replicas instead of a fixed --replicas")
+    cl.add_argument("--routing", choices=("state", "default"), default="state",
+                    help="state: requests about one state go to one replica (its cached K/V); default: Serve's "
+                         "own load balancing")
+    cl.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    cl.add_argument("--port", type=int, default=8000)
+    cl.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: start one here")
+    cl.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the Ray cluster started here")
+    cl.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs reserved per replica")
+    cl.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads per replica")
+    cl.add_argument("--cache-mib", type=int, default=512, help="state cache size per replica in MiB")
+    cl.add_argument("--retries", type=int, default=1, help="retries of a request whose replica died")
+    cl.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
+    cl.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    cl.add_argument("--max-queue", type=int, default=64, help="waiting requests per replica before 429")
+    cl.add_argument("--request-timeout", type=float, default=10.0, help="seconds a request may take by default")
+    cl.add_argument("--batch-window-ms", type=float, default=2.0)
+    cl.set_defaults(func=cmd_cluster)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     mcp.add_argument("--engine", required=True, help="engine directory")
     mcp.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")

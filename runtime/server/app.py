@@ -42,6 +42,7 @@ from .metrics import Metrics
 access_log = logging.getLogger("onepass.access")
 REQUEST_ID = "x-typesafe-request-id"
 CACHED_TOKENS = "x-onepass-cached-tokens"  # state tokens served from the state cache (0: prefilled now)
+STATE_CACHE = "x-onepass-state-cache"  # "hit": the state's K/V came from the cache; "miss": prefilled now
 ANSWERED_BY = "x-onepass-answered-by"  # with a cascade: "question id=engine name", comma-separated
 STAGES = ("tokenize", "prefill", "score", "readout")  # Server-Timing, after "queue"; "total" last
 
@@ -288,6 +289,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         response.headers[REQUEST_ID] = rid
         if hasattr(request.state, "cached_tokens"):
             response.headers[CACHED_TOKENS] = str(request.state.cached_tokens)
+            response.headers[STATE_CACHE] = "hit" if request.state.cached_tokens else "miss"
         if hasattr(request.state, "answered_by"):
             response.headers[ANSWERED_BY] = request.state.answered_by
         response.headers["Server-Timing"] = ", ".join(

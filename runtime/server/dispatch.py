@@ -72,6 +72,11 @@ class Dispatcher:
         """Requests submitted and not yet answered."""
         return self._depth
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running (health checks)."""
+        return self._thread.is_alive()
+
     def measured(self, seconds: float) -> None:
         """Fold one pass's time (one state's group of requests) into the seconds-per-pass estimate."""
         self.seconds_per_pass = seconds if self.seconds_per_pass == 0 else (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -44,8 +46,9 @@ class Metrics:
                                       "before they could be answered", registry=self.registry)
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
-        depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
-        depth.set_function(queue_depth)
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # a function gauge is read at scrape time, in-process
+            depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
+            depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))
 
     def on_timing(self, timing: dict) -> None:

@@ -1,0 +1,213 @@
+"""onepass on Ray Serve: a real local Ray cluster on loopback, three replicas of the default engine.
+
+What is proven: requests about one state stay on one replica (hit rate >= 0.9; Serve's default router,
+same traffic, clearly lower), the official SDK gets the answers Engine.ask gives, the HTTP API is the
+server's (errors, limits, compressed bodies, models, metrics aggregated over replicas), and a replica
+killed with SIGKILL mid-run costs no client request and re-prefills only the states it held.
+Everything is bounded: fixed request counts, timeouts on every wait, Ray shut down at the end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from test_server import QUESTIONS, TICKET, get, post, sdk_client  # noqa: E402
+
+from onepass import Choice, Engine, Noul, Score  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+STATES = [f"Ticket {i}: the customer writes about order {1000 + i} and the delivery of item {i * 7}." for i in range(20)]
+ROUNDS = 10
+ASK = {"q": {"type": "noul", "instructions": "Is the customer asking about a delivery?"}}
+TOL = 1e-5  # replicas run ONNX Runtime on one thread, the reference on its default: summation order differs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster (logical CPUs only; the machine's 2 cores are shared) with Serve's HTTP proxy on a free
+    loopback port; shut down at the end."""
+    from ray import serve
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    port = _free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(engine_dir, routing: str, replicas: int = 3):
+    """A fresh application (new replicas, empty caches) routed by ``routing``."""
+    from ray import serve
+
+    from onepass.runtime.server.cluster import build
+
+    serve.delete("onepass")
+    serve.run(build({"engine": str(engine_dir), "replicas": replicas, "routing": routing, "cpus_per_replica": 1,
+                     "threads": 1, "server": {"request_timeout_s": 60.0}}), name="onepass", route_prefix="/")
+
+
+def replica_ids() -> set:
+    """The live engine replicas, from Ray's named actors (Serve names them SERVE_REPLICA::app#deployment#id)."""
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return {n["name"].rsplit("#", 1)[1] for n in names if "#EngineReplica#" in n["name"]}
+
+
+def ask(base: str, state: str) -> tuple:
+    """(replica "id:pid", 'hit'|'miss') of one request about ``state``; any status but 200 fails the test."""
+    status, headers, body = post(base, {"state": state, "questions": ASK})
+    assert status == 200, body
+    return headers["x-onepass-replica"], headers["x-onepass-state-cache"]
+
+
+def traffic(base: str) -> list:
+    """ROUNDS requests about each of the STATES, interleaved: [(state index, replica, cache)]."""
+    return [(i, *ask(base, STATES[i])) for _ in range(ROUNDS) for i in range(len(STATES))]
+
+
+def hit_rate(log: list) -> float:
+    return sum(cache == "hit" for _, _, cache in log) / len(log)
+
+
+@pytest.fixture(scope="module")
+def sticky(cluster, engine_dir):
+    deploy(engine_dir, "state")
+    return cluster
+
+
+def test_sdk_against_the_cluster_equals_engine_ask(sticky, engine_dir):
+    from typesafe_sdk import Choice as SChoice, Noul as SNoul, Score as SScore
+
+    with sdk_client(sticky) as client:
+        result = client.system_one(state=TICKET, questions={
+            "refund": SNoul(instructions=QUESTIONS["refund"]["instructions"]),
+            "team": SChoice(instructions=QUESTIONS["team"]["instructions"], criteria=QUESTIONS["team"]["criteria"]),
+            "mood": SScore(instructions=QUESTIONS["mood"]["instructions"], criteria=QUESTIONS["mood"]["criteria"]),
+        })
+        names = [m.name for m in client.models.list().models]
+    with Engine.load(engine_dir) as engine:
+        want = engine.ask(TICKET, {"refund": Noul(QUESTIONS["refund"]["instructions"]),
+                                   "team": Choice(QUESTIONS["team"]["instructions"], QUESTIONS["team"]["criteria"]),
+                                   "mood": Score(QUESTIONS["mood"]["instructions"], QUESTIONS["mood"]["criteria"])})
+        assert engine.name in names and "jev-latest" in names
+    answers = result.answers
+    assert answers["refund"].noul == pytest.approx(want["refund"].noul, abs=TOL)
+    assert answers["team"].choice == want["team"].choice
+    assert answers["team"].probabilities == pytest.approx(want["team"].probabilities, abs=TOL)
+    assert answers["mood"].score == pytest.approx(want["mood"].score, abs=TOL)
+    # negative control: a different state's answer is not within the tolerance
+    other = sdk_client(sticky).system_one(state="The weather is lovely today.", questions={
+        "refund": SNoul(instructions=QUESTIONS["refund"]["instructions"])}).answers["refund"].noul
+    assert abs(other - want["refund"].noul) > TOL
+
+
+def test_the_cluster_speaks_the_servers_http_api(sticky):
+    status, headers, body = post(sticky, {"state": "text", "questions": {"q": {"type": "maybe"}}})
+    assert status == 422 and body["error"]["field"] and headers["x-onepass-replica"]
+    status, _, body = post(sticky, None, raw=b"{not json")
+    assert status == 400 and "JSON" in body["error"]["message"]
+    packed = gzip.compress(json.dumps({"state": STATES[0], "questions": ASK}).encode())
+    status, headers, body = post(sticky, None, {"Content-Encoding": "gzip"}, raw=packed)
+    assert status == 200 and 0 <= body["answers"]["q"]["noul"] <= 1
+    status, _, body = post(sticky, None, raw=b" " * (2 << 20))  # over max_body_bytes: refused by the ingress
+    assert status == 413 and "at most" in body["error"]["message"]
+    assert get(sticky, "/healthz")[0] == 200
+    status, _, limits = get(sticky, "/v1/limits")
+    assert status == 200 and json.loads(limits)["max_questions"] >= 1
+
+
+def test_state_affine_routing_keeps_each_state_on_one_replica(sticky, engine_dir):
+    log = traffic(sticky)
+    owners = {i: {replica for j, replica, _ in log if j == i} for i in range(len(STATES))}
+    assert all(len(r) == 1 for r in owners.values()), owners
+    assert len(set().union(*owners.values())) == 3, "20 states should spread over all 3 replicas"
+    sticky_rate = hit_rate(log)
+    assert sticky_rate >= 0.9
+    status, _, text = get(sticky, "/metrics")  # every replica's counters, summed, and per-replica cache counts
+    text = text.decode()
+    assert status == 200 and text.count('onepass_cluster_state_cache_total{replica=') >= 3
+    served = sum(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith('onepass_requests_total{') and 'status="200"' in line)
+    assert served >= len(log)
+
+    deploy(engine_dir, "default")  # the same traffic over Serve's default router (power of two choices)
+    spread = traffic(sticky)
+    default_rate = hit_rate(spread)
+    print(f"state cache hit rate: state-affine {sticky_rate:.3f}, Serve's default router {default_rate:.3f}")
+    assert default_rate < sticky_rate - 0.1
+    assert any(len({r for j, r, _ in spread if j == i}) > 1 for i in range(len(STATES)))
+
+
+def test_a_replica_killed_mid_run_costs_no_request(cluster, engine_dir):
+    deploy(engine_dir, "state")
+    owner = {i: ask(cluster, s)[0] for i, s in enumerate(STATES)}  # each state prefilled on its owner
+    before = replica_ids()
+    victim = owner[0]
+    requests = len(STATES) * 6
+
+    def one(k: int):
+        i = k % len(STATES)
+        return (i, *ask(cluster, STATES[i]))
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, k) for k in range(requests)]
+        deadline = time.monotonic() + 120
+        while sum(f.done() for f in futures) < requests // 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(int(victim.split(":")[1]), signal.SIGKILL)  # mid-run: requests are in flight
+        killed_after = sum(f.done() for f in futures)
+        log = [f.result(timeout=120) for f in futures]  # a failed request fails the test here
+    assert killed_after < requests
+
+    deadline = time.monotonic() + 120
+    while not (replica_ids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    new = replica_ids() - before
+    assert new, "Serve should have started a replacement replica"
+    for i, replica, cache in log:
+        if replica == owner[i]:
+            assert cache == "hit", (i, replica)  # never prefilled again where it was
+        else:  # moved: only the dead replica's states, or to the replacement once it joined the ring
+            assert owner[i] == victim or replica.split(":")[0] in new, (i, owner[i], replica)
+    victims = {i for i in owner if owner[i] == victim}
+    assert {i for i, replica, _ in log if replica != owner[i] and owner[i] == victim} == victims
+    metrics = get(cluster, "/metrics")[2].decode()
+    retried = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("onepass_cluster_retries_total"))
+    print(f"replica kill: {requests} requests, 0 failed, {retried:.0f} retried; {len(victims)} of {len(STATES)} "
+          "states moved")
+
+
+def test_the_serve_deploy_config_builds_the_application():
+    """docker/ray-serve.yaml is a valid Serve config whose import path and args build the application."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from onepass.runtime.server.cluster import build
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "docker" / "ray-serve.yaml").read_text())
+    app = ServeDeploySchema.model_validate(config).applications[0]
+    assert app.import_path == "onepass.runtime.server.cluster:build"
+    assert build(app.args) is not None
+    with pytest.raises(ValueError, match="routing"):
+        build({**app.args, "routing": "random"})
