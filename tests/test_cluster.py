@@ -23,7 +23,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
-from test_server import QUESTIONS, TICKET, get, post, sdk_client  # noqa: E402
+import test_server  # noqa: E402
+from test_server import QUESTIONS, TICKET, get, sdk_client  # noqa: E402
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 
@@ -31,6 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 STATES = [f"Ticket {i}: the customer writes about order {1000 + i} and the delivery of item {i * 7}." for i in range(20)]
 ROUNDS = 10
 ASK = {"q": {"type": "noul", "instructions": "Is the customer asking about a delivery?"}}
+KEY = "test-key"  # every deployment requires it; the SDK helper sends it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TOL = 1e-5  # replicas run ONNX Runtime on one thread, the reference on its default: summation order differs
 
 
@@ -38,6 +41,43 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _status(base: str, path: str) -> int:
+    """The status of a GET, 0 while nothing listens."""
+    try:
+        return get(base, path)[0]
+    except OSError:
+        return 0
+
+
+def test_the_cluster_command_serves_and_stops_on_ctrl_c(engine_dir, tmp_path):
+    """`onepass cluster` as a user runs it (its own Ray instance; this test runs before the module's cluster):
+    it answers over HTTP, and SIGINT shuts Serve and Ray down with status 0. Bad settings are one-line errors."""
+    import subprocess
+    import sys
+
+    for args, message in ((["--engine", str(tmp_path)], "holds no engine"),
+                          (["--engine", str(engine_dir), "--autoscale", "4"], "MIN:MAX")):
+        done = subprocess.run([sys.executable, "-m", "onepass", "cluster", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "onepass", "cluster", "--engine", str(engine_dir), "--replicas", "1",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while _status(base, "/readyz") != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, "onepass cluster did not become ready"
+            time.sleep(0.5)
+        status, headers, body = test_server.post(base, {"state": STATES[0], "questions": ASK})
+        assert status == 200 and headers["x-onepass-replica"] and 0 <= body["answers"]["q"]["noul"] <= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    assert rc == 0
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +97,11 @@ def cluster():
         ray.shutdown()
 
 
+def post(base: str, body, headers: dict | None = None, raw: bytes | None = None):
+    """test_server's POST with the API key."""
+    return test_server.post(base, body, {**AUTH, **(headers or {})}, raw=raw)
+
+
 def deploy(engine_dir, routing: str, replicas: int = 3):
     """A fresh application (new replicas, empty caches) routed by ``routing``."""
     from ray import serve
@@ -65,7 +110,8 @@ def deploy(engine_dir, routing: str, replicas: int = 3):
 
     serve.delete("onepass")
     serve.run(build({"engine": str(engine_dir), "replicas": replicas, "routing": routing, "cpus_per_replica": 1,
-                     "threads": 1, "server": {"request_timeout_s": 60.0}}), name="onepass", route_prefix="/")
+                     "threads": 1, "server": {"request_timeout_s": 60.0, "api_key": KEY}}), name="onepass",
+              route_prefix="/")
 
 
 def replica_ids() -> set:
@@ -117,12 +163,15 @@ def test_sdk_against_the_cluster_equals_engine_ask(sticky, engine_dir):
     assert answers["team"].probabilities == pytest.approx(want["team"].probabilities, abs=TOL)
     assert answers["mood"].score == pytest.approx(want["mood"].score, abs=TOL)
     # negative control: a different state's answer is not within the tolerance
-    other = sdk_client(sticky).system_one(state="The weather is lovely today.", questions={
-        "refund": SNoul(instructions=QUESTIONS["refund"]["instructions"])}).answers["refund"].noul
+    with sdk_client(sticky) as client:
+        other = client.system_one(state="The weather is lovely today.", questions={
+            "refund": SNoul(instructions=QUESTIONS["refund"]["instructions"])}).answers["refund"].noul
     assert abs(other - want["refund"].noul) > TOL
 
 
 def test_the_cluster_speaks_the_servers_http_api(sticky):
+    status, _, body = test_server.post(sticky, {"state": "text", "questions": ASK})  # no API key
+    assert status == 401 and "API key" in body["error"]["message"]
     status, headers, body = post(sticky, {"state": "text", "questions": {"q": {"type": "maybe"}}})
     assert status == 422 and body["error"]["field"] and headers["x-onepass-replica"]
     status, _, body = post(sticky, None, raw=b"{not json")
@@ -133,7 +182,7 @@ def test_the_cluster_speaks_the_servers_http_api(sticky):
     status, _, body = post(sticky, None, raw=b" " * (2 << 20))  # over max_body_bytes: refused by the ingress
     assert status == 413 and "at most" in body["error"]["message"]
     assert get(sticky, "/healthz")[0] == 200
-    status, _, limits = get(sticky, "/v1/limits")
+    status, _, limits = get(sticky, "/v1/limits", AUTH)
     assert status == 200 and json.loads(limits)["max_questions"] >= 1
 
 
