@@ -59,119 +59,55 @@ def cmd_ask(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Latency percentiles of an engine in process or of a server over HTTP, open loop (rates) or closed loop."""
-    import hashlib
-    import platform
-    import urllib.error
-    import urllib.request
-
-    from .runtime.loadgen import closed_loop, comparable, compare, open_loop
+    """Latency percentiles of an engine in process (per backend) or of a server over HTTP, open or closed loop."""
+    from .runtime import bench
 
     body = _request(args)
-    old_report = None
+    states = _states(args, body)
+    body = {k: v for k, v in body.items() if k != "state"}
+    rates, concurrencies = args.rate or [], args.concurrency or ([] if args.rate else [1])
+    bench.check_loads(rates, concurrencies, args.duration, args.cold_fraction)
+    if args.requests is not None and args.requests < 1:
+        raise OnepassError(f"--requests must be at least 1, got {args.requests}")
+    old = None
     if args.compare:
         try:
-            old_report = json.loads(Path(args.compare).read_text(encoding="utf-8"))
+            old = json.loads(Path(args.compare).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
             raise OnepassError(f"--compare {args.compare}: not a readable bench.json ({err})") from None
+    skipped = {}
     if args.engine:
-        from .runtime.engine import Engine
-
-        engine = Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend))
-        engine.request(body)  # bad input fails here, once, with its own message
-
-        def send():
-            engine.request(body)
-        target = {"engine": str(args.engine), "name": engine.name, "backend": args.backend,
-                  "precision": engine.manifest.precision}
+        backends = args.backend or [b for b in BACKENDS]
+        targets, skipped = bench.engine_targets(args.engine, backends, args.threads, body, states,
+                                                args.cold_fraction, args.seed)
+        for name, why in skipped.items():
+            print(f"{name}: skipped ({why})")
+        if not targets:
+            raise OnepassError(f"no backend could load {args.engine}: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                                   skipped.items()))
+        kinds = args.kind or ["warm", "cold", "prefill"]
     else:
-        data = json.dumps({"model": args.model, **body}).encode()
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {args.api_key}"}
-                                                          if args.api_key else {})}
-
-        def send():
-            req = urllib.request.Request(args.url.rstrip("/") + "/v1/systemone", data=data, headers=headers)
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                resp.read()
-        try:
-            send()
-        except (urllib.error.URLError, OSError) as err:
-            raise OnepassError(f"cannot reach {args.url}: {getattr(err, 'reason', err)}") from None
-        target = {"url": args.url}
-    machine = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
-    workload = {"questions": len(body.get("questions", {})), "duration_s": args.duration, "warmup": args.warmup,
-                "sha256": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]}
-    if old_report is not None and not args.force:
-        why = comparable(old_report, {"machine": machine, "workload": workload})
-        if why:
-            raise OnepassError(f"--compare refused: {'; '.join(why)} (add --force to compare anyway)")
-    for _ in range(args.warmup):
-        send()
-    runs = []
-    for rate in args.rate or []:
-        runs.append(open_loop(send, rate, args.duration, seed=args.seed).summary())
-        _print_run(runs[-1])
-    for concurrency in args.concurrency or ([] if args.rate else [1]):
-        runs.append(closed_loop(send, concurrency, duration=args.duration).summary())
-        _print_run(runs[-1])
-    report = {"target": target, "machine": machine, "workload": workload, "runs": runs}
-    if args.compare:
-        for row in compare(old_report, report):
-            load = f"{row['offered']:g} req/s" if row["mode"] == "open" else f"concurrency {row['offered']:g}"
-            print(f"{row['mode']:6s} {load}: new/old " + "  ".join(f"{k} {v:.2f}x" for k, v in row.items()
-                                                                  if k.startswith("p")))
-    if args.report:
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        (out / "bench.md").write_text(_bench_markdown(report), encoding="utf-8")
-        plotted = _bench_plots(report, out)
-        print(f"report written to {out}/bench.{{json,md}}" + (" and latency_cdf.png" if plotted else ""))
-    return 0
+        targets = [bench.url_target(args.url, args.api_key, args.model, body, states, args.cold_fraction, args.seed)]
+        kinds = args.kind or ["warm"]
+    report = bench.run_bench(targets, kinds, rates, concurrencies, args.duration, args.warmup, args.seed, body,
+                             states, args.cold_fraction, skipped=skipped, old=old, force=args.force,
+                             report_dir=args.report, requests=args.requests)
+    return 130 if report["interrupted"] and not args.report else 0
 
 
-def _bench_plots(report: dict, out: Path) -> bool:
-    """latency_cdf.png: each run's latency CDF on a log scale (from its histogram); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in report["runs"]:
-        if r.get("cdf"):
-            p, ms = zip(*r["cdf"])
-            ax.plot([max(v, 1e-3) for v in ms], p, marker=".", label=f"{r['mode']} {r['offered']:g}")
-    ax.set(xscale="log", xlabel="latency (ms, log)", ylabel="percentile", title="latency CDF")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _print_run(r: dict) -> None:
-    load = f"{r['offered']:g} req/s" if r["mode"] == "open" else f"concurrency {r['offered']:g}"
-    if not r["requests"]:
-        print(f"{r['mode']:6s} {load}: no successful request; failures {r['failures']}")
-        return
-    print(f"{r['mode']:6s} {load}: {r['requests']} ok, {sum(r['failures'].values())} failed, "
-          f"{r['throughput']:.1f} req/s; ms p50 {r['p50']:.2f} p90 {r['p90']:.2f} p99 {r['p99']:.2f} "
-          f"p99.9 {r['p99.9']:.2f} max {r['max']:.2f}")
-
-
-def _bench_markdown(report: dict) -> str:
-    rows = ["| mode | load | ok | failed | req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["runs"]:
-        cells = [f"{r.get(k, float('nan')):.2f}" for k in ("p50", "p90", "p99", "p99.9", "max")]
-        rows.append(f"| {r['mode']} | {r['offered']:g} | {r['requests']} | {sum(r['failures'].values())} | "
-                    f"{r['throughput'] or 0:.1f} | " + " | ".join(cells) + " |")
-    return (f"# onepass bench: {report['target']}\n\nOpen loop: Poisson arrivals at the rate, latency from each "
-            "request's intended send time (coordinated omission corrected). Closed loop: each sender sends again "
-            "when answered.\n\n" + "\n".join(rows) + "\n")
+def _states(args, body: dict) -> list:
+    """The workload's states: --states DIR (one state per file, sorted by name), else the request's one state."""
+    if args.states is None:
+        if "state" not in body:
+            raise OnepassError("give the state: --state FILE, --states DIR, or a full request in --questions")
+        return [body["state"]]
+    folder = Path(args.states)
+    if not folder.is_dir():
+        raise OnepassError(f"--states {args.states} is not a directory of state files")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise OnepassError(f"--states {args.states} holds no state file")
+    return [_read_text(str(p), "state file") for p in files]
 
 
 def cmd_check(args) -> int:
@@ -540,9 +476,18 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--engine", help="engine directory (in-process)")
     where.add_argument("--url", help="a TypeSafe System One server, e.g. http://127.0.0.1:8000")
     bench.add_argument("--state", help="file with the state text")
+    bench.add_argument("--states", help="a directory of state files: each request takes one at random (seeded)")
     bench.add_argument("--json-state", action="store_true", help="the state file holds JSON")
     bench.add_argument("--questions", required=True, help="JSON questions or a full request")
-    bench.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
+    bench.add_argument("--backend", choices=BACKENDS, nargs="+", default=None,
+                       help="in process: the backends to measure side by side (default: every one that loads here)")
+    bench.add_argument("--kind", choices=("warm", "cold", "prefill"), nargs="+", default=None,
+                       help="warm: cached state; cold: a fresh state per request (prefill included); prefill: "
+                            "prefill alone (default: all three in process, warm over HTTP)")
+    bench.add_argument("--cold-fraction", type=float, default=0.0,
+                       help="share of fresh (uncached) states mixed into warm runs, 0..1")
+    bench.add_argument("--requests", type=int, default=None,
+                       help="requests per run instead of --duration (open loop: requests / rate seconds)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--model", default="jev-latest", help="model name sent over HTTP")
     bench.add_argument("--api-key", default=None)
@@ -551,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     bench.add_argument("--warmup", type=int, default=3, help="requests before measuring")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--report", help="directory for bench.json, bench.md and latency_cdf.png")
+    bench.add_argument("--report", help="directory for bench.json, bench.md, latency_cdf.png and throughput_p99.png")
     bench.add_argument("--compare", help="an earlier bench.json: print new/old per percentile for the same runs")
     bench.add_argument("--force", action="store_true", help="compare even when the workload or machine differ")
     bench.set_defaults(func=cmd_bench)

@@ -14,6 +14,11 @@ Two ways to drive a ``send()`` callable (one request; raises on failure):
 
 Latencies go into an HdrHistogram (the ``hdrhistogram`` package: 1 µs to 1 h, 3 significant
 digits), from which the percentiles are read; failures are counted by kind and never dropped.
+``send()`` may return the request's stage times (milliseconds by stage name, e.g. the engine's
+tokenize/prefill/score/readout or a server's Server-Timing entries): each stage gets its own histogram.
+
+Both loops stop early when ``stop`` is set or on Ctrl-C (the run is then marked ``interrupted``
+and keeps what it measured); pass ``run`` to watch a run while it goes (a progress bar).
 """
 
 from __future__ import annotations
@@ -42,11 +47,24 @@ class Run:
     failures: dict = field(default_factory=dict)
     seconds: float = 0.0
     late_starts: int = 0  # open loop: requests that started after their intended time (no sender free)
+    stages: dict = field(default_factory=dict)  # stage name -> HdrHistogram (µs)
+    interrupted: bool = False
+    started: float = 0.0  # perf_counter at the start (progress)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, stages: dict | None = None) -> None:
+        """One answered request: its latency and, if given, its stage times in milliseconds."""
         with self._lock:
-            self.histogram.record_value(min(MAX_MICROS, max(1, int(round(seconds * 1e6)))))
+            self.histogram.record_value(_micros(seconds))
+            for name, ms in (stages or {}).items():
+                if name not in self.stages:
+                    self.stages[name] = HdrHistogram(1, MAX_MICROS, 3)
+                self.stages[name].record_value(_micros(ms / 1000.0))
+
+    def percentile(self, p: float) -> float | None:
+        """A latency percentile so far in milliseconds (None before the first answer)."""
+        with self._lock:
+            return self.histogram.get_value_at_percentile(p) / 1000.0 if self.count else None
 
     def fail(self, kind: str) -> None:
         with self._lock:
@@ -63,13 +81,34 @@ class Run:
         out = {"mode": self.mode, "offered": self.offered, "requests": self.count,
                "failures": dict(self.failures), "seconds": round(self.seconds, 3),
                "throughput": round(self.count / self.seconds, 3) if self.seconds > 0 else None,
-               "late_starts": self.late_starts}
+               "late_starts": self.late_starts, "interrupted": self.interrupted}
+        if self.stages:  # 0 ms (e.g. prefill of a cached state) is recorded as 1 µs: the histogram's floor
+            out["stages"] = {name: {f"p{p:g}": h.get_value_at_percentile(p) * ms for p in (50.0, 99.0)}
+                             | {"mean": h.get_mean_value() * ms, "count": h.get_total_count()}
+                             for name, h in self.stages.items()}
         if self.count:
             out.update({f"p{p:g}": h.get_value_at_percentile(p) * ms for p in PERCENTILES})
             out["cdf"] = [[p, h.get_value_at_percentile(p) * ms] for p in CDF_POINTS]
             out.update({"min": h.get_min_value() * ms, "max": h.get_max_value() * ms,
                         "mean": h.get_mean_value() * ms, "std": h.get_stddev() * ms})
         return out
+
+
+def _micros(seconds: float) -> int:
+    return min(MAX_MICROS, max(1, int(round(seconds * 1e6))))
+
+
+def _wait(threads_done, stop: threading.Event, run: Run) -> None:
+    """Block until ``threads_done()``; Ctrl-C sets ``stop``, marks the run interrupted and waits for the senders
+    to finish their request in flight."""
+    try:
+        while not threads_done():
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        stop.set()
+        run.interrupted = True
+        while not threads_done():
+            time.sleep(0.05)
 
 
 def poisson_schedule(rate: float, duration: float, seed: int = 0) -> list[float]:
@@ -89,62 +128,67 @@ def _classify(err: BaseException) -> str:
     return f"http {status}" if isinstance(status, int) else type(err).__name__
 
 
-def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int = 0) -> Run:
+def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int = 0, run: Run | None = None,
+              stop: threading.Event | None = None) -> Run:
     """Send at Poisson times for ``duration`` seconds; latency from each request's intended send time."""
     schedule = poisson_schedule(rate, duration, seed)
-    run = Run("open", offered=rate)
-    start = time.perf_counter() + 0.01
+    run = run or Run("open", offered=rate)
+    stop = stop or threading.Event()
+    start = run.started = time.perf_counter() + 0.01
 
     def one(intended: float) -> None:
         at = start + intended
         wait = at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        elif wait < -0.001:
+        if stop.wait(wait) if wait > 0 else stop.is_set():
+            return
+        if wait < -0.001:
             with run._lock:
                 run.late_starts += 1
         try:
-            send()
+            stages = send()
         except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
             run.fail(_classify(err))
             return
-        run.record(time.perf_counter() - at)
+        run.record(time.perf_counter() - at, stages)
 
-    with ThreadPoolExecutor(senders) as pool:
-        list(pool.map(one, schedule))
+    pool = ThreadPoolExecutor(senders)
+    futures = [pool.submit(one, t) for t in schedule]
+    _wait(lambda: all(f.done() for f in futures), stop, run)
+    pool.shutdown(wait=True)
     run.seconds = time.perf_counter() - start
     return run
 
 
-def closed_loop(send, concurrency: int, duration: float | None = None, requests: int | None = None) -> Run:
+def closed_loop(send, concurrency: int, duration: float | None = None, requests: int | None = None,
+                run: Run | None = None, stop: threading.Event | None = None) -> Run:
     """``concurrency`` senders, each sending again when answered, for ``duration`` s or ``requests`` in all;
     latency from the actual send time."""
     if (duration is None) == (requests is None):
         raise ValueError("give a duration or a number of requests")
-    run = Run("closed", offered=concurrency)
+    run = run or Run("closed", offered=concurrency)
+    stop = stop or threading.Event()
     left = [requests if requests is not None else -1]
-    start = time.perf_counter()
-    stop = start + duration if duration is not None else math.inf
+    start = run.started = time.perf_counter()
+    end = start + duration if duration is not None else math.inf
 
     def worker() -> None:
-        while time.perf_counter() < stop:
+        while time.perf_counter() < end and not stop.is_set():
             with run._lock:
                 if left[0] == 0:
                     return
                 left[0] -= 1
             t0 = time.perf_counter()
             try:
-                send()
+                stages = send()
             except Exception as err:  # noqa: BLE001 - counted by kind
                 run.fail(_classify(err))
                 continue
-            run.record(time.perf_counter() - t0)
+            run.record(time.perf_counter() - t0, stages)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    _wait(lambda: not any(t.is_alive() for t in threads), stop, run)
     run.seconds = time.perf_counter() - start
     return run
 
@@ -159,13 +203,16 @@ def comparable(old: dict, new: dict) -> list[str]:
 
 
 def compare(old: dict, new: dict) -> list[dict]:
-    """Per run present in both reports (same mode and load): new / old for each percentile."""
-    before = {(r["mode"], r["offered"]): r for r in old.get("runs", [])}
+    """Per run present in both reports (same target, kind, mode and load): new / old for each percentile."""
+    def key(r):
+        return r.get("target"), r.get("kind"), r["mode"], r["offered"]
+
+    before = {key(r): r for r in old.get("runs", [])}
     out = []
     for r in new.get("runs", []):
-        o = before.get((r["mode"], r["offered"]))
+        o = before.get(key(r))
         if o is None or not o.get("requests") or not r.get("requests"):
             continue
-        out.append({"mode": r["mode"], "offered": r["offered"],
+        out.append({"target": r.get("target"), "kind": r.get("kind"), "mode": r["mode"], "offered": r["offered"],
                     **{f"p{p:g}": r[f"p{p:g}"] / o[f"p{p:g}"] for p in PERCENTILES}})
     return out

@@ -99,7 +99,7 @@ def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
            "runs": [{"mode": "open", "offered": 5.0, "requests": 10, "p50": 5.0, "p90": 30.0, "p99": 40.0,
                      "p99.9": 100.0},
                     {"mode": "open", "offered": 9.0, "requests": 10, "p50": 1.0, "p90": 1.0, "p99": 1.0, "p99.9": 1.0}]}
-    assert compare(old, new) == [{"mode": "open", "offered": 5.0, "p50": 0.5, "p90": 1.5, "p99": 1.0, "p99.9": 2.0}]
+    assert compare(old, new) == [{"target": None, "kind": None, "mode": "open", "offered": 5.0, "p50": 0.5, "p90": 1.5, "p99": 1.0, "p99.9": 2.0}]
     assert comparable(old, new) == []
     assert comparable(old, {**new, "workload": {"sha256": "b"}}) == ["the workload differs ({'sha256': 'a'} vs "
                                                                       "{'sha256': 'b'})"]

@@ -457,8 +457,8 @@ def test_bench_against_a_real_server_and_in_process(url, engine_dir, tmp_path, c
                  "--compare", old]) == 2
     assert "--compare refused: the workload differs" in capsys.readouterr().err
     assert main(["bench", "--engine", str(engine_dir), "--state", str(state), "--questions", str(questions),
-                 "--duration", "1", "--warmup", "1"]) == 0
-    assert "closed concurrency 1:" in capsys.readouterr().out
+                 "--backend", "onnxruntime", "--kind", "warm", "--duration", "1", "--warmup", "1"]) == 0
+    assert "onnxruntime warm closed concurrency 1: " in capsys.readouterr().out
 
 
 def test_bench_with_an_unreachable_url_is_a_one_line_error(tmp_path, capsys):

@@ -1,0 +1,119 @@
+"""`onepass bench` as a user runs it, on the tiny engine (seconds): warm/cold/prefill kinds with their stage
+histograms, backends side by side, both report plots, Ctrl-C keeping what was measured, and one-line errors.
+The percentile arithmetic and coordinated-omission correction are proven in test_loadgen.py; the HTTP mode
+against a real server in test_server.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from onepass.cli import main
+from onepass.runtime.bench import parse_server_timing
+from onepass.runtime.loadgen import closed_loop, open_loop
+
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+             "team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "technical"]}}
+FLOOR_MS = 0.001  # the histogram's 1 µs floor: what a 0 ms stage (a cached state's prefill) reads as
+
+
+@pytest.fixture
+def workload(tmp_path):
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps(QUESTIONS))
+    states = tmp_path / "states"
+    states.mkdir()
+    for i in range(3):
+        (states / f"{i}.txt").write_text(f"Customer {i}: I was charged twice for order {i}; please refund it.")
+    return questions, states
+
+
+def test_stage_times_get_histograms_of_their_own():
+    run = closed_loop(lambda: {"prefill": 5.0, "score": 20.0}, concurrency=1, requests=50)
+    stages = run.summary()["stages"]
+    assert stages["prefill"]["p50"] == pytest.approx(5.0, rel=1e-2) and stages["prefill"]["count"] == 50
+    assert stages["score"]["p99"] == pytest.approx(20.0, rel=1e-2)
+    assert "stages" not in closed_loop(lambda: None, concurrency=1, requests=5).summary()  # control: none sent
+
+
+def test_server_timing_is_parsed_without_total():
+    assert parse_server_timing("queue;dur=5.74, tokenize;dur=0.58, prefill;dur=107.04, total;dur=198.18") == {
+        "queue": 5.74, "tokenize": 0.58, "prefill": 107.04}
+    assert parse_server_timing(None) == {} and parse_server_timing("x;desc=a, y;dur=oops") == {}
+
+
+def test_ctrl_c_ends_the_run_and_keeps_what_was_measured():
+    """A real SIGINT to this process mid-run: the open loop stops early, marked interrupted, with its answers."""
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    run = open_loop(lambda: time.sleep(0.001), rate=50, duration=60)
+    timer.join()
+    summary = run.summary()
+    assert summary["interrupted"] and 0 < summary["requests"] < 50 * 60 * 0.5
+
+
+def test_bench_engine_kinds_backends_stages_and_plots(tiny_engine_dir, workload, tmp_path, capsys):
+    questions, states = workload
+    out = tmp_path / "report"
+    assert main(["bench", "--engine", str(tiny_engine_dir), "--states", str(states), "--questions", str(questions),
+                 "--backend", "onnxruntime", "torch-cpu", "--rate", "20", "--concurrency", "1", "--requests", "20",
+                 "--warmup", "1", "--report", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    runs = {(r["target"], r["kind"], r["mode"]): r for r in report["runs"]}
+    for backend in ("onnxruntime", "torch-cpu"):
+        assert {k for t, k, _ in runs if t == backend} == {"warm", "cold", "prefill"}
+        warm, cold = runs[(backend, "warm", "closed")], runs[(backend, "cold", "closed")]
+        assert warm["requests"] == cold["requests"] == 20 and not warm["failures"]
+        assert warm["stages"]["prefill"]["p99"] == FLOOR_MS  # every warm state came from the cache
+        assert cold["stages"]["prefill"]["p50"] > FLOOR_MS  # every cold one was prefilled
+        assert set(runs[(backend, "prefill", "closed")]["stages"]) == {"prefill"}
+    assert report["workload"]["states"] == 3 and report["machine"]["cores"] == os.cpu_count()
+    assert report["targets"][0]["manifest_sha256"] and not report["interrupted"]
+    text = (out / "bench.md").read_text()
+    assert "| onnxruntime | cold | closed | 1 | 20 | 0 |" in text and "prefill p50 / p99 ms" in text
+    for png in ("latency_cdf.png", "throughput_p99.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "0"], "--rate must be positive"),
+    (["--rate", "100000", "--duration", "60"], "schedules at most"),
+    (["--cold-fraction", "1.5"], "--cold-fraction must be within 0..1"),
+    (["--concurrency", "0"], "--concurrency must be 1..1024"),
+])
+def test_bad_loads_are_one_line_errors(tiny_engine_dir, workload, capsys, args, message):
+    questions, states = workload
+    assert main(["bench", "--engine", str(tiny_engine_dir), "--states", str(states), "--questions", str(questions),
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_command_interrupted_by_ctrl_c_still_writes_its_report(tiny_engine_dir, workload, tmp_path):
+    """`onepass bench` in its own process, SIGINT a second into a 600-second run: exit 0 and a report of what was
+    measured, marked interrupted."""
+    questions, states = workload
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "onepass", "bench", "--engine", str(tiny_engine_dir), "--states",
+                             str(states), "--questions", str(questions), "--backend", "onnxruntime", "--kind", "warm",
+                             "cold", "--concurrency", "1", "--duration", "600", "--report", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "onnxruntime warm concurrency 1: measuring for 600 s" in line, line
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    report = json.loads((out / "bench.json").read_text())
+    assert proc.returncode == 0 and report["interrupted"]
+    assert len(report["runs"]) == 1 and report["runs"][0]["requests"] > 0 and report["runs"][0]["interrupted"]
+    assert "Interrupted (Ctrl-C)" in (out / "bench.md").read_text()
