@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
-import numpy as np
-
 from onepass import Choice, Engine, Noul, Score
+from onepass.runtime.loadgen import Run, closed_loop
 
 RESULTS = Path(__file__).parent / "results"
 THREADS = 2
@@ -77,24 +75,25 @@ QUESTIONS = {
 }
 
 
+def _short(summary: dict) -> dict:
+    return {"n": summary["requests"], **{k: summary[k] for k in ("p50", "p90", "p99", "min", "max", "mean", "std")}}
+
+
 def percentiles(samples: list[float]) -> dict:
-    """p50/p90/p99, min, max, mean and stdev of samples in milliseconds."""
-    ms = np.array(samples) * 1000.0
-    return {"n": len(ms), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
-            "p99": float(np.percentile(ms, 99)), "min": float(ms.min()), "max": float(ms.max()),
-            "mean": float(ms.mean()), "std": float(ms.std())}
+    """p50/p90/p99, min, max, mean and stdev (ms) of samples in seconds, from the HdrHistogram `onepass bench`
+    uses (runtime/loadgen.py: one measurement core)."""
+    run = Run("samples")
+    for seconds in samples:
+        run.record(seconds)
+    return _short(run.summary())
 
 
 def timed(fn, iters: int, warmup: int = 1) -> dict:
-    """Run ``fn`` warm-up times untimed, then time ``iters`` runs (CPU: no device to synchronise)."""
+    """Run ``fn`` warm-up times untimed, then ``iters`` runs back to back through `onepass bench`'s closed loop
+    (CPU: no device to synchronise)."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return percentiles(samples)
+    return _short(closed_loop(fn, concurrency=1, requests=iters).summary())
 
 
 def state_of_tokens(engine: Engine, n: int) -> str:
