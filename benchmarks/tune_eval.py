@@ -214,6 +214,7 @@ def write_user_md(results: dict) -> None:
                      f"{run['base_calibrated']['accuracy']:.3f} | {run['tuned']['accuracy']:.3f} | "
                      f"{run['tuned_calibrated']['accuracy']:.3f} | {gain:+.3f} | {run['train_seconds']:.0f} | "
                      f"{run['rows_per_second']:.2f} |")
+    lines += [f"\n{run['dataset']}/{run['rows']}: {run['note']}" for run in results["runs"].values() if run.get("note")]
     lines += ["", "Coverage at a target accuracy (issue 12): the share of test rows answered when only the most "
               "confident are kept, thresholds chosen on the test rows themselves (an upper bound for a threshold "
               "fitted elsewhere); cascade = the base engine, its doubtful rows re-asked of the tuned one.", "",
