@@ -24,6 +24,12 @@ QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask f
 FLOOR_MS = 0.001  # the histogram's 1 µs floor: what a 0 ms stage (a cached state's prefill) reads as
 
 
+def default_sigint() -> None:
+    """In the child: SIGINT's default action, so Python raises KeyboardInterrupt on it even when this test runs
+    under a shell that ignores SIGINT in background jobs (as `nohup make test &` does)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def workload(tmp_path):
     questions = tmp_path / "q.json"
@@ -51,10 +57,14 @@ def test_server_timing_is_parsed_without_total():
 
 def test_ctrl_c_ends_the_run_and_keeps_what_was_measured():
     """A real SIGINT to this process mid-run: the open loop stops early, marked interrupted, with its answers."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT came in ignored (nohup)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    run = open_loop(lambda: time.sleep(0.001), rate=50, duration=60)
-    timer.join()
+    try:
+        timer.start()
+        run = open_loop(lambda: time.sleep(0.001), rate=50, duration=60)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     summary = run.summary()
     assert summary["interrupted"] and 0 < summary["requests"] < 50 * 60 * 0.5
 
@@ -104,7 +114,7 @@ def test_the_command_interrupted_by_ctrl_c_still_writes_its_report(tiny_engine_d
     proc = subprocess.Popen([sys.executable, "-m", "onepass", "bench", "--engine", str(tiny_engine_dir), "--states",
                              str(states), "--questions", str(questions), "--backend", "onnxruntime", "--kind", "warm",
                              "cold", "--concurrency", "1", "--duration", "600", "--report", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         line = proc.stdout.readline()
         assert "onnxruntime warm concurrency 1: measuring for 600 s" in line, line

@@ -65,7 +65,8 @@ def test_the_cluster_command_serves_and_stops_on_ctrl_c(engine_dir, tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "onepass", "cluster", "--engine", str(engine_dir), "--replicas", "1",
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even under nohup
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
