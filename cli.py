@@ -66,9 +66,7 @@ def cmd_bench(args) -> int:
     states = _states(args, body)
     body = {k: v for k, v in body.items() if k != "state"}
     rates, concurrencies = args.rate or [], args.concurrency or ([] if args.rate else [1])
-    bench.check_loads(rates, concurrencies, args.duration, args.cold_fraction)
-    if args.requests is not None and args.requests < 1:
-        raise OnepassError(f"--requests must be at least 1, got {args.requests}")
+    bench.check_loads(rates, concurrencies, args.duration, args.cold_fraction, args.requests)
     old = None
     if args.compare:
         try:
@@ -77,7 +75,7 @@ def cmd_bench(args) -> int:
             raise OnepassError(f"--compare {args.compare}: not a readable bench.json ({err})") from None
     skipped = {}
     if args.engine:
-        backends = args.backend or [b for b in BACKENDS]
+        backends = args.backend or list(BACKENDS)
         targets, skipped = bench.engine_targets(args.engine, backends, args.threads, body, states,
                                                 args.cold_fraction, args.seed)
         for name, why in skipped.items():
@@ -128,20 +126,28 @@ def _serve_extra(err: ImportError) -> OnepassError:
     return OnepassError(f"serving needs the [serve] extra ({err.name} is missing): pip install 'onepass[serve]'")
 
 
+def _server_config(args):
+    """The HTTP settings `onepass serve` and `onepass cluster` share, ONEPASS_API_KEY as the key's default."""
+    try:
+        from .runtime.server.config import ServerConfig
+    except ImportError as err:
+        raise _serve_extra(err) from None
+    return ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
+                                 max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                                 batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
+
+
 def cmd_serve(args) -> int:
     """Run the TypeSafe System One HTTP server."""
     try:
         import uvicorn
 
-        from .runtime.server.app import create_app
-        from .runtime.server.config import ServerConfig
+        from .runtime.server.app import create_app, server_engine
     except ImportError as err:
         raise _serve_extra(err) from None
     from .runtime.engine import Engine
 
-    config = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
-                                   max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                                   batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
+    config = _server_config(args)
     if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
         try:
             from .export.build import export_engine
@@ -154,12 +160,7 @@ def cmd_serve(args) -> int:
                          backend=backend_factory(args.backend))
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
                                 max_questions=args.max_questions, max_options=args.max_options)
-    # a server answers one request's passes back to back, so its batch mates wait for all of them: by default
-    # a request may pack what one pass holds (as before blocks existed); raise it where the hardware answers
-    # more within the deadline (a GPU), e.g. --max-request-tokens 262144 for 5000 questions
-    lim = engine.manifest.limits
-    engine = engine.with_limits(max_request_tokens=args.max_request_tokens or min(lim.max_request_tokens,
-                                                                                  lim.max_packed_tokens))
+    engine = server_engine(engine, args.max_request_tokens)
     if (args.cascade is None) != (args.min_confidence is None):
         raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
                            "confidence are asked again of the cascade engine")
@@ -181,6 +182,7 @@ def _autoscale(text: str | None) -> tuple | None:
 
 def cmd_cluster(args) -> int:
     """Serve the same HTTP API from replicas on Ray Serve, requests about one state kept on one replica."""
+    import dataclasses
     import os
     import shutil
     import tempfile
@@ -192,7 +194,6 @@ def cmd_cluster(args) -> int:
         from ray import serve
 
         from .runtime.server.cluster import ClusterConfig, build
-        from .runtime.server.config import ServerConfig
     except ImportError as err:
         raise OnepassError(f"the cluster needs the [cluster] extra ({err.name} is missing): "
                            "pip install 'onepass[cluster]'") from None
@@ -200,14 +201,12 @@ def cmd_cluster(args) -> int:
     if not (engine / "manifest.json").is_file():
         raise OnepassError(f"{args.engine} holds no engine (no manifest.json); run `onepass export --out "
                            f"{args.engine}` first")
-    server = ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
-                                   max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                                   batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
+    server = _server_config(args)
     metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
     config = dict(engine=str(engine), replicas=args.replicas, autoscale=_autoscale(args.autoscale),
                   routing=args.routing, cpus_per_replica=args.cpus_per_replica, threads=args.threads,
                   cache_mib=args.cache_mib, retries=args.retries, metrics_dir=metrics_dir,
-                  server={k: getattr(server, k) for k in ServerConfig.__dataclass_fields__})
+                  server=dataclasses.asdict(server))
     try:
         ClusterConfig(**config)  # bad settings fail here, before Ray starts
         if args.address:

@@ -37,8 +37,14 @@ from typing import Callable
 
 from .errors import BackendUnavailable, OnepassError
 from .loadgen import Run, closed_loop, comparable, compare, open_loop
+from .prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
+STAGE_ORDER = ("queue", "tokenize", "prefill", "score", "readout", "cascade")  # the tables' columns; others last
+
+
+def _load(mode: str, offered: float) -> str:
+    return f"{offered:g} req/s" if mode == "open" else f"concurrency {offered:g}"
 
 
 @dataclass
@@ -60,17 +66,14 @@ def _chooser(states: list, seed: int, cold_fraction: float):
     """A thread-safe ``pick(kind) -> state`` over ``states``: cold picks (always for ``cold``, with probability
     ``cold_fraction`` otherwise) get a fresh, never-seen text."""
     rng, counter, lock = random.Random(seed), itertools.count(), threading.Lock()
+    texts = [state_text(state) for state in states]  # what a cold pick prefixes, once
 
     def pick(kind: str):
         with lock:
-            state = states[rng.randrange(len(states))] if len(states) > 1 else states[0]
+            i = rng.randrange(len(states)) if len(states) > 1 else 0
             cold = kind == "cold" or (cold_fraction > 0 and rng.random() < cold_fraction)
             n = next(counter)
-        if not cold:
-            return state
-        from .prompt import state_text
-
-        return _cold_text(state_text(state), n)
+        return _cold_text(texts[i], n) if cold else states[i]
     return pick
 
 
@@ -92,14 +95,14 @@ def engine_targets(engine_dir: str, backends: list[str], threads: int | None, bo
             engine.run(state, questions)  # and a bad state; it is cached too (warm)
         pick = _chooser(states, seed, cold_fraction)
         counter = itertools.count()
+        first = state_text(states[0])
 
         def sender(kind, engine=engine, questions=questions, pick=pick, counter=counter):
             if kind == "prefill":
-                from .prompt import state_text
-
                 def send():
+                    text = _cold_text(first, next(counter))
                     t0 = time.perf_counter()
-                    engine.state(_cold_text(state_text(states[0]), next(counter)))
+                    engine.state(text)
                     return {"prefill": (time.perf_counter() - t0) * 1000}
                 return send
 
@@ -231,7 +234,7 @@ def measure(targets: list[Target], kinds: list[str], rates: list[float], concurr
                 loads = [("open", r) for r in rates] + [("closed", c) for c in concurrencies]
                 for mode, load in ([("closed", 1)] if kind == "prefill" else loads):
                     run = Run(mode, offered=load)
-                    what = f"{load:g} req/s" if mode == "open" else f"concurrency {load:g}"
+                    what = _load(mode, load)
                     seconds = duration if mode == "closed" or requests is None else requests / load
                     echo(f"{target.label} {kind} {what}: measuring "
                          + (f"{requests} requests" if mode == "closed" and requests else f"for {seconds:g} s"))
@@ -254,8 +257,7 @@ def measure(targets: list[Target], kinds: list[str], rates: list[float], concurr
 
 def describe(r: dict) -> str:
     """One line of a run for the terminal."""
-    load = f"{r['offered']:g} req/s" if r["mode"] == "open" else f"concurrency {r['offered']:g}"
-    head = f"{r.get('target', '')} {r.get('kind', '')} {r['mode']:6s} {load}".strip()
+    head = f"{r.get('target', '')} {r.get('kind', '')} {r['mode']:6s} {_load(r['mode'], r['offered'])}".strip()
     if not r["requests"]:
         return f"{head}: no successful request; failures {r['failures']}"
     late = f", {r['late_starts']} started late (the generator fell behind)" if r.get("late_starts") else ""
@@ -269,8 +271,7 @@ def markdown(report: dict) -> str:
     rows = ["| target | kind | mode | load | ok | failed | req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms |",
             "|---" * 12 + "|"]
     stages = sorted({s for r in report["runs"] for s in r.get("stages", {})},
-                    key=lambda s: ("queue", "tokenize", "prefill", "score", "readout", "cascade").index(s)
-                    if s in ("queue", "tokenize", "prefill", "score", "readout", "cascade") else 9)
+                    key=lambda s: STAGE_ORDER.index(s) if s in STAGE_ORDER else len(STAGE_ORDER))
     stage_rows = ["| target | kind | mode | load | " + " | ".join(f"{s} p50 / p99 ms" for s in stages) + " |",
                   "|---" * (4 + len(stages)) + "|"]
     for r in report["runs"]:
@@ -349,8 +350,11 @@ def write_report(report: dict, out: Path) -> list[str]:
     return ["bench.json", "bench.md", *plots(report, out)]
 
 
-def check_loads(rates: list[float], concurrencies: list[int], duration: float, cold_fraction: float) -> None:
+def check_loads(rates: list[float], concurrencies: list[int], duration: float, cold_fraction: float,
+                requests: int | None = None) -> None:
     """One-line errors for loads this generator cannot produce or that make no sense."""
+    if requests is not None and requests < 1:
+        raise OnepassError(f"--requests must be at least 1, got {requests}")
     if not duration > 0:
         raise OnepassError(f"--duration must be a positive number of seconds, got {duration:g}")
     for rate in rates:
@@ -394,9 +398,8 @@ def run_bench(targets: list[Target], kinds: list[str], rates: list[float], concu
               "workload": workload, "runs": runs, "interrupted": interrupted}
     if old is not None:
         for row in compare(old, report):
-            load = f"{row['offered']:g} req/s" if row["mode"] == "open" else f"concurrency {row['offered']:g}"
-            echo(f"{row['target'] or ''} {row['kind'] or ''} {row['mode']:6s} {load}: new/old ".lstrip()
-                 + "  ".join(f"{k} {v:.2f}x" for k, v in row.items() if k.startswith("p")))
+            head = f"{row['target'] or ''} {row['kind'] or ''} {row['mode']:6s} {_load(row['mode'], row['offered'])}"
+            echo(f"{head.lstrip()}: new/old " + "  ".join(f"{k} {v:.2f}x" for k, v in row.items() if k.startswith("p")))
     if report_dir:
         files = write_report(report, Path(report_dir))
         echo(f"report written to {report_dir}: {', '.join(files)}")

@@ -13,7 +13,6 @@ import gzip
 import json
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 import test_server  # noqa: E402
-from test_server import QUESTIONS, TICKET, get, sdk_client  # noqa: E402
+from test_server import QUESTIONS, TICKET, _free_port, get, sdk_client  # noqa: E402
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 
@@ -35,12 +34,6 @@ ASK = {"q": {"type": "noul", "instructions": "Is the customer asking about a del
 KEY = "test-key"  # every deployment requires it; the SDK helper sends it
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TOL = 1e-5  # replicas run ONNX Runtime on one thread, the reference on its default: summation order differs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(base: str, path: str) -> int:

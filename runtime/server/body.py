@@ -37,6 +37,11 @@ class HTTPError(Exception):
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refused (413) as soon as it passes ``limit`` bytes; then decoded."""
+    return decode(await read_raw(request, limit), request.headers.get("content-encoding", ""), limit)
+
+
+async def read_raw(request: Request, limit: int) -> bytes:
+    """The body as sent (still compressed), refused (413) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}")
@@ -46,7 +51,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise HTTPError(413, f"the body exceeds {limit} bytes")
         chunks.append(chunk)
-    return decode(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+    return b"".join(chunks)
 
 
 def decode(raw: bytes, encoding: str, limit: int) -> bytes:

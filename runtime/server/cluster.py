@@ -40,13 +40,14 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import OnepassError
 from ..prompt import state_text
-from .body import HTTPError, decode, parse_json
+from .app import STATE_CACHE, _error_response, create_app, server_engine
+from .body import HTTPError, decode, parse_json, read_raw
 from .config import ServerConfig
+from .metrics import MULTIPROC_ENV
 
 REPLICA = "x-onepass-replica"
 HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,10 @@ class EngineReplica:
 
     def __init__(self, config: dict):
         from ..engine import Engine
-        from .app import create_app
 
         cfg = ClusterConfig(**config)
         _metrics_dir()
-        engine = Engine.load(cfg.engine, threads=cfg.threads, cache_bytes=cfg.cache_mib << 20)
-        lim = engine.manifest.limits  # as `onepass serve`: a request packs what one pass holds
-        engine = engine.with_limits(max_request_tokens=min(lim.max_request_tokens, lim.max_packed_tokens))
+        engine = server_engine(Engine.load(cfg.engine, threads=cfg.threads, cache_bytes=cfg.cache_mib << 20))
         self.app = create_app(engine, ServerConfig(**cfg.server), warm=False)
         self.server = self.app.state.server
         self.server.warm_up()  # Serve hands a replica traffic only once its constructor returns
@@ -154,7 +152,7 @@ class EngineReplica:
         """Answer one request exactly as ``onepass serve`` would, naming this replica."""
         status, out, content = await call_asgi(self.app, method, path, query, headers, body)
         for name, value in out:
-            if name == b"x-onepass-state-cache":
+            if name == STATE_CACHE.encode():
                 self.states.labels(self.replica, value.decode()).inc()
         return status, out + [(REPLICA.encode(), self.replica.encode())], content
 
@@ -187,10 +185,8 @@ class Ingress:
         if path == "/metrics":
             return self.metrics()
         try:
-            raw = await self.read(request)
+            raw = await read_raw(request, self.limit)
         except HTTPError as err:
-            from .app import _error_response
-
             return _error_response(err)
         key = None
         if path == "/v1/systemone" and request.method == "POST":
@@ -205,30 +201,16 @@ class Ingress:
             except (ActorDiedError, ActorUnavailableError):
                 self.retried.inc()
                 if attempt == self.cfg.retries:  # Serve's router has dropped the dead replica from the ring
-                    return JSONResponse({"error": {"message": "no replica could answer; retry later", "field": None}},
-                                        status_code=503, headers={"Retry-After": "1"})
+                    return _error_response(HTTPError(503, "no replica could answer; retry later",
+                                                     headers={"Retry-After": "1"}))
         response = Response(content, status_code=status)
         response.raw_headers = [(k, v) for k, v in out if k.lower() not in HOP_BY_HOP]
         return response
 
-    async def read(self, request: Request) -> bytes:
-        """The raw body, refused (413) past ``max_body_bytes`` before it is all read."""
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.limit:
-            raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {self.limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.limit:
-                raise HTTPError(413, f"the body exceeds {self.limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     def metrics(self) -> Response:
         """Every replica's counters and histograms, summed (Prometheus multiprocess), and per-replica cache counts."""
         if not os.environ.get(MULTIPROC_ENV):
-            return JSONResponse({"error": {"message": "metrics are off: no multiprocess directory", "field": None}},
-                                status_code=404)
+            return _error_response(HTTPError(404, "metrics are off: no multiprocess directory"))
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

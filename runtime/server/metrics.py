@@ -7,6 +7,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set: counters and histograms live in files shared by processes
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
@@ -46,7 +47,7 @@ class Metrics:
                                       "before they could be answered", registry=self.registry)
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # a function gauge is read at scrape time, in-process
+        if not os.environ.get(MULTIPROC_ENV):  # a function gauge is read at scrape time, in-process
             depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
             depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))
