@@ -47,15 +47,18 @@ def engine_dir(tmp_path_factory) -> Path:
     from onepass.runtime.errors import OnepassError
     from onepass.runtime.paths import cache_root
 
+    from filelock import FileLock
+
     cached = cache_root() / "test-engines" / f"smollm2-{export_fingerprint()}"
-    if (cached / "manifest.json").is_file():
-        try:
-            Engine.load(cached)  # every file's hash verified: a damaged cache is exported again
-            return cached
-        except OnepassError:
-            pass
     cached.parent.mkdir(parents=True, exist_ok=True)
-    return export_engine(cached)
+    with FileLock(f"{cached}.lock"):  # pytest-xdist workers: one exports, the others wait and load it
+        if (cached / "manifest.json").is_file():
+            try:
+                Engine.load(cached)  # every file's hash verified: a damaged cache is exported again
+                return cached
+            except OnepassError:
+                pass
+        return export_engine(cached)
 
 
 @pytest.fixture(scope="session")
