@@ -124,3 +124,98 @@ def test_an_engine_fault_reaches_every_waiting_request():
         dispatcher.close()
     assert all(isinstance(r, RuntimeError) and "illegal memory access" in str(r) for r in results + later)
     assert engine.calls == 3 and dispatcher.depth == 0  # two states in the first batch, then one
+
+
+class _HeldEngine:
+    """An engine whose passes wait until released: what is queued stays queued while a test submits."""
+
+    def __init__(self):
+        import threading
+
+        self.release, self.calls = threading.Event(), []
+
+    def run_many(self, requests, readout=None):
+        self.calls.append(len(requests))
+        self.release.wait(30)
+        return [RuntimeError("not answered: the test only checks admission")] * len(requests)
+
+
+def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> list:
+    """Submit (state, questions, seconds to the deadline) requests on ``loop``: for each, "ok" when it was queued
+    (its future appended to ``futures``) or the QueueFull message."""
+    from onepass.runtime.server.dispatch import QueueFull
+
+    async def main():
+        out = []
+        for state, questions, left in requests:
+            try:
+                futures.append(dispatcher.submit(state, questions, time.monotonic() + left))
+                out.append("ok")
+            except QueueFull as err:
+                out.append(str(err))
+        return out
+    return loop.run_until_complete(main())
+
+
+def _many(n: int) -> dict:
+    return {f"q{i}": Noul(f"Does the ticket mention product number {i} or anything about its delivery date?")
+            for i in range(n)}
+
+
+@pytest.mark.parametrize("ahead, refused", [(2000, True), (1, False)], ids=["2000-questions-ahead", "control-1"])
+def test_admission_counts_the_tokens_ahead_not_only_the_passes(ahead, refused):
+    """With 2 ms per pass and 0.1 ms per token measured, a 2000-question request ahead (one pass, ~60k tokens,
+    ~6 s) makes a request with a 1 s deadline a 429 at once; the pass count alone (2 passes, 4 ms) would admit it.
+    Control: the same request behind a one-question request is admitted."""
+    engine, loop, futures = _HeldEngine(), asyncio.new_event_loop(), []
+    dispatcher = Dispatcher(engine, max_queue=64, window_s=0.0, max_batch=16)
+    dispatcher.seconds_per_pass, dispatcher.seconds_per_token = 0.002, 0.0001
+    try:
+        first = _admitted(dispatcher, loop, [("another state", _many(1), 60)], futures)  # taken by the worker
+        deadline = time.monotonic() + 10
+        while not engine.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = _admitted(dispatcher, loop, [("a state", _many(ahead), 60), ("a third state", _many(1), 1.0)],
+                        futures)
+    finally:
+        engine.release.set()
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))  # every queued request answered
+        dispatcher.close()
+        loop.close()
+    assert first == ["ok"] and got[0] == "ok"
+    if refused:
+        assert "tokens" in got[1] and "s of work" in got[1], got[1]
+    else:
+        assert got[1] == "ok"
+
+
+def test_seconds_per_token_are_measured_on_passes_of_enough_tokens():
+    dispatcher = Dispatcher(_HeldEngine(), max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        dispatcher.measured(0.1, 10)  # a small pass: fixed costs dominate, no per-token measurement
+        assert dispatcher.seconds_per_pass == 0.1 and dispatcher.seconds_per_token == 0
+        dispatcher.measured(2.0, 1000)
+        dispatcher.measured(3.0, 1000)
+        assert dispatcher.seconds_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.003)
+        assert dispatcher.pass_seconds(1, 10) == pytest.approx(dispatcher.seconds_per_pass)  # the floor
+        assert dispatcher.pass_seconds(1, 100000) == pytest.approx(100000 * dispatcher.seconds_per_token)
+    finally:
+        dispatcher.close()
+
+
+def test_a_request_over_the_limits_adds_no_estimated_work():
+    """A request the engine will refuse at once (a question larger than a pass) must not make the requests behind
+    it look late; the same characters spread over questions that fit do count (the control)."""
+    from types import SimpleNamespace
+
+    from onepass.runtime.manifest import Limits
+
+    engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096)))
+    dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        huge = {"q": Noul("word " * 20000)}  # ~25k estimated tokens in one question: over max_packed_tokens
+        spread = {f"q{i}": Noul("word " * 1000) for i in range(20)}  # the same characters, each question fits
+        assert dispatcher.estimate_tokens("state", huge) == 0
+        assert dispatcher.estimate_tokens("state", spread) > 20000
+    finally:
+        dispatcher.close()

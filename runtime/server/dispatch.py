@@ -8,9 +8,14 @@ packed pass, each as its own subtrees, and a failing request fails only itself.
 Every request carries a deadline (monotonic seconds). Admission refuses a request whose
 deadline cannot be met given the work ahead of it, and the worker drops a queued request
 whose deadline would pass before its pass could end: no work is spent on answers nobody
-waits for. The work ahead is counted in passes, not requests: queued requests about one
-state share a pass (up to ``max_batch`` of them), so the estimate is the number of passes
-the queue holds once this request joins it times the measured seconds per pass.
+waits for. The work ahead is counted in passes and in tokens, not requests: queued requests
+about one state share a pass (up to ``max_batch`` of them), and a pass costs at least the
+measured seconds per pass, more when its questions (and the state's prefill, unless the
+state was answered recently) hold many tokens. A request's tokens are estimated from its
+characters on the event loop (no tokenizer call); seconds per estimated token are measured
+on the passes themselves, so the estimate's units calibrate themselves. So one request of
+5000 questions ahead makes a short-deadline request behind it a 429 at once instead of a
+late 503.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from dataclasses import dataclass
 from ..engine import Engine
 from ..questions import as_text
 
-EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass estimate
+EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and seconds-per-token estimates
+CHARS_PER_TOKEN = 4.0  # a rough BPE rate for English; its error cancels: seconds per *estimated* token are measured
+QUESTION_TOKENS, OPTION_TOKENS = 12, 2  # template tokens around a question and around each option
+RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
 
 
 class QueueFull(Exception):
@@ -48,6 +56,7 @@ class _Item:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     key: object = None  # the state's key (requests with equal keys share a pass)
+    tokens: float = 0.0  # estimated tokens of work: its questions, plus the state's prefill if not answered lately
 
 
 class Dispatcher:
@@ -60,6 +69,9 @@ class Dispatcher:
         self.on_batch = on_batch or (lambda size: None)
         self.on_drop = on_drop or (lambda: None)
         self.seconds_per_pass = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
+        self.seconds_per_token = 0.0  # measured per estimated token; 0 until a pass of enough tokens
+        self._tokens: collections.Counter = collections.Counter()  # queued estimated tokens per state key
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # state keys answered lately
         self._queue: queue.Queue = queue.Queue()
         self._depth = 0
         self._states: collections.Counter = collections.Counter()  # queued requests per state key
@@ -77,39 +89,64 @@ class Dispatcher:
         """Whether the engine thread is running (health checks)."""
         return self._thread.is_alive()
 
-    def measured(self, seconds: float) -> None:
-        """Fold one pass's time (one state's group of requests) into the seconds-per-pass estimate."""
+    def measured(self, seconds: float, tokens: float = 0.0) -> None:
+        """Fold one pass's time (one state's group of requests, ``tokens`` estimated tokens) into the estimates:
+        seconds per pass, and seconds per estimated token from passes large enough for tokens to dominate."""
         self.seconds_per_pass = seconds if self.seconds_per_pass == 0 else (
             (1 - EWMA) * self.seconds_per_pass + EWMA * seconds)
+        if tokens >= 64:
+            rate = seconds / tokens
+            self.seconds_per_token = rate if self.seconds_per_token == 0 else (
+                (1 - EWMA) * self.seconds_per_token + EWMA * rate)
 
-    def passes_with(self, key) -> int:
-        """Passes the queue holds once one more request about state ``key`` joins it (call under the lock)."""
-        counts = self._states.copy()
+    def estimate_tokens(self, key, questions) -> float:
+        """A request's tokens of work from its characters: its questions, and the state's prefill unless the
+        state was answered lately (call under the lock). A request whose estimate is over the engine's limits
+        counts as no tokens: the engine refuses it (413) before any pass, so it must not make the requests
+        behind it look late (one hostile request would otherwise turn its neighbours into 429s)."""
+        limits = getattr(getattr(self.engine, "manifest", None), "limits", None)
+        items = list(questions.values()) if isinstance(questions, dict) else []
+        each = [QUESTION_TOKENS + OPTION_TOKENS * _options(q) + _chars(q) / CHARS_PER_TOKEN for q in items]
+        state = (len(key) / CHARS_PER_TOKEN if isinstance(key, str) and key not in self._recent
+                 and self._tokens[key] == 0 else 0.0)
+        if limits is not None and (state > limits.max_state_tokens or any(t > limits.max_packed_tokens for t in each)
+                                   or sum(each) > limits.max_request_tokens):
+            return 0.0
+        return state + sum(each)
+
+    def wait_with(self, key, tokens: float) -> tuple[int, float]:
+        """(passes, seconds of work) the queue holds once one more request about state ``key`` of ``tokens``
+        estimated tokens joins it (call under the lock)."""
+        counts, work = self._states.copy(), self._tokens.copy()
         counts[key] += 1
-        return sum(-(-n // self.max_batch) for n in counts.values())
+        work[key] += tokens
+        passes = {k: -(-n // self.max_batch) for k, n in counts.items()}
+        return sum(passes.values()), sum(self.pass_seconds(passes[k], work[k]) for k in counts)
 
-    def expected_wait(self, passes: int) -> float:
-        """Seconds until ``passes`` passes are done (estimate)."""
-        return passes * self.seconds_per_pass
+    def pass_seconds(self, passes: int, tokens: float) -> float:
+        """Seconds for ``passes`` passes holding ``tokens`` estimated tokens (estimate)."""
+        return max(passes * self.seconds_per_pass, tokens * self.seconds_per_token)
 
     def submit(self, state, questions, deadline: float) -> asyncio.Future:
         """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed."""
         key = _state_key(state)
         with self._lock:
-            passes = self.passes_with(key)
-            wait = self.expected_wait(passes)
+            tokens = self.estimate_tokens(key, questions)
+            passes, wait = self.wait_with(key, tokens)
             if self._depth >= self.max_queue:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
             left = deadline - time.monotonic()
             if wait > left:
-                raise QueueFull(f"{self._depth} requests ({passes} passes with this one) are queued: about "
-                                f"{wait:.2f} s of work, more than the {max(0.0, left):.2f} s left before this "
-                                "request's deadline", wait - left)
+                queued = sum(self._tokens.values())
+                raise QueueFull(f"{self._depth} requests ({passes} passes and about {queued + tokens:.0f} tokens "
+                                f"with this one) are queued: about {wait:.2f} s of work, more than the "
+                                f"{max(0.0, left):.2f} s left before this request's deadline", wait - left)
             self._depth += 1
             self._states[key] += 1
+            self._tokens[key] += tokens
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put(_Item(state, questions, deadline, loop, future, key))
+        self._queue.put(_Item(state, questions, deadline, loop, future, key, tokens))
         return future
 
     def close(self) -> None:
@@ -136,7 +173,7 @@ class Dispatcher:
 
     def _drop_late(self, group: list) -> list:
         """Answer DeadlinePassed to requests that could not be answered in time; keep the rest."""
-        finish = time.monotonic() + self.seconds_per_pass
+        finish = time.monotonic() + self.pass_seconds(1, sum(item.tokens for item in group))
         keep = []
         for item in group:
             if item.deadline < finish:
@@ -153,7 +190,7 @@ class Dispatcher:
             results = self.engine.run_many([(item.state, item.questions) for item in group])
         except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
             results = [err] * len(group)
-        self.measured(time.monotonic() - start)
+        self.measured(time.monotonic() - start, sum(item.tokens for item in group))
         self.on_batch(len(group))
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
@@ -168,8 +205,34 @@ class Dispatcher:
                     self._depth -= len(group)
                     for item in group:
                         self._states[item.key] -= 1
+                        self._tokens[item.key] -= item.tokens
                         if self._states[item.key] <= 0:
-                            del self._states[item.key]
+                            del self._states[item.key], self._tokens[item.key]
+                    if kept and isinstance(group[0].key, str):
+                        self._recent[group[0].key] = None
+                        self._recent.move_to_end(group[0].key)
+                        while len(self._recent) > RECENT_STATES:
+                            self._recent.popitem(last=False)
+
+
+def _chars(value) -> int:
+    """Characters of text in a question (instructions, option names, descriptions, nested content)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(k) + _chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value)
+    if value is None or isinstance(value, (int, float, bool)):
+        return 0
+    fields = getattr(value, "__dict__", None)
+    return _chars(fields) if isinstance(fields, dict) else len(str(value))
+
+
+def _options(question) -> int:
+    """How many options a question scores (2 for yes/no)."""
+    criteria = getattr(question, "criteria", None)
+    return len(criteria) if isinstance(criteria, (dict, list, tuple)) and type(question).__name__ != "Noul" else 2
 
 
 def _state_key(state):
