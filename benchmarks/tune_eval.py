@@ -227,6 +227,41 @@ def write_user_md(results: dict) -> None:
     print("\n".join(lines))
 
 
+def cascade_eval(args) -> None:
+    """Issue 12's measure with the shipped default engine: coverage at 0.9 / 0.95 accuracy of the default engine
+    (zero-shot), an engine tuned from the base on ``--rows`` rows, and the cascade default -> tuned."""
+    out = {"machine": _machine(), "default": args.default, "base": args.base, "rows": args.rows, "runs": {}}
+    for name in args.datasets:
+        train, test = user_rows(name, args.rows, args.seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            data = Path(tmp) / "train.jsonl"
+            write_jsonl(train, data)
+            tune(args.base, [data], Path(tmp) / "tuned", TuneConfig(rank=16, epochs=args.epochs, holdout=0.2,
+                                                                     seed=args.seed, lr=args.lr), log=print)
+            first, second = _scored(args.default, test), _scored(str(Path(tmp) / "tuned"), test)
+        labels = [r["label"] for r in test]
+        out["runs"][name] = {"test_rows": len(test), "majority": max(labels.count(v) for v in set(labels)) / len(labels),
+                             "default": _accuracy_with(first, first, False),
+                             "tuned": _accuracy_with(second, second, False), "coverage": coverage(first, second)}
+        (RESULTS / "coverage_default.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = [f"# Coverage at a target accuracy: the default engine, a tuned engine, the cascade ({_when(out)})", "",
+             f"Default: the shipped engine (`{args.default}`), zero-shot. Tuned: `onepass tune` from the base engine on "
+             f"{args.rows} rows of the data set (LoRA rank 16, {args.epochs} epochs). Test: {TEST_ROWS} other rows "
+             "(never trained on). Coverage: the share of test rows answered when only the most confident are kept, "
+             "thresholds chosen on the test rows (an upper bound for a threshold fitted elsewhere); cascade: the "
+             "default engine's doubtful rows re-asked of the tuned one.", "",
+             "`python benchmarks/tune_eval.py cascade --default engines/smollm2 --base engines/smollm2-base`", "",
+             "| data set | majority | default acc | tuned acc | target | default | tuned | cascade default -> tuned |",
+             "|---" * 8 + "|"]
+    for name, run in out["runs"].items():
+        for target, c in run["coverage"].items():
+            lines.append(f"| {name} | {run['majority']:.3f} | {run['default']['accuracy']:.3f} | "
+                         f"{run['tuned']['accuracy']:.3f} | {target} | {c['base']['coverage']:.3f} | "
+                         f"{c['tuned']['coverage']:.3f} | {c['cascade']['coverage']:.3f} |")
+    (RESULTS / "coverage_default.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -243,7 +278,17 @@ def main() -> None:
     u.add_argument("--epochs", type=int, default=3)
     u.add_argument("--lr", type=float, default=3e-4)
     u.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("cascade", help="coverage of the shipped default engine, a tuned engine and the cascade")
+    c.add_argument("--default", required=True, help="the shipped default engine")
+    c.add_argument("--base", required=True, help="engine exported with --adapter none (what is tuned)")
+    c.add_argument("--datasets", nargs="+", default=["bbc", "rotten", "tweets_choice", "tweets_score"])
+    c.add_argument("--rows", type=int, default=200)
+    c.add_argument("--epochs", type=int, default=3)
+    c.add_argument("--lr", type=float, default=3e-4)
+    c.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.mode == "cascade":
+        return cascade_eval(args)
     if args.mode == "default-report":
         write_default_md(json.loads((RESULTS / "tune_default.json").read_text()))
     else:
