@@ -93,7 +93,7 @@ def timed(fn, iters: int, warmup: int = 1) -> dict:
     (CPU: no device to synchronise)."""
     for _ in range(warmup):
         fn()
-    return _short(closed_loop(fn, concurrency=1, requests=iters).summary())
+    return _short(closed_loop(lambda: (fn(), None)[1], concurrency=1, requests=iters).summary())  # no stages
 
 
 def state_of_tokens(engine: Engine, n: int) -> str:

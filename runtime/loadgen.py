@@ -50,10 +50,16 @@ class Run:
     stages: dict = field(default_factory=dict)  # stage name -> HdrHistogram (µs)
     interrupted: bool = False
     started: float = 0.0  # perf_counter at the start (progress)
+    error: BaseException | None = None  # a sender's contract error: ends the run, raised to the caller
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, seconds: float, stages: dict | None = None) -> None:
-        """One answered request: its latency and, if given, its stage times in milliseconds."""
+        """One answered request: its latency and, if given, its stage times in milliseconds. Anything else as
+        ``stages`` (e.g. the answers of a ``send`` that returns what it got) is a TypeError, nothing recorded."""
+        if stages is not None and not (isinstance(stages, dict) and all(
+                isinstance(ms, (int, float)) and not isinstance(ms, bool) for ms in stages.values())):
+            raise TypeError("send() must return None or a dict of stage name -> milliseconds, not "
+                            f"{type(stages).__name__} {str(stages)[:80]!r}")
         with self._lock:
             self.histogram.record_value(_micros(seconds))
             for name, ms in (stages or {}).items():
@@ -149,13 +155,15 @@ def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int =
         except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
             run.fail(_classify(err))
             return
-        run.record(time.perf_counter() - at, stages)
+        _record(run, stop, time.perf_counter() - at, stages)
 
     pool = ThreadPoolExecutor(senders)
     futures = [pool.submit(one, t) for t in schedule]
     _wait(lambda: all(f.done() for f in futures), stop, run)
     pool.shutdown(wait=True)
     run.seconds = time.perf_counter() - start
+    if run.error is not None:
+        raise run.error
     return run
 
 
@@ -183,14 +191,29 @@ def closed_loop(send, concurrency: int, duration: float | None = None, requests:
             except Exception as err:  # noqa: BLE001 - counted by kind
                 run.fail(_classify(err))
                 continue
-            run.record(time.perf_counter() - t0, stages)
+            if not _record(run, stop, time.perf_counter() - t0, stages):
+                return
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
     _wait(lambda: not any(t.is_alive() for t in threads), stop, run)
     run.seconds = time.perf_counter() - start
+    if run.error is not None:
+        raise run.error
     return run
+
+
+def _record(run: Run, stop: threading.Event, seconds: float, stages) -> bool:
+    """Record one answer; a ``send`` that breaks the stages contract stops the run (raised by the loop), instead
+    of silently ending its sender after one sample."""
+    try:
+        run.record(seconds, stages)
+        return True
+    except TypeError as err:
+        run.error = run.error or err
+        stop.set()
+        return False
 
 
 def comparable(old: dict, new: dict) -> list[str]:

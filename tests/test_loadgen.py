@@ -103,3 +103,16 @@ def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
     assert comparable(old, new) == []
     assert comparable(old, {**new, "workload": {"sha256": "b"}}) == ["the workload differs ({'sha256': 'a'} vs "
                                                                       "{'sha256': 'b'})"]
+
+
+def test_a_send_that_returns_its_answers_is_a_clear_error_not_one_silent_sample():
+    """``send`` must return None or stage times. Returning what it got (answers) used to end the closed loop's
+    sender after one recorded sample (benchmarks/latency.py reported n=1); now both loops raise. Control: the
+    same send returning None records every request."""
+    answers = {"refund": object()}
+    with pytest.raises(TypeError, match="stage name -> milliseconds"):
+        closed_loop(lambda: answers, concurrency=1, requests=5)
+    with pytest.raises(TypeError, match="stage name -> milliseconds"):
+        open_loop(lambda: answers, rate=200, duration=0.1)
+    assert closed_loop(lambda: None, concurrency=1, requests=5).summary()["requests"] == 5
+    assert closed_loop(lambda: {"score": 1.5}, concurrency=2, requests=6).summary()["requests"] == 6
