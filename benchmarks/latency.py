@@ -96,6 +96,11 @@ def timed(fn, iters: int, warmup: int = 1) -> dict:
     return _short(closed_loop(lambda: (fn(), None)[1], concurrency=1, requests=iters).summary())  # no stages
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo)."""
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "cpu")
+
+
 def state_of_tokens(engine: Engine, n: int) -> str:
     """A state whose segment is about ``n`` tokens: the ticket repeated and cut at a word boundary."""
     words = (TICKET + "\n\n") .split(" ") * (1 + n // 200)
@@ -257,8 +262,7 @@ def main() -> None:
     import onnxruntime
 
     res = run(args)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "cpu")
-    res["machine"] = {"cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+    res["machine"] = {"cpu": cpu_name(), "platform": platform.platform(), "python": platform.python_version(),
                       "onnxruntime": onnxruntime.__version__, "threads": THREADS}
     res["engine"] = {"name": res.get("engine_name"), "graph_sha256": json.loads(
         (Path(args.engine) / "manifest.json").read_text())["files"]["decoder.onnx.data"]}

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import QUESTIONS, THREADS, state_of_tokens, timed  # noqa: E402
+from latency import QUESTIONS, THREADS, cpu_name, state_of_tokens, timed  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 
@@ -35,8 +35,8 @@ def main() -> None:
     nocache = Engine(engine.root, engine.manifest, engine.backend, cache_bytes=0)
     limit = engine.manifest.limits.max_state_tokens
     lengths = args.lengths or [512, 2048, limit]
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "cpu")
-    out = {"machine": {"cpu": cpu, "python": platform.python_version(), "threads": THREADS}, "engine": args.engine, "max_state_tokens": limit, "runs": []}
+    out = {"machine": {"cpu": cpu_name(), "python": platform.python_version(), "threads": THREADS},
+           "engine": args.engine, "max_state_tokens": limit, "runs": []}
     for n in lengths:
         text = state_of_tokens(engine, n)
         state = engine.state(text)

@@ -168,6 +168,20 @@ def coverage(base_test: list[dict], tuned_test: list[dict], targets=(0.9, 0.95))
     return out
 
 
+def _tune_rows(args, train: list[dict], tmp: str) -> tuple[dict, str]:
+    """`onepass tune` from ``args.base`` on ``train`` (LoRA rank 16, 20% held out): (its summary, the engine dir)."""
+    data, out = Path(tmp) / "train.jsonl", Path(tmp) / "tuned"
+    write_jsonl(train, data)
+    summary = tune(args.base, [data], out, TuneConfig(rank=16, epochs=args.epochs, holdout=0.2, seed=args.seed,
+                                                      lr=args.lr), log=print)
+    return summary, str(out)
+
+
+def _majority(rows: list[dict]) -> float:
+    labels = [r["label"] for r in rows]
+    return max(labels.count(v) for v in set(labels)) / len(labels)
+
+
 def user_eval(args) -> None:
     path = RESULTS / "tune_user.json"
     results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
@@ -176,19 +190,14 @@ def user_eval(args) -> None:
         for n in args.sizes:
             train, test = user_rows(name, n, args.seed)
             with tempfile.TemporaryDirectory() as tmp:
-                data = Path(tmp) / "train.jsonl"
-                write_jsonl(train, data)
                 started = time.perf_counter()
-                summary = tune(args.base, [data], Path(tmp) / "tuned", TuneConfig(
-                    rank=16, epochs=args.epochs, holdout=0.2, seed=args.seed, lr=args.lr), log=print)
+                summary, tuned = _tune_rows(args, train, tmp)
                 seconds = time.perf_counter() - started
                 base_train, base_test = _scored(args.base, train), _scored(args.base, test)
-                tuned_train, tuned_test = _scored(str(Path(tmp) / "tuned"), train), _scored(str(Path(tmp) / "tuned"), test)
+                tuned_train, tuned_test = _scored(tuned, train), _scored(tuned, test)
             m = summary["tuning"]["metrics"]
-            labels = [r["label"] for r in base_test]
             results["runs"][f"{name}/{n}"] = {
-                "dataset": name, "rows": n, "test_rows": len(test),
-                "majority": max(labels.count(v) for v in set(labels)) / len(labels),
+                "dataset": name, "rows": n, "test_rows": len(test), "majority": _majority(base_test),
                 "base": _accuracy_with(base_train, base_test, False),
                 "base_calibrated": _accuracy_with(base_train, base_test, True),
                 "tuned": _accuracy_with(tuned_train, tuned_test, False),
@@ -234,13 +243,9 @@ def cascade_eval(args) -> None:
     for name in args.datasets:
         train, test = user_rows(name, args.rows, args.seed)
         with tempfile.TemporaryDirectory() as tmp:
-            data = Path(tmp) / "train.jsonl"
-            write_jsonl(train, data)
-            tune(args.base, [data], Path(tmp) / "tuned", TuneConfig(rank=16, epochs=args.epochs, holdout=0.2,
-                                                                     seed=args.seed, lr=args.lr), log=print)
-            first, second = _scored(args.default, test), _scored(str(Path(tmp) / "tuned"), test)
-        labels = [r["label"] for r in test]
-        out["runs"][name] = {"test_rows": len(test), "majority": max(labels.count(v) for v in set(labels)) / len(labels),
+            _, tuned = _tune_rows(args, train, tmp)
+            first, second = _scored(args.default, test), _scored(tuned, test)
+        out["runs"][name] = {"test_rows": len(test), "majority": _majority(test),
                              "default": _accuracy_with(first, first, False),
                              "tuned": _accuracy_with(second, second, False), "coverage": coverage(first, second)}
         (RESULTS / "coverage_default.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -42,12 +42,12 @@ def engine_dir(tmp_path_factory) -> Path:
     prebuilt = os.environ.get("ONEPASS_TEST_ENGINE")
     if prebuilt:
         return Path(prebuilt)
+    from filelock import FileLock
+
     from onepass import Engine
     from onepass.export.build import export_engine
     from onepass.runtime.errors import OnepassError
     from onepass.runtime.paths import cache_root
-
-    from filelock import FileLock
 
     cached = cache_root() / "test-engines" / f"smollm2-{export_fingerprint()}"
     cached.parent.mkdir(parents=True, exist_ok=True)

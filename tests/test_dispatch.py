@@ -7,6 +7,7 @@ waits on it, as its own answer, never a hang.
 """
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -130,8 +131,6 @@ class _HeldEngine:
     """An engine whose passes wait until released: what is queued stays queued while a test submits."""
 
     def __init__(self):
-        import threading
-
         self.release, self.calls = threading.Event(), []
 
     def run_many(self, requests, readout=None):

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ..engine import Engine
-from ..questions import as_text
+from ..questions import Noul, as_text
 
 EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and seconds-per-token estimates
 CHARS_PER_TOKEN = 4.0  # a rough BPE rate for English; its error cancels: seconds per *estimated* token are measured
@@ -232,7 +232,7 @@ def _chars(value) -> int:
 def _options(question) -> int:
     """How many options a question scores (2 for yes/no)."""
     criteria = getattr(question, "criteria", None)
-    return len(criteria) if isinstance(criteria, (dict, list, tuple)) and type(question).__name__ != "Noul" else 2
+    return len(criteria) if isinstance(criteria, (dict, list, tuple)) and not isinstance(question, Noul) else 2
 
 
 def _state_key(state):
