@@ -303,7 +303,7 @@ def cmd_tune(args) -> int:
                         rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
                         max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience)
     summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
-                   report_dir=args.report or f"{args.out}-report", name=args.name)
+                   report_dir=args.report or f"{args.out}-report", name=args.name, validation=args.validation)
     if "head" in summary:
         h = summary["head"]
         print(f"decision head: held-out NLL {h['heldout_nll_before']:.4f} (zero-shot) -> {h['heldout_nll_after']:.4f}")
@@ -537,6 +537,9 @@ def parser() -> argparse.ArgumentParser:
     tn.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     tn.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
     tn.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, report)")
+    tn.add_argument("--validation", nargs="+", default=None,
+                    help="JSONL rows held out instead of a --holdout split of --data (early stopping and the report "
+                         "run on them): e.g. tasks not in the training data, to keep the weights that transfer")
     tn.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
     tn.add_argument("--patience", type=int, default=2, help="held-out evaluations without NLL improvement before "
                                                              "stopping (the best weights are kept)")

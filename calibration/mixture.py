@@ -34,6 +34,9 @@ from . import bigbench as bb
 from . import synthetic
 
 HELD_OUT = ("rotten_tomatoes", "rotten_kind", "bigbench_test", "synthetic_compare")
+# Validation (early stopping of `make train-default`): tasks kept out of the training rows too, so that the
+# kept weights are the ones that transfer to tasks not trained on. Not the held-out claims' data.
+VALIDATION = ("bigbench_val", "synthetic_deadline")
 TOPICS = {"business": ("business", "companies, markets and the economy"),
           "entertainment": ("entertainment", "film, music, television and celebrities"),
           "politics": ("politics", "government, parties and elections"),
@@ -164,11 +167,11 @@ def lexicon_rows(n: int, rng: random.Random) -> list[dict]:
 
 
 def bigbench_rows(split: str, per_task: int, seed: int) -> list[dict]:
-    """BIG-bench a-g examples of the ``train``+``val`` tasks (``split="train"``) or the ``test`` tasks."""
+    """BIG-bench a-g examples of ``split_tasks``' ``train``, ``val`` or ``test`` tasks; ``"train+val"`` both."""
     root = bb.fetch(cache_root())
     examples, tasks = bb.training_examples(root, per_task, seed)
-    wanted = set(tasks["test"]) if split == "test" else set(tasks["train"]) | set(tasks["val"])
-    name = "bigbench_test" if split == "test" else "bigbench"
+    wanted = {t for part in split.split("+") for t in tasks[part]}
+    name = {"test": "bigbench_test", "val": "bigbench_val"}.get(split, "bigbench")
     return [row(name, e.state, e.question, list(e.question.criteria)[e.label]) for e in examples if e.task in wanted]
 
 
@@ -187,14 +190,15 @@ def rotten_rows(n: int, rng: random.Random, chars: int = 600) -> list[dict]:
     return out
 
 
-def training_rows(seed: int = 0, scale: float = 1.0) -> list[dict]:
-    """The default adapter's training mixture (no held-out data set can appear in it)."""
+def training_rows(seed: int = 0, scale: float = 1.0, validation: bool = False) -> list[dict]:
+    """The default adapter's training mixture (no held-out data set can appear in it); with ``validation``
+    the :data:`VALIDATION` tasks are left out of it as well (see :func:`validation_rows`)."""
     rng = random.Random(seed)
     k = lambda n: max(1, int(n * scale))  # noqa: E731
     rows = (bbc_rows(k(350), rng) + tweet_rows(k(500), rng) + speech_rows(k(120), rng) + lexicon_rows(k(500), rng)
-            + genre_rows(k(150), rng) + bigbench_rows("train", k(25), seed)
-            + synthetic.rows(k(130), rng, exclude=("compare",)))
-    leaked = {r["dataset"] for r in rows} & set(HELD_OUT)
+            + genre_rows(k(150), rng) + bigbench_rows("train" if validation else "train+val", k(25), seed)
+            + synthetic.rows(k(130), rng, exclude=("compare", "deadline") if validation else ("compare",)))
+    leaked = {r["dataset"] for r in rows} & (set(HELD_OUT) | (set(VALIDATION) if validation else set()))
     if leaked:
         raise OnepassError(f"held-out data sets {sorted(leaked)} reached the training mixture")
     rng.shuffle(rows)
@@ -206,6 +210,12 @@ def heldout_rows(n: int = 150, seed: int = 1) -> list[dict]:
     rng = random.Random(seed)
     return (rotten_rows(n, rng) + bigbench_rows("test", max(1, n // 8), seed)
             + synthetic.rows(n, rng, only=("compare",)))
+
+
+def validation_rows(seed: int = 0, scale: float = 1.0) -> list[dict]:
+    """Early-stopping rows from tasks outside the training mixture and outside the held-out claims."""
+    k = lambda n: max(1, int(n * scale))  # noqa: E731
+    return bigbench_rows("val", k(25), seed) + synthetic.rows(k(130), random.Random(seed + 7), only=("deadline",))
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -220,15 +230,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--heldout", type=Path)
+    ap.add_argument("--validation", type=Path, help="also write the validation rows (their tasks leave the mixture)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every source's row count")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    rows = training_rows(args.seed, args.scale)
+    rows = training_rows(args.seed, args.scale, validation=args.validation is not None)
     write_jsonl(rows, args.out)
     counts: dict = {}
     for r in rows:
         counts[r["dataset"]] = counts.get(r["dataset"], 0) + 1
     print(f"{len(rows)} training rows, {len({r['state'] for r in rows})} states: {counts}", file=sys.stderr)
+    if args.validation:
+        val = validation_rows(args.seed, args.scale)
+        write_jsonl(val, args.validation)
+        print(f"{len(val)} validation rows", file=sys.stderr)
     if args.heldout:
         held = heldout_rows()
         write_jsonl(held, args.heldout)

@@ -44,6 +44,20 @@ def _trainable(model, config: TuneConfig):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
+def _held_out(rows: list[TuneRow], validation, config: TuneConfig) -> tuple[list, list, list]:
+    """(train groups, held-out groups, validation files): a seeded state split of ``rows``, or the given files."""
+    if not validation:
+        return (*split_states(group_by_state(rows), config.holdout, config.seed), [])
+    held_rows, files = load_rows(validation)
+    train, held = group_by_state(rows), group_by_state(held_rows)
+    shared = {g[0].state for g in train} & {g[0].state for g in held}
+    if shared:
+        example = next(iter(shared))
+        raise OnepassError(f"{len(shared)} state(s) are both in --data and in --validation (for example "
+                           f"{example[:60]!r}); validation states must not be trained on")
+    return train, held, files
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -60,8 +74,15 @@ def _score_rows(engine: Engine, rows: list[TuneRow]) -> list[dict]:
 
 
 def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config: TuneConfig = TuneConfig(),
-         resume: bool = False, report_dir: str | Path | None = None, name: str | None = None, log=print) -> dict:
-    """Tune the base engine's decoder on ``data`` and export the tuned engine to ``out``; returns a summary."""
+         resume: bool = False, report_dir: str | Path | None = None, name: str | None = None, log=print,
+         validation: list[str | Path] | None = None) -> dict:
+    """Tune the base engine's decoder on ``data`` and export the tuned engine to ``out``; returns a summary.
+
+    ``validation``: JSONL files whose rows are held out instead of a ``config.holdout`` split of ``data``
+    (early stopping and the report run on them; every row of ``data`` is trained on). Use it to select
+    on tasks or data sets that are not in the training data, so that the kept weights are the ones that
+    transfer. A state on both sides is refused.
+    """
     from ..export.adapter import CARD, CONFIG, WEIGHTS, save
     from ..export.build import export_engine
     from ..export.decoder import PackedDecoder
@@ -74,7 +95,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if base.head is not None:
         raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
     encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
-    train_groups, held_groups = split_states(group_by_state(rows), config.holdout, config.seed)
+    train_groups, held_groups, val_files = _held_out(rows, validation, config)
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
     spec, adapters = engine_source(base)
     torch.manual_seed(config.seed)
@@ -108,6 +129,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         method=config.method, base=f"{base.name} ({loaded.source.get('sha256', loaded.source.get('path'))})",
         adapters=[{"path": str(a), "sha256": p["sha256"]} for a, p in zip(adapters, loaded.source.get("adapters", []))],
         data=files, rows=train_rows, holdout_rows=sum(len(g) for g in held_groups), steps=progress.step,
+        validation=val_files,
         rank=config.rank if config.method == "lora" else None,
         config={**dataclasses.asdict(config), "learning_rate": config.learning_rate, "device": device.type},
         metrics={"heldout_before": _metric(history[0]), "heldout_best": _best(history), "seconds": progress.seconds,

@@ -11,7 +11,7 @@ TypeSafe System One endpoint: ``onepass serve``, ``onepass cluster``). Kinds of 
 
 Loads: open loop at each ``--rate`` (Poisson arrivals, latency from the intended send time) and closed
 loop at each ``--concurrency`` (``runtime/loadgen.py``). Each request's stage times (the engine's
-tokenize/prefill/score/readout, or a server's Server-Timing entries) get histograms of their own.
+tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own.
 A progress bar shows live p50/p99; Ctrl-C ends the current run and the report keeps what was measured.
 Reports: ``bench.json`` (machine, software, targets, workload hash, every run with its CDF and stages),
 ``bench.md`` (a table to paste), ``latency_cdf.png`` and ``throughput_p99.png``.
@@ -40,7 +40,7 @@ from .loadgen import Run, closed_loop, comparable, compare, open_loop
 from .prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
-STAGE_ORDER = ("queue", "tokenize", "prefill", "score", "readout", "cascade")  # the tables' columns; others last
+STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade")  # the tables' columns; others last
 
 
 def _load(mode: str, offered: float) -> str:

@@ -46,8 +46,9 @@ class State:
 @dataclass(frozen=True)
 class Result:
     """Answers of one request plus what was spent: tokens, the state tokens served from the cache, and the
-    milliseconds of each stage (tokenize, prefill — 0 when cached —, score — a merged pass is counted for
-    each request it answered —, readout)."""
+    milliseconds of each stage (tokenize, prefill — 0 when cached —, pack — the packed tree, its mask and
+    positions —, score — the backend's passes; a merged pass is counted for each request it answered —,
+    readout)."""
 
     answers: dict
     input_tokens: int
@@ -294,12 +295,19 @@ class Engine:
         _, logprobs, heads = self._score(self.state(state), encoded)
         return logprobs, heads
 
-    def _score(self, state: State, encoded: list[QuestionTokens]) -> tuple[int, list, list | None]:
-        """(packed tokens over all passes, per-question option log-likelihoods, head scores or None)."""
+    def _score(self, state: State, encoded: list[QuestionTokens],
+               clock: dict | None = None) -> tuple[int, list, list | None]:
+        """(packed tokens over all passes, per-question option log-likelihoods, head scores or None).
+
+        ``clock`` gets ``pack`` (building the tree, its mask and positions; a long question's trunk
+        prefill included) and ``score`` (the backend's passes) in milliseconds."""
+        t0 = time.perf_counter()
+        plan = self.passes(state, encoded)
+        t1 = time.perf_counter()
         logprobs = [np.zeros(len(q.options)) for q in encoded]
         heads: list | None = None
         packed = 0
-        for parts, batch, over in self.passes(state, encoded):
+        for parts, batch, over in plan:
             with self.backend.serial():
                 logprob, head = self.backend.score_all(over.kv, batch)
             packed += batch.num_tokens
@@ -309,6 +317,9 @@ class Engine:
                 heads = heads if heads is not None else [np.zeros(len(q.options)) for q in encoded]
                 for (i, group), h in zip(parts, option_head_scores(batch, head)):
                     heads[i][group] = h
+        if clock is not None:
+            clock["pack"] = clock.get("pack", 0.0) + (t1 - t0) * 1000
+            clock["score"] = (time.perf_counter() - t1) * 1000
         return packed, logprobs, heads
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
@@ -339,11 +350,10 @@ class Engine:
     def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
         """Answer questions about a state in one packed forward pass."""
         encoded, state, hit, clock = self._prepare(state, questions)
-        t1 = time.perf_counter()
-        packed, logprobs, heads = self._score(state, encoded)
+        packed, logprobs, heads = self._score(state, encoded, clock)
         t2 = time.perf_counter()
         answers = self._answers(questions, encoded, logprobs, readout, heads=heads)
-        clock.update(score=(t2 - t1) * 1000, readout=(time.perf_counter() - t2) * 1000)
+        clock["readout"] = (time.perf_counter() - t2) * 1000
         return Result(answers, state.num_tokens + packed, packed,
                       state.num_tokens if hit else 0, clock)
 
@@ -362,15 +372,16 @@ class Engine:
         for i, (raw, questions) in enumerate(requests):
             try:
                 encoded, state, hits[i], clocks[i] = self._prepare(raw, questions)
+                t0 = time.perf_counter()
                 own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded))  # its own size and limits, as alone
+                clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err
         for members in groups.values():
             state = members[0][1]
-            t1 = time.perf_counter()
-            scored = self._score_merged(state, members)
-            score_ms = (time.perf_counter() - t1) * 1000
+            shared: dict = {}  # the merged pass's pack and score, the same for every member
+            scored = self._score_merged(state, members, shared)
             if scored is None:  # the pass failed: each request alone, so that it can only fail itself
                 for i, _, questions, _, _ in members:
                     try:
@@ -387,17 +398,18 @@ class Engine:
                 try:
                     t2 = time.perf_counter()
                     answers = self._answers(questions, encoded, mine, readout, heads=my_heads)
-                    clocks[i].update(score=score_ms, readout=(time.perf_counter() - t2) * 1000)
+                    clocks[i].update(pack=clocks[i]["pack"] + shared["pack"], score=shared["score"],
+                                     readout=(time.perf_counter() - t2) * 1000)
                     out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if hits[i] else 0,
                                     clocks[i])
                 except Exception as err:  # noqa: BLE001 - its failure is its own answer
                     out[i] = err
         return out
 
-    def _score_merged(self, state: State, members: list):
+    def _score_merged(self, state: State, members: list, clock: dict):
         """(logprobs, heads) of the requests' questions in one pass, or None if that pass fails."""
         try:
-            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]])
+            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]], clock)
         except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
             return None
         return logprobs, heads

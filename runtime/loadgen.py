@@ -15,7 +15,7 @@ Two ways to drive a ``send()`` callable (one request; raises on failure):
 Latencies go into an HdrHistogram (the ``hdrhistogram`` package: 1 µs to 1 h, 3 significant
 digits), from which the percentiles are read; failures are counted by kind and never dropped.
 ``send()`` may return the request's stage times (milliseconds by stage name, e.g. the engine's
-tokenize/prefill/score/readout or a server's Server-Timing entries): each stage gets its own histogram.
+tokenize/prefill/pack/score/readout or a server's Server-Timing entries): each stage gets its own histogram.
 
 Both loops stop early when ``stop`` is set or on Ctrl-C (the run is then marked ``interrupted``
 and keeps what it measured); pass ``run`` to watch a run while it goes (a progress bar).

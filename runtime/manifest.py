@@ -114,6 +114,7 @@ class TuningInfo:
     data: list = field(default_factory=list)  # training files: path, sha256, rows
     rows: int = 0  # rows trained on (held-out rows excluded)
     holdout_rows: int = 0
+    validation: list = field(default_factory=list)  # --validation files held out instead of a split (path, sha256)
     steps: int = 0  # optimiser steps
     rank: int | None = None  # LoRA rank
     config: dict = field(default_factory=dict)  # every hyper-parameter of the run

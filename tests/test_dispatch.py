@@ -218,3 +218,32 @@ def test_a_request_over_the_limits_adds_no_estimated_work():
         assert dispatcher.estimate_tokens("state", spread) > 20000
     finally:
         dispatcher.close()
+
+
+def test_stage_clocks_name_the_pack_apart_from_the_pass(engine, monkeypatch):
+    """Result.timings: tokenize, prefill, pack, score, readout in that order. ``pack`` is the time spent building
+    the tree (Engine.passes) and ``score`` the backend's passes: a packer slowed by 50 ms shows up in pack, a
+    backend slowed by 500 ms in score and not in pack (pack is ~1 ms here; the bound leaves 250x room). The
+    requests of a merged pass share its score time."""
+    alone = engine.run(TICKET, QUESTIONS[0]).timings
+    assert list(alone) == ["tokenize", "prefill", "pack", "score", "readout"] and alone["pack"] > 0
+    real_passes, real_score = engine.passes, engine.backend.score_all
+
+    def slow_passes(state, encoded):
+        time.sleep(0.05)
+        return real_passes(state, encoded)
+
+    def slow_score(kv, batch):
+        time.sleep(0.5)
+        return real_score(kv, batch)
+
+    monkeypatch.setattr(engine, "passes", slow_passes)
+    assert engine.run(TICKET, QUESTIONS[0]).timings["pack"] >= 50
+    monkeypatch.setattr(engine, "passes", real_passes)
+    monkeypatch.setattr(engine.backend, "score_all", slow_score)
+    slowed = engine.run(TICKET, QUESTIONS[0]).timings
+    assert slowed["score"] >= 500 and slowed["pack"] < 250  # control: the pass is not counted as packing
+    merged = engine.run_many([(TICKET, q) for q in QUESTIONS[:2]])
+    clocks = [r.timings for r in merged]
+    assert all(list(c) == ["tokenize", "prefill", "pack", "score", "readout"] for c in clocks)
+    assert clocks[0]["score"] == clocks[1]["score"] >= 500  # one merged pass, counted for each request

@@ -241,7 +241,7 @@ def test_health_ready_models_metrics(url, engine):
         assert name in text, name
     # the Server-Timing stages as histograms: every stage of the answered request was observed
     counts = dict(re.findall(r'^onepass_stage_seconds_count\{stage="(\w+)"\} (\S+)$', text, re.M))
-    assert {k for k, v in counts.items() if float(v) >= 1} >= {"queue", "tokenize", "prefill", "score", "readout"}
+    assert {k for k, v in counts.items() if float(v) >= 1} >= {"queue", "tokenize", "prefill", "pack", "score", "readout"}
 
 
 # -- merging ----------------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def test_limits_endpoint_reports_the_effective_limits(url, engine):
 
 
 def test_server_timing_stages_and_cached_tokens(url, engine):
-    """Every answer carries Server-Timing with queue, tokenize, prefill, score, readout and total; the stages
+    """Every answer carries Server-Timing with queue, tokenize, prefill, pack, score, readout and total; the stages
     never add up to more than the total; a new state is prefilled (x-onepass-cached-tokens 0, prefill > 0), the
     same state again comes from the cache (its token count, prefill 0)."""
     state = f"A state never seen before: {time.time_ns()}. I want my money back."
@@ -498,7 +498,7 @@ def test_server_timing_stages_and_cached_tokens(url, engine):
     first, cached_first = timed()
     second, cached_second = timed()
     for t in (first, second):
-        assert list(t) == ["queue", "tokenize", "prefill", "score", "readout", "total"]
+        assert list(t) == ["queue", "tokenize", "prefill", "pack", "score", "readout", "total"]
         assert sum(v for k, v in t.items() if k != "total") <= t["total"] + 0.05  # rounding of 6 values
     assert cached_first == 0 and first["prefill"] > 0
     assert cached_second == engine.state(state).num_tokens and second["prefill"] == 0.0

@@ -79,6 +79,21 @@ def test_split_keeps_every_state_on_one_side_and_is_seeded(tmp_path):
     assert split_states(group_by_state(rows), 0.3, seed=3) == (train, held)
 
 
+def test_validation_files_replace_the_split_and_a_shared_state_is_refused(tmp_path):
+    from onepass.calibration.tune_engine import _held_out
+
+    rows, _ = load_rows([_write(tmp_path, [{"state": f"s{i % 10}", "question": NOUL, "label": "yes"}
+                                           for i in range(40)])])
+    val = _write(tmp_path, [{"state": f"v{i}", "question": TEAM, "label": "red"} for i in range(3)], "val.jsonl")
+    train, held, files = _held_out(rows, [val], tn.TuneConfig(holdout=0.3))
+    assert sum(len(g) for g in train) == 40  # every data row is trained on: nothing split off
+    assert [g[0].state for g in held] == ["v0", "v1", "v2"] and files[0]["rows"] == 3
+    assert _held_out(rows, None, tn.TuneConfig(holdout=0.3))[2] == []  # control: without files, the split
+    leak = _write(tmp_path, [{"state": "s4", "question": TEAM, "label": "red"}], "leak.jsonl")
+    with pytest.raises(OnepassError, match="1 state.*both in --data and in --validation.*'s4'"):
+        _held_out(rows, [val, leak], tn.TuneConfig())
+
+
 def test_rlcd_teacher_reward_is_the_expectation_of_label_rewards():
     p = torch.softmax(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), -1)
     onehot = torch.tensor([0.0, 1.0, 0.0])

@@ -44,7 +44,7 @@ REQUEST_ID = "x-typesafe-request-id"
 CACHED_TOKENS = "x-onepass-cached-tokens"  # state tokens served from the state cache (0: prefilled now)
 STATE_CACHE = "x-onepass-state-cache"  # "hit": the state's K/V came from the cache; "miss": prefilled now
 ANSWERED_BY = "x-onepass-answered-by"  # with a cascade: "question id=engine name", comma-separated
-STAGES = ("tokenize", "prefill", "score", "readout")  # Server-Timing, after "queue"; "total" last
+STAGES = ("tokenize", "prefill", "pack", "score", "readout")  # Server-Timing, after "queue"; "total" last
 
 
 class QuestionBody(BaseModel):

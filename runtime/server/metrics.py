@@ -36,7 +36,7 @@ class Metrics:
         self.latency = Histogram("onepass_request_seconds", "End-to-end latency of POST /v1/systemone",
                                  buckets=BUCKETS, registry=self.registry)
         self.stages = Histogram("onepass_stage_seconds", "Time of POST /v1/systemone by stage (the Server-Timing "
-                                "header's entries: queue, tokenize, prefill, score, readout, cascade)", ["stage"],
+                                "header's entries: queue, tokenize, prefill, pack, score, readout, cascade)", ["stage"],
                                 buckets=STAGE_BUCKETS, registry=self.registry)
         self.tokens = Counter("onepass_tokens", "Tokens processed", ["kind"], registry=self.registry)
         self.batches = Counter("onepass_engine_batches", "Engine batches (one or more merged requests)",
