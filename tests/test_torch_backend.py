@@ -230,7 +230,7 @@ def test_the_backend_table_opens_each_cpu_backend_by_name(engine_dir):
     from onepass.runtime.backends.onnxruntime_cpu import OrtCpuBackend
     from onepass.runtime.errors import BackendUnavailable
 
-    assert BACKENDS == ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda")
+    assert BACKENDS == ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda", "openvino-cpu", "openvino-cpu-bf16")
     assert isinstance(Engine.load(engine_dir, backend="onnxruntime", verify=False).backend, OrtCpuBackend)
     engine = Engine.load(engine_dir, backend="torch-cpu", verify=False)
     assert isinstance(engine.backend, TorchBackend) and engine.backend.device.type == "cpu"

@@ -18,6 +18,8 @@ TABLE = {
     "tensorrt": ("onepass.runtime.backends.tensorrt", "factory", {}),
     "torch-cpu": ("onepass.export.torch_backend", "factory", {"device": "cpu"}),
     "torch-cuda": ("onepass.export.torch_backend", "factory", {"device": "cuda"}),
+    "openvino-cpu": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "f32"}),
+    "openvino-cpu-bf16": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "bf16"}),
 }
 BACKENDS = tuple(TABLE)
 
@@ -30,7 +32,8 @@ def factory(name: str, **options):
     try:
         make = getattr(importlib.import_module(module), attr)
     except ImportError as err:
+        extra = "openvino" if "openvino" in module else "trt"
         need = "PyTorch and onnx: pip install torch==2.13.0 'onepass[export]'" if module.startswith(
-            "onepass.export") else "its extra: pip install 'onepass[trt]'"
+            "onepass.export") else f"its extra: pip install 'onepass[{extra}]'"
         raise BackendUnavailable(f"the {name} backend needs {need} ({err.name} is missing)") from None
     return make(**fixed, **options)

@@ -1,0 +1,100 @@
+"""OpenVINO backend (CPU plugin): the same ONNX graph, compiled by OpenVINO at a chosen inference precision.
+
+OpenVINO reads the engine's ``decoder.onnx`` (external weights included) as it is: no build step, no
+file of its own. ``precision="f32"`` keeps every GEMM in float32 (answers as ONNX Runtime's, within
+float reordering); ``"bf16"`` lets the CPU plugin run the GEMMs in bfloat16 where the CPU has them
+natively (AMX or AVX512-BF16), keeping what OpenVINO keeps in f32 (softmax, normalisations): the
+fast path measured in ``benchmarks/results/precision_eval.md``, answers within the budget stated there.
+On a CPU without native bf16 the hint falls back to f32.
+
+State K/V are float32 numpy arrays. One infer request per thread, so passes may run concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import openvino as ov
+
+from .. import contract
+from ..errors import BackendUnavailable
+from ..manifest import ModelInfo
+from ..tree import PackedBatch
+from .base import Backend, StateKV
+
+PRECISIONS = {"f32": "f32", "bf16": "bf16"}
+
+
+class OpenVinoCpuBackend(Backend):
+    """The decoder graph compiled by OpenVINO's CPU plugin at ``precision`` (``f32`` or ``bf16``)."""
+
+    concurrent = True  # one infer request per thread; every pass has its own arrays
+    block_tokens = 256  # as ONNX Runtime's: attention is dense within a pass (benchmarks/results/blocks.md)
+
+    def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, precision: str = "f32"):
+        super().__init__(model)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        core = ov.Core()
+        config = {"INFERENCE_PRECISION_HINT": PRECISIONS[precision], "PERFORMANCE_HINT": "LATENCY"}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = int(threads)
+        self.compiled = core.compile_model(core.read_model(graph_path), "CPU", config)
+        self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()  # f32 or bf16 in force
+        dims = (model.num_layers, model.num_kv_heads, model.head_dim)
+        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
+        outputs = [o.get_any_name() for o in self.compiled.outputs]
+        self.has_head = "head_score" in outputs
+        want = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
+        missing = [n for n in want if n not in outputs]
+        if missing:
+            raise BackendUnavailable(f"{graph_path}: OpenVINO sees no output {missing[0]}; re-export the engine")
+        self.output_index = [outputs.index(n) for n in want]
+        self._requests = threading.local()
+        self._empty = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)
+
+    def _request(self):
+        request = getattr(self._requests, "value", None)
+        if request is None:
+            request = self._requests.value = self.compiled.create_infer_request()
+        return request
+
+    def empty(self) -> StateKV:
+        """A K/V of length 0 (one shared empty array for every layer)."""
+        return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
+
+    def _run(self, batch: PackedBatch, kv: StateKV):
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
+                  "readout_index": batch.readout_index, "readout_target": batch.readout_target}
+        inputs.update(zip(self.past_names, (value for pair in kv.layers for value in pair)))
+        result = self._request().infer(inputs)
+        values = [result[i] for i in self.output_index]  # copies: the request's buffers are reused next pass
+        layers = 2 * self.model.num_layers
+        head = np.array(values[1 + layers]) if self.has_head else None
+        return np.array(values[0]), [np.array(v) for v in values[1:1 + layers]], head
+
+    def _append(self, kv: StateKV, new) -> StateKV:
+        n = new[0].shape[1]
+        if kv.length == 0:
+            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
+        else:  # a later prefill chunk: one concatenation per layer, at prefill time only
+            layers = tuple(tuple(np.concatenate([old, add], axis=1) for old, add in zip(kv.layers[i], new[2 * i:2 * i + 2]))
+                           for i in range(self.model.num_layers))
+        length = kv.length + n
+        return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+
+    def to_host(self, value) -> np.ndarray:
+        """One K/V tensor as float32 numpy (it already is one)."""
+        return np.asarray(value, dtype=np.float32)
+
+
+def factory(precision: str = "f32"):
+    """The Engine.load factory of this backend at ``precision`` (threads from Engine.load)."""
+    def make(root, manifest, threads=None):
+        if manifest.precision != "fp32":
+            raise BackendUnavailable(f"the OpenVINO backends run fp32 engines (this one is {manifest.precision}); "
+                                     "choose the inference precision with the backend: openvino-cpu (f32) or "
+                                     "openvino-cpu-bf16")
+        return OpenVinoCpuBackend(str(root / manifest.graph), manifest.model, threads=threads, precision=precision)
+    return make
