@@ -32,11 +32,6 @@ def fp16_dir(tmp_path_factory, engine_dir):
     return _export(tmp_path_factory, engine_dir, "fp16")
 
 
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory, engine_dir):
-    return _export(tmp_path_factory, engine_dir, "bf16")
-
-
 def _workload():
     state = (DATA / "ticket.txt").read_text()
     questions = {qid: from_wire(qid, q) for qid, q in json.loads((DATA / "questions.json").read_text()).items()}
@@ -96,17 +91,27 @@ def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(
         bf16.check_bf16_engine(bf16_dir, PackedDecoder(hf_model).eval(), tmp_path / "twin")
 
 
-def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(bf16_dir, engine, capsys):
+def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(tiny_bf16_dir, capsys):
+    """What a bf16 engine is refused and run by, on the tiny Llama's bf16 engine (a structure question)."""
     from onepass.cli import main
     from onepass.export.torch_backend import factory
     from onepass.runtime.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="bf16.*ONNX Runtime.*--backend tensorrt"):
-        Engine.load(bf16_dir, verify=False)
-    assert main(["check", "--engine", str(bf16_dir)]) == 2
+        Engine.load(tiny_bf16_dir, verify=False)
+    assert main(["check", "--engine", str(tiny_bf16_dir)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
-    assert main(["check", "--engine", str(bf16_dir), "--backend", "torch-cpu"]) == 0
-    bf16 = Engine.load(bf16_dir, verify=False, backend=factory("cpu"))
+    assert main(["check", "--engine", str(tiny_bf16_dir), "--backend", "torch-cpu"]) == 0
+    assert Engine.load(tiny_bf16_dir, verify=False, backend=factory("cpu")).backend.precision == "bf16"
+
+
+def test_bf16_gemms_on_smollm2_stay_close_to_fp32(engine):
+    """SmolLM2's bf16 closeness without a bf16 export: the PyTorch backend at bf16 over the fp32 engine runs the
+    same arithmetic as a bf16 engine on it (the bf16 engine's weights are these weights rounded to bf16, upcast
+    exactly on load, then lowered to bf16 again: the rounding is idempotent)."""
+    from onepass.export.torch_backend import factory
+
+    bf16 = Engine.load(engine.root, verify=False, backend=factory("cpu", "bf16"))
     assert bf16.backend.precision == "bf16"
     state, questions = _workload()
     encoded = engine.encode_questions(questions)
@@ -116,17 +121,22 @@ def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(bf1
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_low_precision_plan_builds_ahead_of_time_at_half_the_size(precision, request, tmp_path):
+def test_low_precision_plan_builds_ahead_of_time(precision, request, tmp_path):
+    """A TensorRT-for-RTX plan builds from an fp16 and a bf16 graph and records its precision; the fp16 SmolLM2
+    plan is about half the fp32 weights (540 MB), so it really holds fp16 weights (the bf16 graph is the tiny
+    Llama's, whose embedding dominates its size: its plan's size says nothing about precision)."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from onepass.cli import main
     from onepass.runtime import manifest as mf
     from onepass.runtime.manifest import copy_engine
 
-    copy = copy_engine(request.getfixturevalue(f"{precision}_dir"), tmp_path / "engine")
+    copy = copy_engine(request.getfixturevalue("fp16_dir" if precision == "fp16" else "tiny_bf16_dir"), tmp_path / "engine")
     try:
         assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", precision,
                      "--flavour", "tensorrt_rtx"]) == 0
         record = mf.load(copy).plans[0]
-        assert record["precision"] == precision and 100 << 20 < record["bytes"] < 400 << 20
+        assert record["precision"] == precision
+        if precision == "fp16":
+            assert 100 << 20 < record["bytes"] < 400 << 20
     finally:
         shutil.rmtree(copy, ignore_errors=True)
