@@ -3,8 +3,9 @@
     python benchmarks/gpu_check.py --engine engines/smollm2 --out OUT [--device cuda] [--budget-s 420]
 
 Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``. Latency is p50/p90/p99 over timed runs
-after warm-up, each run bracketed by CUDA events on the device's stream (wall clock on CPU) and
-synchronised, so it is the full call: host packing, transfers and kernels. Side by side in one
+after warm-up, through `onepass bench`'s closed loop: the wall time of the full call (host packing,
+transfers and kernels), and on CUDA the CUDA-event time of each call on the device's stream
+(synchronised) beside it. Side by side in one
 run: onepass on each backend (warm 13 questions on a cached 512-token state; 1/4/13/64
 questions; prefill of 64/512/2048 tokens; 13 separate cold calls) and Hugging Face transformers
 eager on the same device (per-option forwards, and greedy generation of a JSON answer).
@@ -26,13 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import QUESTIONS, HFBaselines, many_questions, percentiles, state_of_tokens  # noqa: E402
+from latency import QUESTIONS, HFBaselines, _short, many_questions, state_of_tokens  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
+from onepass.runtime.loadgen import closed_loop  # noqa: E402
 from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden, tolerances  # noqa: E402
 
 TARGETS = "H200 + TensorRT FP16 targets: 13 questions p50 <= 2 ms, p99 <= 3 ms; prefill 512 <= 3 ms; >= 10x HF eager"
@@ -60,29 +62,36 @@ def environment(device: str) -> dict:
 
 
 class Timer:
-    """Times a call with CUDA events (synchronised) on CUDA, with perf_counter on CPU."""
+    """Times a call through `onepass bench`'s closed loop (runtime/loadgen.py: one measurement core, HdrHistogram
+    percentiles): the wall time of the whole call; on CUDA each call is also bracketed by CUDA events on the
+    current stream and synchronised, recorded as the ``device`` stage (p50/p99/mean ms)."""
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
 
+    def send(self, fn):
+        """The loop's sender for ``fn``: None on CPU, {"device": event ms} on CUDA."""
+        if not self.cuda:
+            return lambda: (fn(), None)[1]
+
+        def timed() -> dict:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return {"device": start.elapsed_time(end)}
+        return timed
+
     def __call__(self, fn, iters: int, warmup: int = 2) -> dict:
         for _ in range(warmup):
             fn()
-        samples = []
-        for _ in range(iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1000.0)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-        return percentiles(samples)
+        summary = closed_loop(self.send(fn), concurrency=1, requests=iters).summary()
+        out = _short(summary)
+        if "device" in summary.get("stages", {}):
+            out["device"] = summary["stages"]["device"]
+        return out
 
 
 def backends(device: str, engine: Path, out: Path) -> tuple[dict, dict]:
@@ -176,13 +185,16 @@ def markdown(report: dict) -> str:
         lines += ["", "## Parity after the latency loops (golden again; replayed graphs of 3 buckets x 2 states "
                   "against ONNX Runtime on the CPU)", ""]
         lines += [f"- {name}: {p}" for name, p in report["parity_after"].items()]
-    lines += ["", "## Latency (ms)", "", "| backend | measurement | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|"]
+    lines += ["", "## Latency (ms: wall time of the whole call; device = CUDA events around it)", "",
+              "| backend | measurement | p50 | p90 | p99 | device p50 | device p99 | n |", "|---|---|---|---|---|---|---|---|"]
     for name, m in report["latency"].items():
         flat = [(k, v) for k, v in m.items() if isinstance(v, dict) and "p50" in v]
         for group in ("questions", "prefill"):
             flat += [(f"{group} {k}", v) for k, v in m.get(group, {}).items()]
         for what, r in flat:
-            lines.append(f"| {name} | {what} | {r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | {r['n']} |")
+            dev = r.get("device")
+            device = f"{dev['p50']:.2f} | {dev['p99']:.2f}" if dev else "– | –"
+            lines.append(f"| {name} | {what} | {r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | {device} | {r['n']} |")
     lines += ["", TARGETS, ""]
     for name, m in report["latency"].items():
         warm = m["warm_13_questions_512_state"]["p50"]

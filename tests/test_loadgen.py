@@ -116,3 +116,35 @@ def test_a_send_that_returns_its_answers_is_a_clear_error_not_one_silent_sample(
         open_loop(lambda: answers, rate=200, duration=0.1)
     assert closed_loop(lambda: None, concurrency=1, requests=5).summary()["requests"] == 5
     assert closed_loop(lambda: {"score": 1.5}, concurrency=2, requests=6).summary()["requests"] == 6
+
+
+def test_gpu_check_times_through_the_loadgen_loop_with_device_events_as_a_stage(monkeypatch):
+    """benchmarks/gpu_check.py's Timer is `onepass bench`'s closed loop: wall percentiles of every call, and on
+    CUDA each call's event time as the ``device`` stage. The CUDA events are stood in for here (no GPU): a fake
+    Event pair that reports 7 ms must reach the report as device p50 7 ms, beside a wall time that includes the
+    call's real 20 ms sleep. Control: on CPU there is no device stage."""
+    torch = pytest.importorskip("torch")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_check
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 7.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    cuda = gpu_check.Timer("cuda")(lambda: calls.append(time.sleep(0.02)), iters=5, warmup=1)
+    assert len(calls) == 6 and cuda["n"] == 5 and cuda["p50"] >= 20
+    assert cuda["device"]["p50"] == pytest.approx(7.0, rel=1e-2) and cuda["device"]["count"] == 5
+    cpu = gpu_check.Timer("cpu")(lambda: time.sleep(0.02), iters=5, warmup=0)
+    assert cpu["n"] == 5 and cpu["p50"] >= 20 and "device" not in cpu
