@@ -596,7 +596,8 @@ def parser() -> argparse.ArgumentParser:
                        help="packed tokens per request over all its passes (default: one pass's, max_packed_tokens; "
                             "up to the engine's max_request_tokens)")
     serve.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
-                       help="onnxruntime (CPU, default), tensorrt (the engine's plan for this GPU), "
+                       help="onnxruntime (CPU, default), onnxruntime-gpu (its CUDA provider: no build step; needs "
+                            "the onnxruntime-gpu package), tensorrt (the engine's plan for this GPU), "
                             "the PyTorch backend on CPU or CUDA, or OpenVINO's CPU plugin at f32 or in the CPU's "
                             "native bf16: openvino-cpu is as exact as onnxruntime and 1.3x faster on the measured AMX Xeon, "
                             "openvino-cpu-bf16 2.9x faster with answer probabilities within 0.14)")

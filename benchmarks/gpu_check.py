@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
+from onepass.runtime import manifest as mf  # noqa: E402
 from onepass.runtime.loadgen import closed_loop  # noqa: E402
 from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden, tolerances  # noqa: E402
 
@@ -107,6 +108,16 @@ def backends(device: str, engine: Path, out: Path) -> tuple[dict, dict]:
             ok[f"torch-{device}-eager"] = (engine, factory(device, "fp32", cuda_graphs=False, buckets=False))
             ok[f"torch-{device}-fp16"] = (engine, factory(device, "fp16"))
             ok[f"torch-{device}-bf16"] = (engine, factory(device, "bf16"))
+    if device.startswith("cuda"):  # ONNX Runtime's CUDA provider: needs onnxruntime-gpu in place of onnxruntime
+        from onepass.runtime.backends import factory as open_backend
+        from onepass.runtime.errors import BackendUnavailable
+
+        try:
+            make = open_backend("onnxruntime-gpu")
+            make(engine, mf.load(engine, verify=False))  # fail fast here, not in the parity loop
+            ok["onnxruntime-gpu"] = (engine, make)
+        except BackendUnavailable as err:
+            skipped["onnxruntime-gpu"] = str(err)
     try:
         # the engine copy with its plan lives outside OUT: OUT is what a device run brings back (small files only)
         ok["tensorrt"] = (tensorrt_engine(engine, Path(tempfile.gettempdir()) / "onepass-gpu-check-trt"), trt_factory())

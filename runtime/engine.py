@@ -90,7 +90,7 @@ class Engine:
                                      "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
                                      "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
         if backend is None:
-            from .backends.onnxruntime_cpu import factory
+            from .backends.ort import factory
 
             backend = factory()
         return cls(root, manifest, backend(root, manifest, threads), cache_bytes)

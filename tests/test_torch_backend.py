@@ -227,13 +227,14 @@ def test_the_backend_table_opens_each_cpu_backend_by_name(engine_dir):
     imported only then; an unknown name is a typed error listing the known ones."""
     from onepass.export.torch_backend import TorchBackend
     from onepass.runtime.backends import BACKENDS, factory
-    from onepass.runtime.backends.onnxruntime_cpu import OrtCpuBackend
+    from onepass.runtime.backends.ort import OrtBackend
     from onepass.runtime.errors import BackendUnavailable
 
-    assert BACKENDS == ("onnxruntime", "tensorrt", "torch-cpu", "torch-cuda", "openvino-cpu", "openvino-cpu-bf16")
-    assert isinstance(Engine.load(engine_dir, backend="onnxruntime", verify=False).backend, OrtCpuBackend)
+    assert BACKENDS == ("onnxruntime", "onnxruntime-gpu", "tensorrt", "torch-cpu", "torch-cuda", "openvino-cpu",
+                        "openvino-cpu-bf16")
+    assert isinstance(Engine.load(engine_dir, backend="onnxruntime", verify=False).backend, OrtBackend)
     engine = Engine.load(engine_dir, backend="torch-cpu", verify=False)
     assert isinstance(engine.backend, TorchBackend) and engine.backend.device.type == "cpu"
-    assert isinstance(Engine.load(engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtCpuBackend)
-    with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'; known: onnxruntime, tensorrt"):
+    assert isinstance(Engine.load(engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtBackend)
+    with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'; known: onnxruntime, onnxruntime-gpu, tensorrt"):
         factory("onnx")

@@ -25,7 +25,7 @@ def runtime_modules():
 
 def test_every_runtime_module_imports_without_torch():
     modules = runtime_modules()
-    assert "onepass.runtime.backends.onnxruntime_cpu" in modules and len(modules) >= 10
+    assert "onepass.runtime.backends.ort" in modules and len(modules) >= 10
     code = BLOCK + "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules) + (
         "assert not any(m.split('.')[0] in {'torch', 'transformers'} for m in sys.modules)\nprint('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -14,7 +14,8 @@ from ..errors import BackendUnavailable
 
 # name -> (module, factory attribute, fixed options)
 TABLE = {
-    "onnxruntime": ("onepass.runtime.backends.onnxruntime_cpu", "factory", {}),
+    "onnxruntime": ("onepass.runtime.backends.ort", "factory", {"device": "cpu"}),
+    "onnxruntime-gpu": ("onepass.runtime.backends.ort", "factory", {"device": "cuda"}),
     "tensorrt": ("onepass.runtime.backends.tensorrt", "factory", {}),
     "torch-cpu": ("onepass.export.torch_backend", "factory", {"device": "cpu"}),
     "torch-cuda": ("onepass.export.torch_backend", "factory", {"device": "cuda"}),

@@ -1,0 +1,110 @@
+"""ONNX Runtime backends: the CPU execution provider (the test baseline, runs everywhere) and, with the
+``onnxruntime-gpu`` package, the CUDA execution provider (no engine build: the first GPU path to try).
+
+State K/V stay in ``OrtValue``s on the backend's device, bound with IOBinding, so a score pass reads
+the state in place: no per-call copy of the cache and, on CUDA, no host round-trip. The packed
+batch's small arrays are bound from the host; the new tokens' K/V are bound to the device and the
+read-outs to the host. Only a state prefilled in several chunks is joined through the host, once,
+at prefill time. The device is a parameter, so the same placement code runs on CPU in the tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .. import contract
+from ..errors import BackendUnavailable
+from ..manifest import ModelInfo
+from ..tree import PackedBatch
+from .base import Backend, StateKV
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+class OrtBackend(Backend):
+    """The decoder graph in an ``onnxruntime.InferenceSession`` on ``device`` (``cpu`` or ``cuda``)."""
+
+    concurrent = True  # InferenceSession.run is thread-safe and every pass has its own bound values
+    block_tokens = 256  # packed tokens per pass of a split request: fastest on CPU (benchmarks/results/blocks.md)
+
+    def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, device: str = "cpu",
+                 device_id: int = 0):
+        super().__init__(model)
+        if device not in PROVIDERS:
+            raise ValueError(f"device must be one of {sorted(PROVIDERS)}, got {device!r}")
+        missing = [p for p in PROVIDERS[device] if p not in ort.get_available_providers()]
+        if missing:
+            raise BackendUnavailable(
+                f"ONNX Runtime here has no {missing[0]} (it has {', '.join(ort.get_available_providers())}): the "
+                "onnxruntime-gpu backend needs the onnxruntime-gpu package in place of onnxruntime, in its own "
+                "environment (pip uninstall -y onnxruntime && pip install onnxruntime-gpu==1.31.1; docs/gpu.md), "
+                "and a CUDA device")
+        self.device, self.device_id = device, device_id
+        if device == "cuda":
+            self.block_tokens = None  # as few passes as the engine's limits allow: GPU passes are latency-bound
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # No CPU arena: ORT's arena keeps its largest footprint for the life of the process, so one request at
+        # the limits held ~4.2 GB for good (shrinking it after large passes did not help: live outputs pin its
+        # regions). Without it RSS comes back after the pass; small passes cost ~2-3% more, a pass at the
+        # limits ~50% (benchmarks/results/memory_peak.md).
+        opts.enable_cpu_mem_arena = False
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers = [(p, {"device_id": device_id}) if p == "CUDAExecutionProvider" else p for p in PROVIDERS[device]]
+        self.session = ort.InferenceSession(graph_path, opts, providers=providers)
+        dims = (model.num_layers, model.num_kv_heads, model.head_dim)
+        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
+        graph_outputs = {o.name for o in self.session.get_outputs()}
+        self.has_head = "head_score" in graph_outputs
+        self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
+        zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
+        self._empty = self._on_device(zeros)
+
+    def _on_device(self, array: np.ndarray):
+        return ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+
+    def empty(self) -> StateKV:
+        """A K/V of length 0 (one shared empty value for every layer)."""
+        return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
+
+    def _run(self, batch: PackedBatch, kv: StateKV):
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", batch.input_ids)
+        binding.bind_cpu_input("position_ids", batch.position_ids)
+        binding.bind_cpu_input("tree_mask", batch.tree_mask)
+        binding.bind_cpu_input("readout_index", batch.readout_index)
+        binding.bind_cpu_input("readout_target", batch.readout_target)
+        flat = [value for pair in kv.layers for value in pair]
+        for name, value in zip(self.past_names, flat):
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:  # read-outs to the host, the new K/V stay on the device
+            kv_output = name.startswith("present_")
+            binding.bind_output(name, self.device if kv_output else "cpu", self.device_id if kv_output else 0)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        layers = 2 * self.model.num_layers
+        head = outputs[1 + layers].numpy() if self.has_head else None
+        return outputs[0].numpy(), outputs[1:1 + layers], head
+
+    def _append(self, kv: StateKV, new) -> StateKV:
+        n = new[0].shape()[1]
+        if kv.length == 0:
+            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
+        else:  # a later prefill chunk: one concatenation per layer, through the host, at prefill time only
+            layers = tuple(
+                tuple(self._on_device(np.concatenate([old.numpy(), add.numpy()], axis=1))
+                      for old, add in zip(kv.layers[i], (new[2 * i], new[2 * i + 1])))
+                for i in range(self.model.num_layers)
+            )
+        length = kv.length + n
+        return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+
+
+def factory(device: str = "cpu", device_id: int = 0):
+    """The Engine.load factory of this backend on ``device`` (threads from Engine.load)."""
+    def make(root, manifest, threads=None):
+        return OrtBackend(str(root / manifest.graph), manifest.model, threads=threads, device=device,
+                          device_id=device_id)
+    return make
