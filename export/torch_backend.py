@@ -105,6 +105,10 @@ class TorchBackend(Backend):
         # a pool per graph would hold MAX_GRAPHS copies of the activations.
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
+    def device_timer(self):
+        """CUDA events on the current stream around a call (None on CPU): `onepass bench`'s device stage."""
+        return _CudaEvents() if self.device.type == "cuda" else None
+
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass, padded to a bucket (and replayed from a CUDA graph) when configured."""
         if not self.buckets:
@@ -195,6 +199,21 @@ class TorchBackend(Backend):
                        for i in range(m.num_layers))
         length = kv.length + new[0].shape[1]
         return StateKV(layers, length, length * m.kv_bytes_per_token())
+
+
+class _CudaEvents:
+    """start() / stop() -> milliseconds between two CUDA events on the current stream (synchronised)."""
+
+    def __init__(self):
+        self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.begin.record()
+
+    def stop(self) -> float:
+        self.end.record()
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end)
 
 
 def factory(device: str = "cpu", precision: str | None = None, **options):

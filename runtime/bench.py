@@ -11,7 +11,8 @@ TypeSafe System One endpoint: ``onepass serve``, ``onepass cluster``). Kinds of 
 
 Loads: open loop at each ``--rate`` (Poisson arrivals, latency from the intended send time) and closed
 loop at each ``--concurrency`` (``runtime/loadgen.py``). Each request's stage times (the engine's
-tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own.
+tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own; on a
+backend with a device clock (torch-cuda: CUDA events around each call, synchronised) a ``device`` stage too.
 A progress bar shows live p50/p99; Ctrl-C ends the current run and the report keeps what was measured.
 Reports: ``bench.json`` (machine, software, targets, workload hash, every run with its CDF and stages),
 ``bench.md`` (a table to paste), ``latency_cdf.png`` and ``throughput_p99.png``.
@@ -40,7 +41,7 @@ from .loadgen import Run, closed_loop, comparable, compare, open_loop
 from .prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
-STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade")  # the tables' columns; others last
+STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade", "device")  # the tables' columns; others last
 
 
 def _load(mode: str, offered: float) -> str:
@@ -101,13 +102,22 @@ def engine_targets(engine_dir: str, backends: list[str], threads: int | None, bo
             if kind == "prefill":
                 def send():
                     text = _cold_text(first, next(counter))
+                    timer = engine.backend.device_timer()
+                    if timer is not None:
+                        timer.start()
                     t0 = time.perf_counter()
                     engine.state(text)
-                    return {"prefill": (time.perf_counter() - t0) * 1000}
+                    stages = {"prefill": (time.perf_counter() - t0) * 1000}
+                    return stages if timer is None else {**stages, "device": timer.stop()}
                 return send
 
             def send():
-                return engine.run(pick(kind), questions).timings
+                timer = engine.backend.device_timer()  # one per call: concurrent senders time their own calls
+                if timer is None:
+                    return engine.run(pick(kind), questions).timings
+                timer.start()
+                timings = engine.run(pick(kind), questions).timings
+                return {**timings, "device": timer.stop()}
             return send
         manifest = Path(engine_dir) / "manifest.json"
         targets.append(Target(name, sender, {

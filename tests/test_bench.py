@@ -92,6 +92,38 @@ def test_bench_engine_kinds_backends_stages_and_plots(tiny_engine_dir, workload,
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_backend_with_a_device_clock_gets_a_device_stage(tiny_engine_dir, workload, monkeypatch):
+    """On a backend with a device clock (torch-cuda: CUDA events) every warm and prefill request records a
+    ``device`` stage from its own timer. Stood in for here by a clock that reports 3 ms; control: the plain CPU
+    backend has no device stage."""
+    from onepass.runtime import bench
+    from onepass.runtime.backends.base import Backend
+
+    questions, states = workload
+    body, texts = {"questions": json.loads(questions.read_text())}, [p.read_text() for p in sorted(states.iterdir())]
+
+    def stages(kind):
+        targets, _ = bench.engine_targets(str(tiny_engine_dir), ["onnxruntime"], None, body, texts, 0.0, 0)
+        return closed_loop(targets[0].sender(kind), concurrency=2, requests=6).summary()["stages"]
+
+    assert "device" not in stages("warm")  # control
+    started = []
+
+    class Clock:
+        def start(self):
+            started.append(self)
+
+        def stop(self):
+            assert self in started  # its own start, even with 2 senders
+            return 3.0
+
+    monkeypatch.setattr(Backend, "device_timer", lambda self: Clock())
+    for kind in ("warm", "prefill"):
+        device = stages(kind)["device"]
+        assert device["count"] == 6 and device["p50"] == pytest.approx(3.0, rel=1e-2)
+    assert len(set(map(id, started))) == 12  # one timer per call
+
+
 @pytest.mark.parametrize("args, message", [
     (["--rate", "0"], "--rate must be positive"),
     (["--rate", "100000", "--duration", "60"], "schedules at most"),

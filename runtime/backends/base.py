@@ -48,6 +48,11 @@ class Backend(ABC):
     def close(self) -> None:
         """Release what the backend holds beyond Python memory (device buffers, graphs); idempotent."""
 
+    def device_timer(self):
+        """A new timer of the device work between its ``start()`` and ``stop() -> ms`` (CUDA events on the
+        backend's stream, synchronised at ``stop``), or None on a backend without a device clock (CPU)."""
+        return None
+
     def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
         """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
         if len(ids) == 0:
