@@ -7,6 +7,7 @@ median warm time of ``engine.option_logprobs`` after a warm-up, the packed token
 difference to the unblocked answers where an unblocked pass is possible (it is not past max_packed_tokens).
 
     python benchmarks/blocks.py --engine engines/smollm2 --blocks none 256 512 1024 --questions 1 13 64 500
+    python benchmarks/blocks.py --backend openvino-cpu --blocks 128 256 512 1024 --out benchmarks/results/blocks_openvino
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def timed(engine: Engine, state, encoded, repeats: int) -> tuple[list, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="engines/smollm2")
+    ap.add_argument("--backend", default="onnxruntime", help="the backend measured (a name of onepass's table)")
     ap.add_argument("--blocks", nargs="+", default=["none", "256", "512", "1024"])
     ap.add_argument("--questions", nargs="+", type=int, default=[1, 13, 64, 500, 5000])
     ap.add_argument("--options", nargs="+", type=int, default=[255, 1000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "blocks"))
     args = ap.parse_args()
-    engine = Engine.load(args.engine)
+    engine = Engine.load(args.engine, backend=args.backend)
     state = engine.state(STATE)
     workloads = [(f"{n} questions", questions(n)) for n in args.questions] + [
         (f"choice of {k} options", options(k)) for k in args.options]
@@ -94,10 +96,10 @@ def main() -> None:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     machine = {"cpu": next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), ""),
                "python": platform.python_version(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "engine": engine.name, "limits": engine.manifest.limits.__dict__}
+               "engine": engine.name, "backend": args.backend, "limits": engine.manifest.limits.__dict__}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
-    lines = [f"# Segment-blocked scoring ({machine['engine']}, {machine['cpu']}, {machine['when']})", "",
+    lines = [f"# Segment-blocked scoring ({machine['engine']}, {args.backend}, {machine['cpu']}, {machine['when']})", "",
              "Warm `engine.option_logprobs` over one cached state (median of the runs after a warm-up). `block`: "
              "packed tokens per pass (`none`: one pass of up to max_packed_tokens, as before blocking). "
              "`max diff`: largest option log-likelihood difference to the first block size's answers.", "",

@@ -32,7 +32,9 @@ class OpenVinoCpuBackend(Backend):
     """The decoder graph compiled by OpenVINO's CPU plugin at ``precision`` (``f32`` or ``bf16``)."""
 
     concurrent = True  # one infer request per thread; every pass has its own arrays
-    block_tokens = 256  # as ONNX Runtime's: attention is dense within a pass (benchmarks/results/blocks.md)
+    # packed tokens per pass of a split request: 512 measured fastest here, by 1-10% over 256 and 10-15% over 1024
+    # on 13-500 questions and a 255-option choice (benchmarks/results/blocks_openvino.md; ONNX Runtime's is 256)
+    block_tokens = 512
 
     def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, precision: str = "f32"):
         super().__init__(model)
