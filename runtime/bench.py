@@ -12,7 +12,8 @@ TypeSafe System One endpoint: ``onepass serve``, ``onepass cluster``). Kinds of 
 Loads: open loop at each ``--rate`` (Poisson arrivals, latency from the intended send time) and closed
 loop at each ``--concurrency`` (``runtime/loadgen.py``). Each request's stage times (the engine's
 tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own; on a
-backend with a device clock (torch-cuda: CUDA events around each call, synchronised) a ``device`` stage too.
+backend with a device clock (torch-cuda, tensorrt: CUDA events around each call, synchronised) a ``device``
+stage too.
 A progress bar shows live p50/p99; Ctrl-C ends the current run and the report keeps what was measured.
 Reports: ``bench.json`` (machine, software, targets, workload hash, every run with its CDF and stages),
 ``bench.md`` (a table to paste), ``latency_cdf.png`` and ``throughput_p99.png``.

@@ -218,6 +218,50 @@ def test_cuda_bindings_newer_than_the_driver_is_a_clear_error(monkeypatch):
         cuda_device.CudaDevice()
 
 
+def test_event_timer_records_both_events_on_the_stream_and_frees_them(monkeypatch):
+    """onepass bench's device stage on TensorRT: two CUDA events on the backend's stream, the elapsed time after
+    synchronising on the second, both destroyed, through cuda-bindings' driver API (names checked against the
+    installed module where it is there). The driver is a stand-in recording its calls (no GPU here)."""
+    import types
+
+    from onepass.runtime.backends import cuda_device
+
+    calls = []
+    fake = types.SimpleNamespace(
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0), CUevent_flags=types.SimpleNamespace(CU_EVENT_DEFAULT=0),
+        cuEventCreate=lambda flags: calls.append(("create", flags)) or (0, f"event{len(calls)}"),
+        cuEventRecord=lambda event, stream: calls.append(("record", event, stream)) or (0,),
+        cuEventSynchronize=lambda event: calls.append(("sync", event)) or (0,),
+        cuEventElapsedTime=lambda begin, end: calls.append(("elapsed", begin, end)) or (0, 4.5),
+        cuEventDestroy=lambda event: calls.append(("destroy", event)) or (0,))
+    device = object.__new__(cuda_device.CudaDevice)
+    device.cu = fake
+    timer = device.event_timer("stream7")
+    timer.start()
+    assert timer.stop() == 4.5
+    assert calls == [("create", 0), ("create", 0), ("record", "event1", "stream7"), ("record", "event2", "stream7"),
+                     ("sync", "event2"), ("elapsed", "event1", "event2"), ("destroy", "event1"), ("destroy", "event2")]
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return
+    assert all(hasattr(driver, name) for name in vars(fake) if name.startswith("cu"))
+    assert hasattr(driver.CUevent_flags, "CU_EVENT_DEFAULT")
+
+
+def test_the_tensorrt_backend_gives_bench_a_device_timer_on_its_stream(plan_dir):
+    """The backend's device_timer is its device's event timer (the stand-in's times the host, where the stream
+    runs): it spans a call made between start and stop."""
+    import time
+
+    engine = load(plan_dir)
+    timer = engine.backend.device_timer()
+    timer.start()
+    engine.ask("I was charged twice.", {"r": Noul("Refund?")})
+    time.sleep(0.01)
+    assert timer.stop() >= 10
+
+
 def test_serve_with_tensorrt_and_no_gpu_is_a_one_line_error(plan_dir, capsys):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed")

@@ -120,6 +120,10 @@ class CudaDevice:
     def synchronize(self, stream) -> None:
         self._check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def event_timer(self, stream) -> "EventTimer":
+        """A timer of the work put on ``stream`` between its start() and stop() (two CUDA events)."""
+        return EventTimer(self, stream)
+
     def capture(self, stream, enqueue) -> object:
         """Record what ``enqueue()`` puts on ``stream`` as an executable CUDA graph (nothing runs now)."""
         cu = self.cu
@@ -145,3 +149,26 @@ class CudaDevice:
 
     def release_graph(self, graph) -> None:
         self._check(self.cu.cuGraphExecDestroy(graph), "cuGraphExecDestroy")
+
+
+class EventTimer:
+    """start() / stop() -> milliseconds between two CUDA events recorded on a stream (stop synchronises on the
+    second); the events are destroyed at stop."""
+
+    def __init__(self, device: CudaDevice, stream):
+        self.device, self.stream, cu = device, stream, device.cu
+        self.begin = device._check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+        self.end = device._check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+
+    def start(self) -> None:
+        self.device._check(self.device.cu.cuEventRecord(self.begin, self.stream), "cuEventRecord")
+
+    def stop(self) -> float:
+        cu, check = self.device.cu, self.device._check
+        try:
+            check(cu.cuEventRecord(self.end, self.stream), "cuEventRecord")
+            check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
+            return float(check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime"))
+        finally:
+            check(cu.cuEventDestroy(self.begin), "cuEventDestroy")
+            check(cu.cuEventDestroy(self.end), "cuEventDestroy")

@@ -248,6 +248,12 @@ class TensorRTBackend(Backend):
             self.device.synchronize(self.stream)
         return out
 
+    def device_timer(self):
+        """CUDA events on the backend's stream around a call: `onepass bench`'s device stage. With concurrent
+        callers a call's span includes the passes queued on the stream ahead of it (they run one at a time)."""
+        self.device.activate()
+        return self.device.event_timer(self.stream)
+
     def empty(self) -> StateKV:
         return self._state([DeviceTensor(self._nothing, (self.model.num_kv_heads, 0, self.model.head_dim))]
                            * (2 * self.model.num_layers), 0)
