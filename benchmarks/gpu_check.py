@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
+from onepass.export.torch_backend import CudaEvents  # noqa: E402
 from onepass.runtime.backends.tensorrt import factory as trt_factory  # noqa: E402
 from onepass.runtime import manifest as mf  # noqa: E402
 from onepass.runtime.loadgen import closed_loop  # noqa: E402
@@ -76,13 +77,11 @@ class Timer:
             return lambda: (fn(), None)[1]
 
         def timed() -> dict:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
+            events = CudaEvents()  # the torch backend's device timer
+            torch.cuda.synchronize()  # nothing earlier left on the device
+            events.start()
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            return {"device": start.elapsed_time(end)}
+            return {"device": events.stop()}
         return timed
 
     def __call__(self, fn, iters: int, warmup: int = 2) -> dict:

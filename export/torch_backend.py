@@ -107,7 +107,7 @@ class TorchBackend(Backend):
 
     def device_timer(self):
         """CUDA events on the current stream around a call (None on CPU): `onepass bench`'s device stage."""
-        return _CudaEvents() if self.device.type == "cuda" else None
+        return CudaEvents() if self.device.type == "cuda" else None
 
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass, padded to a bucket (and replayed from a CUDA graph) when configured."""
@@ -194,15 +194,12 @@ class TorchBackend(Backend):
 
     def _append(self, kv: StateKV, new) -> StateKV:
         """``kv`` followed by ``new`` (the base-class prefill path; this backend's prefill writes in place)."""
-        m = self.model
-        layers = tuple((torch.cat([kv.layers[i][0], new[2 * i]], 1), torch.cat([kv.layers[i][1], new[2 * i + 1]], 1))
-                       for i in range(m.num_layers))
-        length = kv.length + new[0].shape[1]
-        return StateKV(layers, length, length * m.kv_bytes_per_token())
+        return self._joined(kv, new, new[0].shape[1], lambda old, add: torch.cat([old, add], 1))
 
 
-class _CudaEvents:
-    """start() / stop() -> milliseconds between two CUDA events on the current stream (synchronised)."""
+class CudaEvents:
+    """start() / stop() -> milliseconds between two CUDA events on the current stream (synchronised on the
+    second): the torch backend's device timer, and gpu_check's."""
 
     def __init__(self):
         self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

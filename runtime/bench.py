@@ -79,6 +79,20 @@ def _chooser(states: list, seed: int, cold_fraction: float):
     return pick
 
 
+def _on_device_clock(engine, call) -> dict:
+    """``call()``'s stage times, plus ``device`` where the backend has a device clock: a timer of its own per
+    call, so concurrent senders time their own calls; stopped (and its events released) even if the call fails."""
+    timer = engine.backend.device_timer()
+    if timer is None:
+        return call()
+    timer.start()
+    try:
+        stages = call()
+    finally:
+        device_ms = timer.stop()
+    return {**stages, "device": device_ms}
+
+
 def engine_targets(engine_dir: str, backends: list[str], threads: int | None, body: dict, states: list,
                    cold_fraction: float, seed: int) -> tuple[list[Target], dict]:
     """One target per backend that loads here; {backend: why} for the others."""
@@ -101,25 +115,13 @@ def engine_targets(engine_dir: str, backends: list[str], threads: int | None, bo
 
         def sender(kind, engine=engine, questions=questions, pick=pick, counter=counter):
             if kind == "prefill":
-                def send():
+                def prefill() -> dict:
                     text = _cold_text(first, next(counter))
-                    timer = engine.backend.device_timer()
-                    if timer is not None:
-                        timer.start()
                     t0 = time.perf_counter()
                     engine.state(text)
-                    stages = {"prefill": (time.perf_counter() - t0) * 1000}
-                    return stages if timer is None else {**stages, "device": timer.stop()}
-                return send
-
-            def send():
-                timer = engine.backend.device_timer()  # one per call: concurrent senders time their own calls
-                if timer is None:
-                    return engine.run(pick(kind), questions).timings
-                timer.start()
-                timings = engine.run(pick(kind), questions).timings
-                return {**timings, "device": timer.stop()}
-            return send
+                    return {"prefill": (time.perf_counter() - t0) * 1000}
+                return lambda: _on_device_clock(engine, prefill)
+            return lambda: _on_device_clock(engine, lambda: engine.run(pick(kind), questions).timings)
         manifest = Path(engine_dir) / "manifest.json"
         targets.append(Target(name, sender, {
             "engine": str(engine_dir), "name": engine.name, "backend": name, "precision": engine.manifest.precision,

@@ -318,7 +318,7 @@ class Engine:
                 for (i, group), h in zip(parts, option_head_scores(batch, head)):
                     heads[i][group] = h
         if clock is not None:
-            clock["pack"] = clock.get("pack", 0.0) + (t1 - t0) * 1000
+            clock["pack"] = (t1 - t0) * 1000
             clock["score"] = (time.perf_counter() - t1) * 1000
         return packed, logprobs, heads
 

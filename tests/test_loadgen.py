@@ -137,6 +137,9 @@ def test_gpu_check_times_through_the_loadgen_loop_with_device_events_as_a_stage(
         def record(self):
             pass
 
+        def synchronize(self):
+            pass
+
         def elapsed_time(self, end):
             return 7.0
 

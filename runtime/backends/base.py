@@ -53,6 +53,15 @@ class Backend(ABC):
         backend's stream, synchronised at ``stop``), or None on a backend without a device clock (CPU)."""
         return None
 
+    def _joined(self, kv: StateKV, new: Sequence, n: int, join) -> StateKV:
+        """``kv`` followed by a prefill chunk's K/V ``new`` (key and value per layer, ``n`` tokens): the first
+        chunk is kept as it is, a later one joined to the old K/V layer by layer with ``join(old, new)``."""
+        pairs = [(new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers)]
+        if kv.length:
+            pairs = [tuple(join(old, add) for old, add in zip(kv.layers[i], pair)) for i, pair in enumerate(pairs)]
+        length = kv.length + n
+        return StateKV(tuple(pairs), length, length * self.model.kv_bytes_per_token())
+
     def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
         """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
         if len(ids) == 0:

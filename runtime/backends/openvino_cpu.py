@@ -79,14 +79,7 @@ class OpenVinoCpuBackend(Backend):
         return np.array(values[0]), [np.array(v) for v in values[1:1 + layers]], head
 
     def _append(self, kv: StateKV, new) -> StateKV:
-        n = new[0].shape[1]
-        if kv.length == 0:
-            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
-        else:  # a later prefill chunk: one concatenation per layer, at prefill time only
-            layers = tuple(tuple(np.concatenate([old, add], axis=1) for old, add in zip(kv.layers[i], new[2 * i:2 * i + 2]))
-                           for i in range(self.model.num_layers))
-        length = kv.length + n
-        return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+        return self._joined(kv, new, new[0].shape[1], lambda old, add: np.concatenate([old, add], axis=1))
 
     def to_host(self, value) -> np.ndarray:
         """One K/V tensor as float32 numpy (it already is one)."""

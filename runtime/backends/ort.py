@@ -89,17 +89,9 @@ class OrtBackend(Backend):
         return outputs[0].numpy(), outputs[1:1 + layers], head
 
     def _append(self, kv: StateKV, new) -> StateKV:
-        n = new[0].shape()[1]
-        if kv.length == 0:
-            layers = tuple((new[2 * i], new[2 * i + 1]) for i in range(self.model.num_layers))
-        else:  # a later prefill chunk: one concatenation per layer, through the host, at prefill time only
-            layers = tuple(
-                tuple(self._on_device(np.concatenate([old.numpy(), add.numpy()], axis=1))
-                      for old, add in zip(kv.layers[i], (new[2 * i], new[2 * i + 1])))
-                for i in range(self.model.num_layers)
-            )
-        length = kv.length + n
-        return StateKV(layers, length, length * self.model.kv_bytes_per_token())
+        # a later prefill chunk: one concatenation per layer, through the host, at prefill time only
+        return self._joined(kv, new, new[0].shape()[1],
+                            lambda old, add: self._on_device(np.concatenate([old.numpy(), add.numpy()], axis=1)))
 
 
 def factory(device: str = "cpu", device_id: int = 0):
