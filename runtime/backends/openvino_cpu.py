@@ -25,7 +25,7 @@ from ..manifest import ModelInfo
 from ..tree import PackedBatch
 from .base import Backend, StateKV
 
-PRECISIONS = {"f32": "f32", "bf16": "bf16"}
+PRECISIONS = ("f32", "bf16")  # OpenVINO's own names of its inference precisions
 
 
 class OpenVinoCpuBackend(Backend):
@@ -39,9 +39,9 @@ class OpenVinoCpuBackend(Backend):
     def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, precision: str = "f32"):
         super().__init__(model)
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         core = ov.Core()
-        config = {"INFERENCE_PRECISION_HINT": PRECISIONS[precision], "PERFORMANCE_HINT": "LATENCY"}
+        config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
         self.compiled = core.compile_model(core.read_model(graph_path), "CPU", config)
