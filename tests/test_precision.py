@@ -12,24 +12,15 @@ from onepass import Engine
 from onepass.runtime.questions import from_wire
 from onepass.runtime.selfcheck import FP16_TOLERANCES, check_golden
 
-pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
 
 
-def _export(tmp_path_factory, engine_dir, precision: str):
+@pytest.fixture(scope="module")
+def tiny_fp16_dir(tmp_path_factory, tiny_llama_dir):
     pytest.importorskip("torch")
     from onepass.export.build import export_engine
-    from onepass.export.model_source import engine_source
-    from onepass.runtime import manifest as mf
 
-    spec, adapters = engine_source(mf.load(engine_dir, verify=False))
-    return export_engine(tmp_path_factory.mktemp(precision) / f"smollm2-{precision}", spec, precision=precision,
-                         adapters=adapters)
-
-
-@pytest.fixture(scope="module")
-def fp16_dir(tmp_path_factory, engine_dir):
-    return _export(tmp_path_factory, engine_dir, "fp16")
+    return export_engine(tmp_path_factory.mktemp("fp16-tiny") / "llama-tiny-fp16", str(tiny_llama_dir), precision="fp16")
 
 
 def _workload():
@@ -38,31 +29,63 @@ def _workload():
     return state, questions
 
 
-def test_fp16_engine_is_close_to_fp32_but_not_fp32(fp16_dir, engine):
-    fp16 = Engine.load(fp16_dir)
+def _initializer_types(engine_dir: Path) -> dict:
+    import onnx
+
+    graph = onnx.load(str(engine_dir / "decoder.onnx"), load_external_data=False).graph
+    return {i.name: i.data_type for i in graph.initializer}
+
+
+def test_fp16_graph_holds_fp16_block_weights_and_reproduces_its_golden_file(tiny_fp16_dir, tiny_engine_dir):
+    """The fp16 graph's structure, on the tiny Llama: every block GEMM weight is fp16, everything else float32; ONNX
+    Runtime reproduces its (PyTorch fp16-GEMM) golden file at fp16 tolerances, and its answers differ measurably from
+    the fp32 engine's (the control: the GEMMs really ran in fp16)."""
+    import onnx
+
+    fp16, fp32 = Engine.load(tiny_fp16_dir), Engine.load(tiny_engine_dir)
     assert fp16.manifest.precision == "fp16"
-    diffs = check_golden(fp16)  # against its own (PyTorch fp16-GEMM) golden file, fp16 tolerances
+    diffs = check_golden(fp16)
     assert all(v <= FP16_TOLERANCES[k] for k, v in diffs.items())
+    types = _initializer_types(tiny_fp16_dir)
+    gemm = {n: t for n, t in types.items() if n.startswith("blocks.") and ".inner." in n}
+    layers = fp16.manifest.model.num_layers
+    assert len(gemm) == 7 * layers and set(gemm.values()) == {onnx.TensorProto.FLOAT16}, gemm
+    assert {t for n, t in types.items() if n not in gemm and t in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)} \
+        == {onnx.TensorProto.FLOAT}  # embedding, norms: float32
     state, questions = _workload()
-    encoded = engine.encode_questions(questions)
-    errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
+    encoded = fp32.encode_questions(questions)
+    errors = [np.abs(a - b).max() for a, b in zip(fp32.option_logprobs(state, encoded),
                                                   fp16.option_logprobs(state, encoded))]
-    assert max(errors) <= 0.05  # the README's claim: at most 0.022 on the 78-question benchmark (2x headroom)
-    assert max(errors) > 1e-4  # control: the GEMMs really ran in fp16
-    weights = sum(p.stat().st_size for p in fp16_dir.glob("decoder.onnx*"))
-    assert weights < 0.7 * sum(p.stat().st_size for p in Path(engine.root).glob("decoder.onnx*"))
+    assert 1e-5 < max(errors) <= 0.05, errors
 
 
-def test_torch_backend_runs_an_fp16_engine_at_its_precision(fp16_dir):
+def test_torch_backend_runs_an_fp16_engine_at_its_precision(tiny_fp16_dir):
+    """ONNX Runtime's fp16 graph and the PyTorch backend's fp16 GEMMs (rebuilt from the graph's weights) agree."""
     from onepass.export.torch_backend import factory
 
-    ort_engine = Engine.load(fp16_dir, verify=False)
-    torch_engine = Engine.load(fp16_dir, verify=False, backend=factory("cpu"))
+    ort_engine = Engine.load(tiny_fp16_dir, verify=False)
+    torch_engine = Engine.load(tiny_fp16_dir, verify=False, backend=factory("cpu"))
     assert torch_engine.backend.precision == "fp16"
     state, questions = _workload()
     encoded = ort_engine.encode_questions(questions)
     for a, b in zip(ort_engine.option_logprobs(state, encoded), torch_engine.option_logprobs(state, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
+
+
+def test_fp16_gemms_on_smollm2_stay_close_to_fp32(engine):
+    """SmolLM2's fp16 closeness without an fp16 export: the PyTorch backend at fp16 over the fp32 engine runs the
+    arithmetic of an fp16 engine (whose golden file is written by this same PyTorch fp16 decoder and which ONNX
+    Runtime reproduces at fp16 tolerances: the two tests above). The README's bound: 0.021 on the 78-question
+    benchmark, where ONNX Runtime's fp16 graph was measured directly (benchmarks/precision_eval.py)."""
+    from onepass.export.torch_backend import factory
+
+    fp16 = Engine.load(engine.root, verify=False, backend=factory("cpu", "fp16"))
+    assert fp16.backend.precision == "fp16"
+    state, questions = _workload()
+    encoded = engine.encode_questions(questions)
+    errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
+                                                  fp16.option_logprobs(state, encoded))]
+    assert 1e-4 < max(errors) <= 0.05, errors  # above: fp16 GEMMs really ran; below: 2x the README's bound
 
 
 @pytest.fixture(scope="module")
@@ -122,21 +145,20 @@ def test_bf16_gemms_on_smollm2_stay_close_to_fp32(engine):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_low_precision_plan_builds_ahead_of_time(precision, request, tmp_path):
-    """A TensorRT-for-RTX plan builds from an fp16 and a bf16 graph and records its precision; the fp16 SmolLM2
-    plan is about half the fp32 weights (540 MB), so it really holds fp16 weights (the bf16 graph is the tiny
-    Llama's, whose embedding dominates its size: its plan's size says nothing about precision)."""
+    """A TensorRT-for-RTX plan builds from the tiny Llama's fp16 and bf16 graphs and records its precision. (The plan
+    network is strongly typed: its weights are the graph's, whose block GEMM weights the tests above show are fp16 /
+    bf16. Plan sizes say nothing here: the tiny Llama's float32 embedding dominates them, and the fp32, fp16 and bf16
+    plans differ by 81 KB against 295 KB of fp32 GEMM weights, kernels included.)"""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from onepass.cli import main
     from onepass.runtime import manifest as mf
     from onepass.runtime.manifest import copy_engine
 
-    copy = copy_engine(request.getfixturevalue("fp16_dir" if precision == "fp16" else "tiny_bf16_dir"), tmp_path / "engine")
+    copy = copy_engine(request.getfixturevalue(f"tiny_{precision}_dir"), tmp_path / "engine")
     try:
         assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--precision", precision,
                      "--flavour", "tensorrt_rtx"]) == 0
         record = mf.load(copy).plans[0]
-        assert record["precision"] == precision
-        if precision == "fp16":
-            assert 100 << 20 < record["bytes"] < 400 << 20
+        assert record["precision"] == precision and record["compute_capability"] == "sm89"
     finally:
         shutil.rmtree(copy, ignore_errors=True)

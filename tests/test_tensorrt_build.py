@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("archs", [pytest.param(["sm89"], id="sm89"),
                                    pytest.param(["sm80", "sm86", "sm89"], id="ampere-and-ada",
                                                 marks=pytest.mark.archs)])
-def test_build_plans(engine_dir, tmp_path, monkeypatch, archs):
-    """One architecture by default; every one behind the ``archs`` marker (``pytest -m archs``)."""
+def test_build_plans(tiny_engine_dir, tmp_path, monkeypatch, archs):
+    """One architecture by default; every one behind the ``archs`` marker (``pytest -m archs``). On the tiny Llama
+    (SmolLM2's architecture at 2 blocks of width 64: the same graph, built in a second instead of 16 s)."""
     ARCHS = archs
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from test_engine import _copy_engine
@@ -21,7 +22,8 @@ def test_build_plans(engine_dir, tmp_path, monkeypatch, archs):
     from onepass.cli import main
 
     monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
-    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
+    weights = sum(f.stat().st_size for f in copy.glob("decoder.onnx*"))
     try:
         assert main(["build-trt", "--engine", str(copy), "--arch", *ARCHS, "--flavour", "tensorrt_rtx",
                      "--device", "h200"]) == 0
@@ -29,7 +31,7 @@ def test_build_plans(engine_dir, tmp_path, monkeypatch, archs):
         assert [p["compute_capability"] for p in manifest.plans] == ARCHS
         for record in manifest.plans:
             plan = copy / record["file"]
-            assert plan.stat().st_size == record["bytes"] > 100 << 20  # fp32 weights are inside
+            assert plan.stat().st_size == record["bytes"] > weights  # the graph's fp32 weights are inside
             assert record["tensorrt"].startswith("tensorrt_rtx ") and record["precision"] == "fp32"
             assert manifest.files[record["file"]] == record["sha256"]
             profiles = record["profiles"]  # one per role of the graph, each spanning the engine's limits

@@ -214,15 +214,17 @@ def test_hf_baseline_from_the_engine_alone_equals_transformers_with_the_adapter(
                                    add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
-def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(engine_dir):
+def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(tiny_engine_dir):
+    """Thread safety is a question of structure: asked on the tiny Llama (SmolLM2's graph at 2 blocks)."""
     from test_engine import asked_from_threads_equals_asked_alone
 
     from onepass.export.torch_backend import factory
 
-    asked_from_threads_equals_asked_alone(Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False))
+    asked_from_threads_equals_asked_alone(Engine.load(tiny_engine_dir, backend=factory("cpu", buckets=True),
+                                                      verify=False))
 
 
-def test_the_backend_table_opens_each_cpu_backend_by_name(engine_dir):
+def test_the_backend_table_opens_each_cpu_backend_by_name(tiny_engine_dir):
     """One table (runtime/backends): Engine.load(backend=<name>) opens the backend by name, the PyTorch one
     imported only then; an unknown name is a typed error listing the known ones."""
     from onepass.export.torch_backend import TorchBackend
@@ -232,9 +234,9 @@ def test_the_backend_table_opens_each_cpu_backend_by_name(engine_dir):
 
     assert BACKENDS == ("onnxruntime", "onnxruntime-gpu", "tensorrt", "torch-cpu", "torch-cuda", "openvino-cpu",
                         "openvino-cpu-bf16")
-    assert isinstance(Engine.load(engine_dir, backend="onnxruntime", verify=False).backend, OrtBackend)
-    engine = Engine.load(engine_dir, backend="torch-cpu", verify=False)
+    assert isinstance(Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False).backend, OrtBackend)
+    engine = Engine.load(tiny_engine_dir, backend="torch-cpu", verify=False)
     assert isinstance(engine.backend, TorchBackend) and engine.backend.device.type == "cpu"
-    assert isinstance(Engine.load(engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtBackend)
+    assert isinstance(Engine.load(tiny_engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtBackend)
     with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'; known: onnxruntime, onnxruntime-gpu, tensorrt"):
         factory("onnx")
