@@ -273,16 +273,20 @@ def cmd_eval(args) -> int:
         raise OnepassError(f"eval needs the [calibrate] extra ({err.name} is missing): "
                            "pip install 'onepass[calibrate]'") from None
     report = evaluate_engine(args.engine, args.data, args.min_confidence, args.target_accuracy, args.threads)
-    m = report["all"]
-    print(f"{report['rows']} rows ({report['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} (majority "
-          f"{m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
-    if "at_min_confidence" in m:
-        at = m["at_min_confidence"]
-        acc = f"{at['accuracy']:.3f}" if at["accuracy"] is not None else "-"
-        print(f"confidence >= {at['min_confidence']}: coverage {at['coverage']:.3f}, accuracy {acc}")
-    if "for_target_accuracy" in m:
-        t = m["for_target_accuracy"]
-        print(f"accuracy >= {t['target']}: coverage {t['coverage']:.3f} at confidence >= {t['min_confidence']}")
+    if args.compare:
+        report["compare"] = evaluate_engine(args.compare, args.data, args.min_confidence, args.target_accuracy,
+                                            args.threads)
+    for r in [report] + ([report["compare"]] if args.compare else []):
+        m = r["all"]
+        print(f"{r['name']}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} "
+              f"(majority {m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
+        if "at_min_confidence" in m:
+            at = m["at_min_confidence"]
+            acc = f"{at['accuracy']:.3f}" if at["accuracy"] is not None else "-"
+            print(f"  confidence >= {at['min_confidence']}: coverage {at['coverage']:.3f}, accuracy {acc}")
+        if "for_target_accuracy" in m:
+            t = m["for_target_accuracy"]
+            print(f"  accuracy >= {t['target']}: coverage {t['coverage']:.3f} at confidence >= {t['min_confidence']}")
     if args.report:
         write(report, Path(args.report))
         print(f"report written to {args.report}")
@@ -517,6 +521,8 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
     ev.add_argument("--min-confidence", type=float, default=None, help="report coverage and accuracy above it")
     ev.add_argument("--target-accuracy", type=float, default=None, help="find the confidence that reaches it")
+    ev.add_argument("--compare", default=None, metavar="DIR2",
+                    help="a second engine directory evaluated on the same rows, side by side (e.g. base vs tuned)")
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--report", default=None, help="folder for eval.json/.md and plots")
     ev.set_defaults(func=cmd_eval)

@@ -70,20 +70,65 @@ def evaluate_engine(engine_dir, data, min_confidence: float | None = None, targe
     return report
 
 
+def _blocks(report: dict) -> list[tuple[str, dict]]:
+    """(name, metrics) of the overall, per data set and per question blocks, in report order."""
+    return [("all", report["all"]), *report["datasets"].items(),
+            *((q["instructions"], q) for q in report["questions"].values())]
+
+
+CONFUSION_PANELS, CONFUSION_OPTIONS = 8, 12  # the plot's readable limits; eval.json holds every matrix
+
+
+def _confusion_plot(report: dict, path: Path) -> None:
+    """The confusion matrices (rows: label, columns: answer) of the first 8 questions with at most 12 options, one
+    panel each; no file when no question qualifies."""
+    from .report import plt
+
+    questions = [q for q in report["questions"].values() if len(q["options"]) <= CONFUSION_OPTIONS][:CONFUSION_PANELS]
+    if not questions:
+        return
+    fig, axes = plt.subplots(1, len(questions), figsize=(4 * len(questions), 4), squeeze=False)
+    for ax, q in zip(axes[0], questions):
+        matrix = np.array(q["confusion"])
+        ax.imshow(matrix, cmap="Blues")
+        ticks = range(len(q["options"]))
+        ax.set(xticks=ticks, yticks=ticks, xlabel="answer", ylabel="label", title=q["instructions"][:40])
+        ax.set_xticklabels(q["options"], rotation=45, ha="right")
+        ax.set_yticklabels(q["options"])
+        for (i, j), count in np.ndenumerate(matrix):
+            ax.text(j, i, str(count), ha="center", va="center",
+                    color="white" if count > matrix.max() / 2 else "black")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(report: dict, out: Path) -> None:
-    """eval.json, eval.md, and the reliability and coverage plots (the calibration report's)."""
-    from .report import write_report
+    """eval.json, eval.md and plots/ (reliability, coverage, confusion). With ``report["compare"]`` (a second
+    engine's report on the same rows, ``--compare``) the table, the reliability and coverage plots show both."""
+    from .report import plot_coverage, plot_reliability
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    write_report({"before": {"all": report["all"]}, "after": {"all": report["all"]}}, out / "plots")
-    lines = [f"# onepass eval: {report['name']} on {report['data']}", "",
-             f"{report['rows']} rows, {report['rows_per_second']:.1f} rows/s, "
-             f"{'calibrated' if report['calibrated'] else 'uncalibrated'}.", "",
-             "| set | rows | accuracy | majority | NLL | Brier | ECE |", "|---|---|---|---|---|---|---|"]
-    blocks = [("all", report["all"])] + list(report["datasets"].items()) + [
-        (q["instructions"], q) for q in report["questions"].values()]
-    for name, m in blocks:
-        lines.append(f"| {name} | {m['rows']} | {m['accuracy']:.3f} | {m['majority']:.3f} | {m['nll']:.3f} | "
-                     f"{m['brier']:.3f} | {m['ece']:.3f} |")
+    reports = [report] + ([report["compare"]] if "compare" in report else [])
+    names = [r["name"] if len({x["name"] for x in reports}) == len(reports) else r["engine"] for r in reports]
+    (out / "plots").mkdir(exist_ok=True)
+    plot_reliability([(n, r["all"]) for n, r in zip(names, reports)], out / "plots" / "reliability.png")
+    plot_coverage([(n, r["all"]) for n, r in zip(names, reports)], out / "plots" / "coverage.png")
+    _confusion_plot(report, out / "plots" / "confusion.png")
+    columns = ["accuracy", "nll", "brier", "ece"]
+    target = "for_target_accuracy" in report["all"]
+    head = columns + ([f"coverage at accuracy {report['all']['for_target_accuracy']['target']}"] if target else [])
+    lines = [f"# onepass eval: {' vs '.join(names)} on {report['data']}", ""]
+    lines += [f"- {r['name']}: {r['rows']} rows, {r['rows_per_second']:.1f} rows/s, "
+              f"{'calibrated' if r['calibrated'] else 'uncalibrated'} ({r['engine']})" for r in reports]
+    if len(reports) > 1:
+        lines += ["", f"Each cell: {' / '.join(names)}."]
+    lines += ["", "| set | rows | majority | " + " | ".join(head) + " |", "|---" * (3 + len(head)) + "|"]
+    for (name, first), *others in zip(*(_blocks(r) for r in reports)):
+        blocks = [first] + [m for _, m in others]
+        cells = [" / ".join(f"{m[c]:.3f}" for m in blocks) for c in columns]
+        if target:
+            cells.append(" / ".join(f"{m['for_target_accuracy']['coverage']:.3f}" for m in blocks))
+        lines.append(f"| {name} | {first['rows']} | {first['majority']:.3f} | " + " | ".join(cells) + " |")
     (out / "eval.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -23,26 +23,36 @@ def _reliability(ax, bins: list[dict], title: str) -> None:
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (p of the top answer)", ylabel="accuracy", title=title)
 
 
+def plot_reliability(entries: list[tuple[str, dict]], path: Path) -> None:
+    """One reliability diagram per (label, overall metrics) side by side."""
+    fig, axes = plt.subplots(1, len(entries), figsize=(5 * len(entries), 4.5), squeeze=False)
+    for ax, (label, m) in zip(axes[0], entries):
+        _reliability(ax, m["reliability"], f"{label}: ECE {m['ece']:.3f}, accuracy {m['accuracy']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_coverage(entries: list[tuple[str, dict]], path: Path) -> None:
+    """The coverage-accuracy curves of (label, overall metrics) on one axis."""
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for label, m in entries:
+        cov = m["coverage"]
+        ax.plot([c["coverage"] for c in cov], [c["accuracy"] for c in cov], marker=".", label=label)
+    ax.set(xlabel="coverage (answered share)", ylabel="accuracy of the answered", title="abstain below a confidence")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(report: dict, out: Path) -> None:
     """Write report.json, report.md, reliability.png and coverage.png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, phase in zip(axes, ("before", "after")):
-        m = report[phase]["all"]
-        _reliability(ax, m["reliability"], f"{phase}: ECE {m['ece']:.3f}, accuracy {m['accuracy']:.3f}")
-    fig.tight_layout()
-    fig.savefig(out / "reliability.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for phase in ("before", "after"):
-        cov = report[phase]["all"]["coverage"]
-        ax.plot([c["coverage"] for c in cov], [c["accuracy"] for c in cov], marker=".", label=phase)
-    ax.set(xlabel="coverage (answered share)", ylabel="accuracy of the answered", title="abstain below a confidence")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "coverage.png", dpi=110)
-    plt.close(fig)
+    phases = [(phase, report[phase]["all"]) for phase in ("before", "after")]
+    plot_reliability(phases, out / "reliability.png")
+    plot_coverage(phases, out / "coverage.png")
     lines = ["| set | phase | " + " | ".join(METRICS) + " | rows |", "|---|---|" + "---|" * (len(METRICS) + 1)]
     for name in report["before"]:
         for phase in ("before", "after"):

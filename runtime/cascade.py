@@ -2,7 +2,7 @@
 
 * ``Gate(min_confidence, per_question=...)`` splits answers into *decided* and *for review* by
   their confidence ((K p_max - 1)/(K - 1); |2p - 1| for noul). Per-question thresholds may come
-  from ``onepass eval --target-accuracy``.
+  from ``onepass eval --target-accuracy`` (``Gate.from_eval``).
 * ``Cascade([fast, strong, ...], min_confidence)`` asks the first engine; only the questions it
   answers below the threshold are asked again of the next engine, about the same state; the last
   engine's answers are final. The result says which engine answered each question.
@@ -12,9 +12,12 @@ Engines here are anything with ``name`` and ``ask(state, questions)`` (an ``Engi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
+from .calibration import question_key
 from .errors import InvalidRequest
 
 
@@ -35,6 +38,31 @@ class Gate:
         _threshold(self.min_confidence, "min_confidence")
         for qid, t in self.per_question.items():
             _threshold(t, f"per_question.{qid}")
+
+    @classmethod
+    def from_eval(cls, report, engine, questions: Mapping, min_confidence: float) -> "Gate":
+        """Per-question thresholds from an ``onepass eval --target-accuracy`` report (its eval.json path or dict).
+
+        Each question of ``questions`` that the report evaluated (the same type, instructions and options, as
+        ``engine`` renders them: the calibration's question key) gets the lowest confidence at which it reached the
+        target on the eval rows; 1.0 where none did (all its answers go for review, unless certain). The others get
+        ``min_confidence``."""
+        if not isinstance(report, Mapping):
+            try:
+                report = json.loads(Path(report).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                raise InvalidRequest(f"{report}: not a readable eval.json ({err})", "report") from None
+        evaluated = report.get("questions") if isinstance(report, Mapping) else None
+        if not isinstance(evaluated, Mapping) or any("for_target_accuracy" not in q for q in evaluated.values()):
+            raise InvalidRequest("the eval report has no per-question thresholds: run `onepass eval` with "
+                                 "--target-accuracy", "report")
+        per_question = {}
+        for qid, q in questions.items():
+            key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
+            if key in evaluated:
+                found = evaluated[key]["for_target_accuracy"]["min_confidence"]
+                per_question[qid] = 1.0 if found is None else found
+        return cls(min_confidence, per_question)
 
     def threshold(self, qid: str) -> float:
         return float(self.per_question.get(qid, self.min_confidence))

@@ -255,19 +255,25 @@ def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_comput
 
 
 @pytest.mark.slow
-def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_dir, tmp_path, capsys):
-    """`onepass eval` on 12 rows of two questions: the numbers agree with the engine's own answers (accuracy
-    and confusion recomputed here from engine.ask), the majority baseline is right, the files are written."""
-    from onepass.cli import main
-
+def _eval_rows(path) -> list[dict]:
+    """12 rows of two questions (a review's polarity, a 3-way tone), written to ``path``."""
     rows = []
     for i, review in enumerate(_review_rows(6, "Lovely film, I enjoyed it.", "Dreadful film, I hated it.", "reviews")):
         rows.append(review)
         rows.append({"state": review["state"], "question": {"type": "choice", "instructions": "What is the tone?",
                                                             "criteria": {"warm": None, "cold": None, "neutral": None}},
                      "label": "warm" if i % 2 == 0 else "cold", "dataset": "tone"})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return rows
+
+
+def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_dir, tmp_path, capsys):
+    """`onepass eval` on 12 rows of two questions: the numbers agree with the engine's own answers (accuracy
+    and confusion recomputed here from engine.ask), the majority baseline is right, the files are written."""
+    from onepass.cli import main
+
     data = tmp_path / "rows.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
+    rows = _eval_rows(data)
     assert main(["eval", "--engine", str(engine_dir), "--data", str(data), "--min-confidence", "0.0",
                  "--target-accuracy", "0.5", "--report", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
@@ -290,6 +296,49 @@ def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_di
     assert (tmp_path / "out" / "eval.md").read_text().count("|") > 20
     assert (tmp_path / "out" / "plots" / "reliability.png").stat().st_size > 0
     assert "rows (" in capsys.readouterr().out
+    assert (tmp_path / "out" / "plots" / "confusion.png").stat().st_size > 0
+
+
+def test_eval_compare_puts_two_engines_side_by_side_and_its_thresholds_feed_a_gate(engine_dir, tiny_engine_dir,
+                                                                                   tmp_path, capsys):
+    """`onepass eval --compare DIR2`: the second engine's report is the one `onepass eval` gives it alone, beside the
+    first (a different engine: different numbers, the control); the table and plots show both. Gate.from_eval takes
+    each question's threshold for the target accuracy from the report; a question the report lacks keeps the
+    default; a report without thresholds is refused."""
+    from onepass.calibration.evaluate import evaluate_engine
+    from onepass.cli import main
+    from onepass.runtime.cascade import Gate
+
+    data = tmp_path / "rows.jsonl"
+    _eval_rows(data)
+    assert main(["eval", "--engine", str(engine_dir), "--data", str(data), "--target-accuracy", "0.9",
+                 "--compare", str(tiny_engine_dir), "--report", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    alone = evaluate_engine(tiny_engine_dir, data, None, 0.9)
+    for key in ("accuracy", "nll", "brier", "ece"):
+        assert report["compare"]["all"][key] == pytest.approx(alone["all"][key], abs=1e-9)
+    assert report["compare"]["questions"].keys() == report["questions"].keys()
+    assert report["all"]["nll"] != pytest.approx(report["compare"]["all"]["nll"], abs=1e-3)
+    table = (tmp_path / "out" / "eval.md").read_text()
+    names = (Engine.load(engine_dir).name, Engine.load(tiny_engine_dir).name)
+    assert f"Each cell: {names[0]} / {names[1]}." in table and "coverage at accuracy 0.9" in table
+    a, b = report["all"]["accuracy"], report["compare"]["all"]["accuracy"]
+    assert f"| all | 12 | 0.500 | {a:.3f} / {b:.3f} |" in table
+    assert capsys.readouterr().out.count(" rows (") == 2
+
+    engine = Engine.load(engine_dir)
+    tone = Choice("What is the tone?", {"warm": None, "cold": None, "neutral": None})
+    gate = Gate.from_eval(tmp_path / "out" / "eval.json", engine,
+                          {"tone": tone, "polar": Noul("Is the review positive?"), "new": Noul("Unseen?")}, 0.5)
+    by_instructions = {q["instructions"]: q["for_target_accuracy"]["min_confidence"]
+                       for q in report["questions"].values()}
+    for qid, instructions in (("tone", "What is the tone?"), ("polar", "Is the review positive?")):
+        want = by_instructions[instructions]
+        assert gate.threshold(qid) == (1.0 if want is None else want)
+    assert gate.threshold("new") == 0.5 and "new" not in gate.per_question
+    without = evaluate_engine(engine_dir, data)  # no --target-accuracy: no thresholds to take
+    with pytest.raises(InvalidRequest, match="--target-accuracy"):
+        Gate.from_eval(without, engine, {"tone": tone}, 0.5)
 
 
 def test_coverage_at_a_target_accuracy_matches_a_hand_count():
