@@ -97,7 +97,7 @@ def test_a_backend_with_a_device_clock_gets_a_device_stage(tiny_engine_dir, work
     ``device`` stage from its own timer. Stood in for here by a clock that reports 3 ms; control: the plain CPU
     backend has no device stage."""
     from onepass.runtime import bench
-    from onepass.runtime.backends.base import Backend
+    from onepass.runtime.backends.ort import OrtBackend
 
     questions, states = workload
     body, texts = {"questions": json.loads(questions.read_text())}, [p.read_text() for p in sorted(states.iterdir())]
@@ -117,7 +117,7 @@ def test_a_backend_with_a_device_clock_gets_a_device_stage(tiny_engine_dir, work
             assert self in started  # its own start, even with 2 senders
             return 3.0
 
-    monkeypatch.setattr(Backend, "device_timer", lambda self: Clock())
+    monkeypatch.setattr(OrtBackend, "device_timer", lambda self: Clock())  # as onnxruntime-gpu's CUDA events
     for kind in ("warm", "prefill"):
         device = stages(kind)["device"]
         assert device["count"] == 6 and device["p50"] == pytest.approx(3.0, rel=1e-2)

@@ -58,3 +58,67 @@ def test_state_kv_is_bound_to_the_backend_device_and_read_outs_to_the_host(tiny_
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
 
+
+
+def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tiny_engine_dir, monkeypatch):
+    """onnxruntime-gpu's device stage: the CUDA provider is given the backend's own stream (``user_compute_stream``,
+    the stream's handle as a string), and device_timer() is the device's CUDA-event timer on that stream, made
+    current on the calling thread first (a thread that never activated the device would fail). Without cuda-bindings
+    the provider gets only its device id and there is no device timer; on CPU there is none either. Run here with
+    the providers recorded and the session made on the CPU provider, and the GPU stand-in as the device."""
+    import threading
+    import time
+
+    import onnxruntime as ort
+    from trt_double import HostDevice
+
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.backends import cuda_device
+    from onepass.runtime.backends import ort as ort_backend
+
+    manifest = mf.load(tiny_engine_dir, verify=False)
+    graph = str(tiny_engine_dir / manifest.graph)
+    made = []
+    real_session = ort.InferenceSession
+    monkeypatch.setattr(ort_backend.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(ort_backend.ort, "InferenceSession", lambda path, opts, providers: made.append(providers)
+                        or real_session(path, opts, providers=["CPUExecutionProvider"]))
+    monkeypatch.setattr(OrtBackend, "_on_device", lambda self, array: ort.OrtValue.ortvalue_from_numpy(array))
+    devices = []
+    monkeypatch.setattr(cuda_device, "CudaDevice", lambda ordinal: devices.append(HostDevice()) or devices[-1])
+
+    backend = OrtBackend(graph, manifest.model, device="cuda", device_id=0)
+    assert made[-1][0] == ("CUDAExecutionProvider", {"device_id": 0, "user_compute_stream": "7"})
+    timings = []
+
+    def timed():  # from another thread, as a bench or server worker calls it
+        timer = backend.device_timer()
+        timer.start()
+        time.sleep(0.01)
+        timings.append(timer.stop())
+
+    worker = threading.Thread(target=timed)
+    worker.start()
+    worker.join()
+    assert len(timings) == 1 and timings[0] >= 10
+    refused = []
+
+    def unactivated():
+        try:
+            devices[-1].event_timer("stream")
+        except AssertionError as err:
+            refused.append(err)
+
+    fresh = threading.Thread(target=unactivated)
+    fresh.start()
+    fresh.join()
+    assert refused, "control: the stand-in refuses a thread that never activated the device"
+
+    def no_bindings(ordinal):
+        raise BackendUnavailable("the TensorRT backend needs cuda-python")
+
+    monkeypatch.setattr(cuda_device, "CudaDevice", no_bindings)
+    plain = OrtBackend(graph, manifest.model, device="cuda", device_id=1)
+    assert made[-1][0] == ("CUDAExecutionProvider", {"device_id": 1}) and plain.device_timer() is None
+    assert OrtBackend(graph, manifest.model).device_timer() is None

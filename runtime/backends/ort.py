@@ -6,6 +6,8 @@ the state in place: no per-call copy of the cache and, on CUDA, no host round-tr
 batch's small arrays are bound from the host; the new tokens' K/V are bound to the device and the
 read-outs to the host. Only a state prefilled in several chunks is joined through the host, once,
 at prefill time. The device is a parameter, so the same placement code runs on CPU in the tests.
+On CUDA with cuda-bindings, ONNX Runtime runs on a stream the backend owns, which `onepass bench` times with
+CUDA events (``device_timer``).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class OrtBackend(Backend):
                 "environment (pip uninstall -y onnxruntime && pip install onnxruntime-gpu==1.31.1; docs/gpu.md), "
                 "and a CUDA device")
         self.device, self.device_id = device, device_id
+        self._cuda = self._stream = None
         if device == "cuda":
             self.block_tokens = None  # as few passes as the engine's limits allow: GPU passes are latency-bound
+            self._cuda, self._stream = _own_stream(device_id)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # No CPU arena: ORT's arena keeps its largest footprint for the life of the process, so one request at
@@ -52,7 +56,10 @@ class OrtBackend(Backend):
         opts.enable_cpu_mem_arena = False
         if threads:
             opts.intra_op_num_threads = threads
-        providers = [(p, {"device_id": device_id}) if p == "CUDAExecutionProvider" else p for p in PROVIDERS[device]]
+        cuda_options = {"device_id": device_id}
+        if self._stream is not None:  # ONNX Runtime runs on this stream, so CUDA events on it time its passes
+            cuda_options["user_compute_stream"] = str(self._cuda.handle(self._stream))
+        providers = [(p, cuda_options) if p == "CUDAExecutionProvider" else p for p in PROVIDERS[device]]
         self.session = ort.InferenceSession(graph_path, opts, providers=providers)
         dims = (model.num_layers, model.num_kv_heads, model.head_dim)
         self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
@@ -61,6 +68,14 @@ class OrtBackend(Backend):
         self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = self._on_device(zeros)
+
+    def device_timer(self):
+        """CUDA events on the session's compute stream (`onepass bench`'s device stage); None on CPU, or on CUDA
+        without cuda-bindings (the stream is then ONNX Runtime's own, which Python cannot reach)."""
+        if self._cuda is None:
+            return None
+        self._cuda.activate()  # the caller's thread (a bench or server worker) needs the device's context
+        return self._cuda.event_timer(self._stream)
 
     def _on_device(self, array: np.ndarray):
         return ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
@@ -92,6 +107,18 @@ class OrtBackend(Backend):
         # a later prefill chunk: one concatenation per layer, through the host, at prefill time only
         return self._joined(kv, new, new[0].shape()[1],
                             lambda old, add: self._on_device(np.concatenate([old.numpy(), add.numpy()], axis=1)))
+
+
+def _own_stream(device_id: int):
+    """(CudaDevice, a stream of its primary context) for the CUDA provider, or (None, None) where cuda-bindings is
+    not installed: the onnxruntime-gpu environment needs only onnxruntime-gpu, and the stream only serves timing."""
+    from .cuda_device import CudaDevice
+
+    try:
+        device = CudaDevice(device_id)
+    except BackendUnavailable:
+        return None, None
+    return device, device.stream()
 
 
 def factory(device: str = "cpu", device_id: int = 0):
