@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,16 +59,27 @@ def _from_pretrained(folder: Path, **kwargs):
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF to a float32 HF folder at ``target`` (written atomically)."""
-    log.info("dequantizing %s (once; cached in %s)", gguf.name, target)
-    model, tokenizer = _from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # the weights are float32 now; let save_pretrained write them
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    """Dequantize a GGUF to a float32 HF folder at ``target``, once, however many processes ask at the same time
+    (two exports on a fresh cache): the first converts under a file lock, into a folder of its own that it renames
+    into place whole; the others wait on the lock and find the folder done. A run killed halfway leaves at most its
+    own ``*.partial`` folder, never a half-written ``target``."""
+    from filelock import FileLock
+
+    with FileLock(f"{target}.lock"):
+        if (target / "config.json").is_file():
+            return
+        log.info("dequantizing %s (once; cached in %s)", gguf.name, target)
+        model, tokenizer = _from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.hf_quantizer = None  # the weights are float32 now; let save_pretrained write them
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(spec: str | os.PathLike | None = None, adapters=()) -> LoadedModel:
