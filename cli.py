@@ -245,7 +245,7 @@ def cmd_mcp(args) -> int:
         raise _serve_extra(err) from None
     from .runtime.engine import Engine
 
-    serve_stdio(Engine.load(args.engine, threads=args.threads))
+    serve_stdio(Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend)))
     return 0
 
 
@@ -642,6 +642,7 @@ def parser() -> argparse.ArgumentParser:
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     mcp.add_argument("--engine", required=True, help="engine directory")
     mcp.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    mcp.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="as for serve (default onnxruntime)")
     mcp.set_defaults(func=cmd_mcp)
     return p
 

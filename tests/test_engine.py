@@ -43,12 +43,13 @@ def test_cache_is_bounded_in_bytes(engine):
 
 def test_asking_never_changes_the_state_kv(engine):
     state = engine.state(TICKET)
-    before = [(k.numpy().copy(), v.numpy().copy()) for k, v in state.kv.layers]
+    host = engine.backend.to_host
+    before = [(host(k).copy(), host(v).copy()) for k, v in state.kv.layers]
     engine.ask(state, QUESTIONS)
     engine.ask(state, {"x": Noul("Is it about shoes?")})
     for (k0, v0), (k, v) in zip(before, state.kv.layers):
-        np.testing.assert_array_equal(k.numpy(), k0)
-        np.testing.assert_array_equal(v.numpy(), v0)
+        np.testing.assert_array_equal(host(k), k0)
+        np.testing.assert_array_equal(host(v), v0)
 
 
 def test_answers_have_the_system_one_shape(engine):

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import os
 import re
 import socket
 import sys
@@ -375,8 +376,9 @@ def test_mcp_tools_over_stdio(engine_dir, engine):
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
+    backend = os.environ.get("ONEPASS_TEST_BACKEND") or "onnxruntime"  # the engine fixture's: answers compared
     params = StdioServerParameters(command=sys.executable, args=["-m", "onepass", "mcp", "--engine",
-                                                                 str(engine_dir)])
+                                                                 str(engine_dir), "--backend", backend])
 
     async def session():
         async with Client(params) as client:
