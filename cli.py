@@ -113,7 +113,7 @@ def cmd_check(args) -> int:
     from .runtime.engine import Engine
     from .runtime.selfcheck import check_golden, tolerances
 
-    engine = Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend))
+    engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
     diffs = check_golden(engine)
     tol = tolerances(engine)
     for name, diff in diffs.items():
@@ -157,7 +157,7 @@ def cmd_serve(args) -> int:
     if args.build_trt_if_missing and args.backend == "tensorrt":  # the images' default; moot for other backends
         build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
-                         backend=backend_factory(args.backend))
+                         backend=args.backend)
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
                                 max_questions=args.max_questions, max_options=args.max_options)
     engine = server_engine(engine, args.max_request_tokens)
@@ -166,6 +166,7 @@ def cmd_serve(args) -> int:
                            "confidence are asked again of the cascade engine")
     cascade = Engine.load(args.cascade, threads=args.threads) if args.cascade else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
     app = create_app(engine, config, cascade=cascade, min_confidence=args.min_confidence)
     uvicorn.run(app, host=config.host, port=config.port, access_log=False, log_level="info")
     return 0
@@ -230,13 +231,6 @@ def cmd_cluster(args) -> int:
     return 0
 
 
-def backend_factory(name: str):
-    """None (ONNX Runtime on CPU) or the Engine.load factory of another backend, from the backend table."""
-    from .runtime.backends import factory
-
-    return None if name == "onnxruntime" else factory(name)
-
-
 def cmd_mcp(args) -> int:
     """Run the MCP tool server on stdio."""
     try:
@@ -245,7 +239,7 @@ def cmd_mcp(args) -> int:
         raise _serve_extra(err) from None
     from .runtime.engine import Engine
 
-    serve_stdio(Engine.load(args.engine, threads=args.threads, backend=backend_factory(args.backend)))
+    serve_stdio(Engine.load(args.engine, threads=args.threads, backend=args.backend))
     return 0
 
 
@@ -601,8 +595,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-tokens", type=int, default=None,
                        help="packed tokens per request over all its passes (default: one pass's, max_packed_tokens; "
                             "up to the engine's max_request_tokens)")
-    serve.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
-                       help="onnxruntime (CPU, default), onnxruntime-gpu (its CUDA provider: no build step; needs "
+    serve.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                       help="auto (default: openvino-cpu where it is installed and reproduces the engine's golden "
+                            "file here, else onnxruntime), onnxruntime (CPU, the reference), onnxruntime-gpu (its CUDA provider: no build step; needs "
                             "the onnxruntime-gpu package), tensorrt (the engine's plan for this GPU), "
                             "the PyTorch backend on CPU or CUDA, or OpenVINO's CPU plugin at f32 or in the CPU's "
                             "native bf16: openvino-cpu is as exact as onnxruntime and 1.3x faster on the measured AMX Xeon, "
@@ -642,7 +637,7 @@ def parser() -> argparse.ArgumentParser:
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     mcp.add_argument("--engine", required=True, help="engine directory")
     mcp.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    mcp.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="as for serve (default onnxruntime)")
+    mcp.add_argument("--backend", choices=("auto", *BACKENDS), default="auto", help="as for serve (default auto)")
     mcp.set_defaults(func=cmd_mcp)
     return p
 

@@ -75,24 +75,24 @@ class Engine:
              cache_bytes: int = DEFAULT_CACHE_BYTES, backend=None) -> "Engine":
         """Open an engine directory: read and (by default) hash-verify the manifest's files.
 
-        ``backend``: None for ONNX Runtime on CPU, a backend's name (``onepass.runtime.backends.BACKENDS``:
-        "onnxruntime", "tensorrt", "torch-cpu", "torch-cuda"), or a factory ``(root, manifest, threads) ->
-        Backend`` (e.g. ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
+        ``backend``: None (or "auto") for the default CPU backend (OpenVINO at f32 where it is installed and
+        reproduces the engine's golden file here, else ONNX Runtime: ``onepass.runtime.backends.default``), a
+        backend's name (``onepass.runtime.backends.BACKENDS``: "onnxruntime", "openvino-cpu", "tensorrt",
+        "torch-cpu", "torch-cuda", ...), or a factory ``(root, manifest, threads) -> Backend`` (e.g.
+        ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
         """
-        root = Path(path)
-        if isinstance(backend, str):
-            from .backends import factory
+        from . import backends
 
-            backend = None if backend == "onnxruntime" else factory(backend)
+        root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
-        if backend is None and manifest.precision == "bf16":
+        if backend in (None, backends.AUTO, "onnxruntime") and manifest.precision == "bf16":
             raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "
                                      "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
                                      "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
-        if backend is None:
-            from .backends.ort import factory
-
-            backend = factory()
+        if backend in (None, backends.AUTO):
+            backend = backends.default
+        elif isinstance(backend, str):
+            backend = backends.factory(backend)
         return cls(root, manifest, backend(root, manifest, threads), cache_bytes)
 
     def close(self) -> None:

@@ -63,12 +63,13 @@ def engine_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(engine_dir):
-    """The engine loaded once; tests must not change its manifest. On ONNX Runtime, or on the backend that
-    $ONEPASS_TEST_BACKEND names (e.g. ``openvino-cpu``): every test of the ``engine`` fixture — parity with
-    transformers, packed equals alone, the server and SDK tests — then runs on that backend."""
+    """The engine loaded once; tests must not change its manifest. On ONNX Runtime, the reference backend (the
+    default's fallback everywhere), or on the backend that $ONEPASS_TEST_BACKEND names (``auto``, ``openvino-cpu``,
+    ...): every test of the ``engine`` fixture — parity with transformers, packed equals alone, the server and SDK
+    tests — then runs on that backend."""
     from onepass import Engine
 
-    return Engine.load(engine_dir, backend=os.environ.get("ONEPASS_TEST_BACKEND") or None)
+    return Engine.load(engine_dir, backend=os.environ.get("ONEPASS_TEST_BACKEND") or "onnxruntime")
 
 
 @pytest.fixture(scope="session")

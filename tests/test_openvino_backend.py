@@ -79,3 +79,56 @@ def test_a_low_precision_engine_is_refused_with_a_typed_error(engine_dir, tmp_pa
     half = dataclasses.replace(manifest, precision="fp16")
     with pytest.raises(BackendUnavailable, match="OpenVINO backends run fp32 engines.*openvino-cpu-bf16"):
         factory("openvino-cpu")(engine_dir, half)
+
+
+def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_else_onnxruntime(
+        tiny_engine_dir, tmp_path, monkeypatch, caplog):
+    """Engine.load without a backend (and `--backend auto`): OpenVINO at f32, whose answers equal ONNX Runtime's
+    (1e-4), after it reproduced the golden file here; checked once per engine and process. Falls back to ONNX Runtime,
+    saying why, when OpenVINO misses the golden file (control: a stand-in golden check 0.1 off), when it is not
+    installed (quietly: it is an extra), and for engines that are not plain fp32 (fp16, INT8) without trying it."""
+    import logging
+
+    from onepass.runtime import backends
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.backends.openvino_cpu import OpenVinoCpuBackend
+    from onepass.runtime.backends.ort import OrtBackend
+    from onepass.runtime.manifest import copy_engine
+
+    monkeypatch.setattr(backends, "_verdicts", {})
+    default = Engine.load(tiny_engine_dir, verify=False)
+    assert isinstance(default.backend, OpenVinoCpuBackend) and default.backend.name == "openvino-cpu"
+    reference = Engine.load(tiny_engine_dir, verify=False, backend="onnxruntime")
+    assert reference.backend.name == "onnxruntime"
+    encoded = reference.encode_questions(QUESTIONS)
+    for a, b in zip(reference.option_logprobs(STATE, encoded), default.option_logprobs(STATE, encoded)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    checks = []
+    import onepass.runtime.selfcheck as selfcheck  # default() imports run_golden from it when it checks
+
+    monkeypatch.setattr(selfcheck, "run_golden", lambda engine: checks.append(1) or {"target_logprob": 0.1})
+    assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OpenVinoCpuBackend) and not checks
+    monkeypatch.setattr(backends, "_verdicts", {})  # a new process: checked again, and missed
+    with caplog.at_level(logging.WARNING, logger="onepass.backends"):
+        fallback = Engine.load(tiny_engine_dir, verify=False)
+    assert isinstance(fallback.backend, OrtBackend) and checks == [1]
+    assert "not openvino-cpu (it does not reproduce the golden file" in caplog.text
+
+    def not_installed(name, **options):
+        if name == "openvino-cpu":
+            raise BackendUnavailable("the openvino-cpu backend needs its extra (openvino is missing)")
+        return real_factory(name, **options)
+
+    real_factory = backends.factory
+    monkeypatch.setattr(backends, "factory", not_installed)
+    monkeypatch.setattr(backends, "_verdicts", {})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="onepass.backends"):
+        assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OrtBackend)
+    assert caplog.text == ""  # an extra not installed is no warning
+
+    monkeypatch.setattr(backends, "factory", real_factory)
+    monkeypatch.setattr(backends, "_verdicts", {})
+    copy = copy_engine(tiny_engine_dir, tmp_path / "int8-ish")
+    mf.write(copy, dataclasses.replace(mf.load(copy, verify=False), quantization={"scheme": "stand-in"}))
+    assert isinstance(Engine.load(copy, verify=False).backend, OrtBackend) and checks == [1]

@@ -36,7 +36,7 @@ def test_state_kv_is_bound_to_the_backend_device_and_read_outs_to_the_host(tiny_
     """What a CUDA backend asks IOBinding for: the new tokens' K/V on its device (so the state stays there and a
     score pass reads it in place), the read-outs on the host. Asked of a CPU session with the device renamed, the
     answers are unchanged (control: the same pass on the plain CPU backend)."""
-    engine = Engine.load(tiny_engine_dir, verify=False)
+    engine = Engine.load(tiny_engine_dir, verify=False, backend="onnxruntime")
     backend = engine.backend
     assert isinstance(backend, OrtBackend) and backend.device == "cpu"
     state, questions = "I was charged twice and want a refund.", {"r": Noul("Is a refund requested?")}

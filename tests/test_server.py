@@ -25,6 +25,7 @@ typesafe_sdk = pytest.importorskip("typesafe_sdk")
 
 from conftest import fuzz_cases  # noqa: E402
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
+from onepass.runtime.backends import BACKENDS  # noqa: E402
 from onepass.runtime.server.app import create_app  # noqa: E402
 from onepass.runtime.server.config import ServerConfig  # noqa: E402
 
@@ -233,6 +234,7 @@ def test_health_ready_models_metrics(url, engine):
     assert get(url, "/healthz")[0] == 200
     status, _, body = get(url, "/readyz")
     assert status == 200 and json.loads(body)["status"] == "ready"
+    assert json.loads(body)["backend"] == engine.backend.name in BACKENDS  # the table's name of the serving backend
     names = [m["name"] for m in json.loads(get(url, "/v1/models")[2])["models"]]
     assert names[0] == engine.name and "jev-latest" in names
     post(url, {"model": "jev-latest", "state": "metrics", "questions": {"q": QUESTIONS["refund"]}})

@@ -4,13 +4,25 @@
 Backend``; ``Engine.load(backend="torch-cuda")`` takes the name directly. The PyTorch backend lives in
 ``onepass.export`` (it needs torch, which the runtime never imports at import time): the table names it as
 a module path, imported on first use.
+
+``default`` (the name ``auto``, what ``Engine.load`` uses when given no backend) picks the fastest CPU path that
+keeps the answers: OpenVINO's CPU plugin at f32 (1.32x ONNX Runtime on a 511-token state, log-likelihoods within
+1e-4: benchmarks/results/precision_eval.md) where it is installed, the engine is a plain fp32 graph and OpenVINO
+reproduces the engine's golden file at the fp32 tolerances on this machine (checked once per graph and
+process); otherwise ONNX Runtime on CPU, the reference.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
+import types
+from pathlib import Path
 
 from ..errors import BackendUnavailable
+
+log = logging.getLogger("onepass.backends")
 
 # name -> (module, factory attribute, fixed options)
 TABLE = {
@@ -23,6 +35,8 @@ TABLE = {
     "openvino-cpu-bf16": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "bf16"}),
 }
 BACKENDS = tuple(TABLE)
+AUTO = "auto"  # the default: see ``default``
+FASTEST_EXACT_CPU = "openvino-cpu"
 
 
 def factory(name: str, **options):
@@ -37,4 +51,48 @@ def factory(name: str, **options):
         need = "PyTorch and onnx: pip install torch==2.13.0 'onepass[export]'" if module.startswith(
             "onepass.export") else f"its extra: pip install 'onepass[{extra}]'"
         raise BackendUnavailable(f"the {name} backend needs {need} ({err.name} is missing)") from None
-    return make(**fixed, **options)
+    made = make(**fixed, **options)
+
+    def named(root, manifest, threads=None):
+        backend = made(root, manifest, threads)
+        backend.name = name
+        return backend
+    return named
+
+
+_verdicts: dict = {}  # the sha256s of graph, weights and golden file -> None (OpenVINO passed) or why it did not
+_verdicts_lock = threading.Lock()
+
+
+def default(root, manifest, threads=None):
+    """The default backend of an engine (the name ``auto``): OpenVINO at f32 when it is installed, the graph is a
+    plain fp32 one and OpenVINO reproduces the golden file here at the fp32 tolerances; else ONNX Runtime on CPU.
+    Why OpenVINO was passed over is logged (at debug level when it is simply not installed)."""
+    from ..selfcheck import TOLERANCES, run_golden
+
+    backend = None
+    key = tuple(sorted((name, sha) for name, sha in manifest.files.items()  # the graph, its weights and golden file:
+                       if name.startswith(manifest.graph) or name == manifest.golden))  # copies share the verdict
+    with _verdicts_lock:
+        verdict = _verdicts.get(key, "unchecked")
+        if manifest.precision != "fp32" or manifest.quantization is not None:
+            verdict = f"a {manifest.precision}{' INT8' if manifest.quantization else ''} engine"
+        if verdict == "unchecked" or verdict is None:
+            try:
+                backend = factory(FASTEST_EXACT_CPU)(root, manifest, threads)
+                if verdict == "unchecked":
+                    diffs = run_golden(types.SimpleNamespace(root=Path(root), manifest=manifest, backend=backend))
+                    bad = {k: v for k, v in diffs.items() if not v <= TOLERANCES[k]}
+                    verdict = f"it does not reproduce the golden file: {bad}" if bad else None
+            except Exception as err:  # noqa: BLE001 - not installed, or any failure of the optional fast path:
+                verdict = f"{type(err).__name__}: {err}"  # the reference backend serves instead
+            _verdicts[key] = verdict
+    if verdict is None:
+        log.info("%s: backend %s (the golden file reproduced here)", root, FASTEST_EXACT_CPU)
+        return backend
+    quiet = isinstance(verdict, str) and "is missing" in verdict
+    log.log(logging.DEBUG if quiet else logging.WARNING, "%s: backend onnxruntime, not %s (%s)", root,
+            FASTEST_EXACT_CPU, verdict)
+    if backend is not None:
+        backend.close()
+    return factory("onnxruntime")(root, manifest, threads)

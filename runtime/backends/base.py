@@ -36,6 +36,7 @@ class Backend(ABC):
     # max_packed_tokens, i.e. as few passes as possible). CPU backends set what measures fastest
     # (benchmarks/results/blocks.md): attention is dense within a pass, so smaller blocks do less work.
     block_tokens: int | None = None
+    name = "custom"  # the backend table's name of this backend, set by ``backends.factory`` (``/readyz`` reports it)
 
     def __init__(self, model: ModelInfo):
         self.model = model

@@ -348,7 +348,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     async def readyz():
         if not server.ready:
             return JSONResponse({"status": "warming up"}, status_code=503)
-        return {"status": "ready", "engine": engine.name}
+        return {"status": "ready", "engine": engine.name, "backend": engine.backend.name}
 
     @app.get("/metrics")
     async def metrics():
