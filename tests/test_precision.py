@@ -29,6 +29,23 @@ def _workload():
     return state, questions
 
 
+def _errors(reference, other) -> list:
+    """Per question of the ticket workload, the largest option log-likelihood difference between two engines."""
+    state, questions = _workload()
+    encoded = reference.encode_questions(questions)
+    return [np.abs(a - b).max() for a, b in zip(reference.option_logprobs(state, encoded),
+                                                other.option_logprobs(state, encoded))]
+
+
+def _torch_gemm_errors(engine, precision: str) -> list:
+    """The fp32 engine against the PyTorch backend running it with ``precision`` block GEMMs."""
+    from onepass.export.torch_backend import factory
+
+    lowered = Engine.load(engine.root, verify=False, backend=factory("cpu", precision))
+    assert lowered.backend.precision == precision
+    return _errors(engine, lowered)
+
+
 def _initializer_types(engine_dir: Path) -> dict:
     import onnx
 
@@ -52,10 +69,7 @@ def test_fp16_graph_holds_fp16_block_weights_and_reproduces_its_golden_file(tiny
     assert len(gemm) == 7 * layers and set(gemm.values()) == {onnx.TensorProto.FLOAT16}, gemm
     assert {t for n, t in types.items() if n not in gemm and t in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)} \
         == {onnx.TensorProto.FLOAT}  # embedding, norms: float32
-    state, questions = _workload()
-    encoded = fp32.encode_questions(questions)
-    errors = [np.abs(a - b).max() for a, b in zip(fp32.option_logprobs(state, encoded),
-                                                  fp16.option_logprobs(state, encoded))]
+    errors = _errors(fp32, fp16)
     assert 1e-5 < max(errors) <= 0.05, errors
 
 
@@ -77,14 +91,7 @@ def test_fp16_gemms_on_smollm2_stay_close_to_fp32(engine):
     arithmetic of an fp16 engine (whose golden file is written by this same PyTorch fp16 decoder and which ONNX
     Runtime reproduces at fp16 tolerances: the two tests above). The README's bound: 0.021 on the 78-question
     benchmark, where ONNX Runtime's fp16 graph was measured directly (benchmarks/precision_eval.py)."""
-    from onepass.export.torch_backend import factory
-
-    fp16 = Engine.load(engine.root, verify=False, backend=factory("cpu", "fp16"))
-    assert fp16.backend.precision == "fp16"
-    state, questions = _workload()
-    encoded = engine.encode_questions(questions)
-    errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
-                                                  fp16.option_logprobs(state, encoded))]
+    errors = _torch_gemm_errors(engine, "fp16")
     assert 1e-4 < max(errors) <= 0.05, errors  # above: fp16 GEMMs really ran; below: 2x the README's bound
 
 
@@ -132,14 +139,7 @@ def test_bf16_gemms_on_smollm2_stay_close_to_fp32(engine):
     """SmolLM2's bf16 closeness without a bf16 export: the PyTorch backend at bf16 over the fp32 engine runs the
     same arithmetic as a bf16 engine on it (the bf16 engine's weights are these weights rounded to bf16, upcast
     exactly on load, then lowered to bf16 again: the rounding is idempotent)."""
-    from onepass.export.torch_backend import factory
-
-    bf16 = Engine.load(engine.root, verify=False, backend=factory("cpu", "bf16"))
-    assert bf16.backend.precision == "bf16"
-    state, questions = _workload()
-    encoded = engine.encode_questions(questions)
-    errors = [np.abs(a - b).max() for a, b in zip(engine.option_logprobs(state, encoded),
-                                                  bf16.option_logprobs(state, encoded))]
+    errors = _torch_gemm_errors(engine, "bf16")
     assert 1e-3 < max(errors) <= 1.0  # bf16 GEMMs really ran (0.90 on this workload with the current adapter)
 
 
