@@ -241,12 +241,12 @@ def main(argv=None) -> int:
     hf = None
     if not args.skip_hf:
         try:
-            hf = HFBaselines(Engine.load(args.engine, verify=False), args.device)
+            hf = HFBaselines(Engine.load(args.engine, verify=False, backend="onnxruntime"), args.device)
         except Exception as err:  # noqa: BLE001 - the baseline is optional; say why it is missing
             report["skipped"]["hf_eager"] = f"{type(err).__name__}: {err}"[:300]
             log(f"HF baseline skipped: {report['skipped']['hf_eager']}")
     try:  # the CPU reference of the replayed-graph comparisons (bf16 engines have none on ONNX Runtime)
-        reference = Engine.load(args.engine, verify=False)
+        reference = Engine.load(args.engine, verify=False, backend="onnxruntime")
     except Exception as err:  # noqa: BLE001
         reference = None
         report["skipped"]["parity_after"] = f"{type(err).__name__}: {err}"[:300]

@@ -130,7 +130,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "fp32"
         shutil.copytree(args.engine, src)  # a real copy: onnx refuses hard-linked external data
-        base = Engine.load(src, verify=False, threads=2)
+        base = Engine.load(src, verify=False, threads=2, backend="onnxruntime")
         texts = TEXTS + [state_of_tokens(base, 512)]
         ref = [base.option_logprobs(t, base.encode_questions(QUESTIONS)) for t in texts]
         m = margins(ref)
@@ -142,7 +142,7 @@ def main() -> None:
         builders.update({name: (lambda d, lvl=lvl: blockwise_copy(src, d, lvl)) for name, lvl in NBITS.items()})
         for name, build in builders.items():
             n = build(Path(tmp) / name)
-            eng = Engine.load(Path(tmp) / name, verify=False, threads=2)
+            eng = Engine.load(Path(tmp) / name, verify=False, threads=2, backend="onnxruntime")
             got = [eng.option_logprobs(t, eng.encode_questions(QUESTIONS)) for t in texts]
             pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
             agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in pairs)

@@ -68,7 +68,7 @@ def main() -> None:
 
         spec, adapters = engine_source(mf.load(args.engine, verify=False))
         export_engine(fp16_dir, spec, precision="fp16", adapters=adapters)
-    base = Engine.load(args.engine, verify=False, threads=2)
+    base = Engine.load(args.engine, verify=False, threads=2, backend="onnxruntime")  # the reference
     texts = TEXTS + [state_of_tokens(base, 512)]
     enc = base.encode_questions(QUESTIONS)
     ref = [base.option_logprobs(t, enc) for t in texts]
@@ -76,7 +76,7 @@ def main() -> None:
     m = margins(ref)
     variants = {
         "onnxruntime fp32": base,
-        "onnxruntime fp16 engine": Engine.load(fp16_dir, verify=False, threads=2),
+        "onnxruntime fp16 engine": Engine.load(fp16_dir, verify=False, threads=2, backend="onnxruntime"),
         "torch fp32": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "fp32")),
         "torch fp16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "fp16")),
         "torch bf16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "bf16")),

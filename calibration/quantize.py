@@ -71,7 +71,7 @@ def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_a
                     max_error: float = 0.1, keep_blocks=KEEP_BLOCKS) -> dict:
     """Write an INT8 engine to ``out`` if it keeps its answers on ``data``; else raise QuantizationRefused."""
     src, out = Path(src), Path(out)
-    ref = Engine.load(src)
+    ref = Engine.load(src, backend="onnxruntime")  # INT8 is an ONNX Runtime scheme: like against like
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -90,7 +90,7 @@ def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_a
         files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
         manifest = dataclasses.replace(ref.manifest, files=files, name=f"{ref.name}-int8")
         mf.write(tmp, manifest)
-        measured = _compare(ref, Engine.load(tmp), load_rows(data))
+        measured = _compare(ref, Engine.load(tmp, backend="onnxruntime"), load_rows(data))
         if measured["agreement"] < min_agreement or measured["max_logprob_error"] > max_error:
             raise QuantizationRefused(
                 f"INT8 agrees with fp32 on {measured['agreement']:.1%} of {measured['rows']} rows (need "

@@ -80,7 +80,7 @@ def check_bf16_engine(root: Path, reference: PackedDecoder, work: Path) -> dict:
         write_golden(bf16_weights_fp32_math(reference), PromptEncoder(str(work / manifest.tokenizer), manifest.prompt),
                      work / manifest.golden)
         mf.write(work, dataclasses.replace(manifest, precision="fp32"))
-        twin = check_golden(Engine.load(work, verify=False))
+        twin = check_golden(Engine.load(work, verify=False, backend="onnxruntime"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     arithmetic = check_golden(Engine.load(root, verify=False, backend=factory("cpu")))

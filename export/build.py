@@ -121,7 +121,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                                       out.with_name(out.name + ".bf16-twin"))
         else:
             step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")
-            diffs = check_golden(Engine.load(tmp, verify=False))
+            diffs = check_golden(Engine.load(tmp, verify=False, backend="onnxruntime"))
         log.info("golden max differences: %s", diffs)
     except BaseException:  # nothing half-written: a failed export leaves no directory behind
         shutil.rmtree(tmp, ignore_errors=True)
