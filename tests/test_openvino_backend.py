@@ -114,20 +114,14 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     assert isinstance(fallback.backend, OrtBackend) and checks == [1]
     assert "not openvino-cpu (it does not reproduce the golden file" in caplog.text
 
-    def not_installed(name, **options):
-        if name == "openvino-cpu":
-            raise BackendUnavailable("the openvino-cpu backend needs its extra (openvino is missing)")
-        return real_factory(name, **options)
-
-    real_factory = backends.factory
-    monkeypatch.setattr(backends, "factory", not_installed)
+    monkeypatch.setattr(backends, "_openvino_installed", lambda: False)
     monkeypatch.setattr(backends, "_verdicts", {})
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="onepass.backends"):
         assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OrtBackend)
     assert caplog.text == ""  # an extra not installed is no warning
 
-    monkeypatch.setattr(backends, "factory", real_factory)
+    monkeypatch.setattr(backends, "_openvino_installed", lambda: True)
     monkeypatch.setattr(backends, "_verdicts", {})
     copy = copy_engine(tiny_engine_dir, tmp_path / "int8-ish")
     mf.write(copy, dataclasses.replace(mf.load(copy, verify=False), quantization={"scheme": "stand-in"}))
