@@ -262,7 +262,7 @@ def cmd_calibrate(args) -> int:
 def cmd_eval(args) -> int:
     """Accuracy vs majority, NLL, Brier, ECE, coverage and confusion of an engine on labelled rows."""
     try:
-        from .calibration.evaluate import evaluate_engine, write
+        from .calibration.evaluate import engine_reports, evaluate_engine, write
     except ImportError as err:
         raise OnepassError(f"eval needs the [calibrate] extra ({err.name} is missing): "
                            "pip install 'onepass[calibrate]'") from None
@@ -270,7 +270,7 @@ def cmd_eval(args) -> int:
     if args.compare:
         report["compare"] = evaluate_engine(args.compare, args.data, args.min_confidence, args.target_accuracy,
                                             args.threads)
-    for r in [report] + ([report["compare"]] if args.compare else []):
+    for r in engine_reports(report):
         m = r["all"]
         print(f"{r['name']}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} "
               f"(majority {m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")

@@ -70,6 +70,11 @@ def evaluate_engine(engine_dir, data, min_confidence: float | None = None, targe
     return report
 
 
+def engine_reports(report: dict) -> list[dict]:
+    """The report and, with ``--compare``, the second engine's report on the same rows."""
+    return [report] + ([report["compare"]] if "compare" in report else [])
+
+
 def _blocks(report: dict) -> list[tuple[str, dict]]:
     """(name, metrics) of the overall, per data set and per question blocks, in report order."""
     return [("all", report["all"]), *report["datasets"].items(),
@@ -110,8 +115,9 @@ def write(report: dict, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    reports = [report] + ([report["compare"]] if "compare" in report else [])
-    names = [r["name"] if len({x["name"] for x in reports}) == len(reports) else r["engine"] for r in reports]
+    reports = engine_reports(report)
+    distinct = len({r["name"] for r in reports}) == len(reports)  # else the engines' folders tell them apart
+    names = [r["name"] if distinct else r["engine"] for r in reports]
     (out / "plots").mkdir(exist_ok=True)
     plot_reliability([(n, r["all"]) for n, r in zip(names, reports)], out / "plots" / "reliability.png")
     plot_coverage([(n, r["all"]) for n, r in zip(names, reports)], out / "plots" / "coverage.png")
