@@ -29,8 +29,10 @@ $(ENGINE)/manifest.json: | $(BIN)/.installed
 demo: $(BIN)/.installed $(ENGINE)/manifest.json
 	$(BIN)/onepass ask --engine $(ENGINE) --state tests/data/ticket.txt --questions tests/data/questions.json
 
+# Two workers (the 2-core CI machine), a test file at a time each, in the order tests/conftest.py gives
+# (slowest first, the SmolLM2-free ones leading); the default engine is exported once, under a lock.
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow"

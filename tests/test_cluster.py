@@ -6,10 +6,10 @@ server's (errors, limits, compressed bodies, models, metrics aggregated over rep
 killed with SIGKILL mid-run costs no client request and re-prefills only the states it held.
 Everything is bounded: fixed request counts, timeouts on every wait, Ray shut down at the end.
 
-`onepass cluster` itself runs the default engine, as a user runs it. The deployments that measure routing,
-failover and parity serve the tiny random Llama (SmolLM2's architecture and real tokenizer, exported through the
-same path): what they prove does not depend on the weights, and a request costs milliseconds instead of a
-SmolLM2 pass, so the 400 routed requests and the replica kill take seconds, not minutes.
+Every deployment here, and the `onepass cluster` command, serves the tiny random Llama (SmolLM2's architecture and
+real tokenizer, exported through the same path): what they prove does not depend on the weights, and a request
+costs milliseconds instead of a SmolLM2 pass, so the 400 routed requests and the replica kill take seconds, not
+minutes. The module needs no SmolLM2 export, so under pytest-xdist it runs while another worker exports.
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ def _status(base: str, path: str) -> int:
         return 0
 
 
-def test_the_cluster_command_serves_and_stops_on_ctrl_c(engine_dir, tmp_path):
+def test_the_cluster_command_serves_and_stops_on_ctrl_c(tiny_engine_dir, tmp_path):
     """`onepass cluster` as a user runs it (its own Ray instance; this test runs before the module's cluster):
     it answers over HTTP, and SIGINT shuts Serve and Ray down with status 0. Bad settings are one-line errors."""
     import subprocess
     import sys
 
     for args, message in ((["--engine", str(tmp_path)], "holds no engine"),
-                          (["--engine", str(engine_dir), "--autoscale", "4"], "MIN:MAX")):
+                          (["--engine", str(tiny_engine_dir), "--autoscale", "4"], "MIN:MAX")):
         done = subprocess.run([sys.executable, "-m", "onepass", "cluster", *args], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "onepass", "cluster", "--engine", str(engine_dir), "--replicas", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "onepass", "cluster", "--engine", str(tiny_engine_dir), "--replicas", "1",
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even under nohup
