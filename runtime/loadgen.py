@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,15 +107,32 @@ def _micros(seconds: float) -> int:
 
 def _wait(threads_done, stop: threading.Event, run: Run) -> None:
     """Block until ``threads_done()``; Ctrl-C sets ``stop``, marks the run interrupted and waits for the senders
-    to finish their request in flight."""
+    to finish their request in flight.
+
+    In the main thread SIGINT gets a handler that only sets those flags for the run's duration. Python's default
+    handler raises KeyboardInterrupt wherever the main thread happens to be, and when that is a garbage-collector
+    callback (torch's weak dictionaries run them) the exception is printed as "Exception ignored" and dropped: the
+    Ctrl-C would be lost and the run would go on to its end. A SIGINT ignored before the run (nohup) stays ignored.
+    """
+    def interrupt(*_):
+        stop.set()
+        run.interrupted = True
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, interrupt)
     try:
         while not threads_done():
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        stop.set()
-        run.interrupted = True
+    except KeyboardInterrupt:  # raised by a handler other than ours (the loop run outside the main thread)
+        interrupt()
         while not threads_done():
             time.sleep(0.05)
+    finally:
+        if previous is not None and previous is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, previous)
 
 
 def poisson_schedule(rate: float, duration: float, seed: int = 0) -> list[float]:

@@ -63,10 +63,63 @@ def test_ctrl_c_ends_the_run_and_keeps_what_was_measured():
         timer.start()
         run = open_loop(lambda: time.sleep(0.001), rate=50, duration=60)
         timer.join()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's own handler is gone
     finally:
         signal.signal(signal.SIGINT, previous)
     summary = run.summary()
     assert summary["interrupted"] and 0 < summary["requests"] < 50 * 60 * 0.5
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_lands_in_a_garbage_collector_callback_still_ends_the_run():
+    """Seen once under pytest-xdist: Python's default SIGINT handler ran inside a weak-reference callback (torch keeps
+    weak dictionaries), where a KeyboardInterrupt is printed and dropped, and the run went on to its end. Here a
+    weak-reference callback raises SIGINT itself while the run waits: the run still ends, interrupted. Control: under
+    the default handler the same callback's Ctrl-C never reaches the caller."""
+    import weakref
+
+    from onepass.runtime.loadgen import Run, _wait
+
+    class Thing:
+        pass
+
+    def collect_with_sigint():
+        thing = Thing()
+        ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # noqa: F841
+        del thing  # the callback runs here, in the main thread
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stop, run, polls = threading.Event(), Run("open"), []
+
+        def threads_done():  # the senders: they finish once told to stop, else after 200 polls (~10 s)
+            polls.append(1)
+            if len(polls) == 3:
+                collect_with_sigint()
+            return stop.is_set() or len(polls) > 200
+
+        _wait(threads_done, stop, run)
+        assert run.interrupted and stop.is_set() and len(polls) < 10
+        try:
+            collect_with_sigint()  # control: the default handler's KeyboardInterrupt is dropped in the callback
+        except KeyboardInterrupt:
+            pytest.fail("a KeyboardInterrupt raised in a weak-reference callback reached the caller")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_sigint_ignored_before_the_run_stays_ignored():
+    """Under nohup SIGINT comes in ignored: the run neither installs a handler nor stops."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        run = open_loop(lambda: None, rate=50, duration=0.6)
+        timer.join()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not run.summary()["interrupted"]
 
 
 def test_bench_engine_kinds_backends_stages_and_plots(tiny_engine_dir, workload, tmp_path, capsys):
