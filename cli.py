@@ -187,7 +187,6 @@ def cmd_cluster(args) -> int:
     import os
     import shutil
     import tempfile
-    import time
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
@@ -219,9 +218,8 @@ def cmd_cluster(args) -> int:
         size = f"{args.autoscale} replicas (autoscaled)" if args.autoscale else f"{args.replicas} replicas"
         print(f"onepass cluster: {engine.name} on http://{args.host}:{args.port} with {size}, routing by "
               f"{args.routing}; Ctrl-C stops it", flush=True)
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
+        _wait_for_ctrl_c()
+    except KeyboardInterrupt:  # during start-up
         pass
     finally:
         if ray.is_initialized():
@@ -229,6 +227,21 @@ def cmd_cluster(args) -> int:
             ray.shutdown()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _wait_for_ctrl_c() -> None:
+    """Block until SIGINT. A handler sets a flag: Python's KeyboardInterrupt is dropped when it lands in a
+    garbage-collector callback, and the Ctrl-C would be lost (see runtime/loadgen.py's _wait)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.2):
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_mcp(args) -> int:
