@@ -51,6 +51,7 @@ log = logging.getLogger("onepass.tensorrt")
 
 MAX_GRAPHS = 32
 FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
+ALIGN = 256  # bytes: TensorRT refuses a tensor address that is not a multiple
 _INPUTS = ("input_ids", "position_ids", "tree_mask", "readout_index", "readout_target")
 
 
@@ -221,11 +222,24 @@ class TensorRTBackend(Backend):
 
     # -- state K/V ---------------------------------------------------------------------------------
 
+    def _step(self, length: int) -> int:
+        """Bytes from one layer's K (or V) tensor [Hkv, length, D] to the next: its size rounded up to
+        TensorRT's 256-byte address alignment. SmolLM2's rows (3 heads x 64 x 4 bytes) always align; a model
+        whose Hkv x D is not a multiple of 64 would otherwise put every other tensor of an odd-length chunk
+        at an address TensorRT refuses."""
+        size = self.model.num_kv_heads * length * self._row
+        return -(-size // ALIGN) * ALIGN
+
+    def _kv_bytes(self, length: int) -> int:
+        """Bytes of the 2L aligned K/V tensors of ``length`` tokens."""
+        return 2 * self.model.num_layers * self._step(length)
+
     def _tensors(self, block: Block, base: int, length: int) -> list[DeviceTensor]:
-        """The 2L tensors [Hkv, length, D] laid out one after another from ``base``."""
+        """The 2L tensors [Hkv, length, D] laid out one after another from ``base``, each at a 256-byte
+        aligned address."""
         m = self.model
         shape = (m.num_kv_heads, length, m.head_dim)
-        step = m.num_kv_heads * length * self._row
+        step = self._step(length)
         return [DeviceTensor(base + i * step, shape, block) for i in range(2 * m.num_layers)]
 
     def _state(self, tensors: Sequence[DeviceTensor], length: int) -> StateKV:
@@ -265,7 +279,7 @@ class TensorRTBackend(Backend):
         if kv.length == 0:
             return self._state(new, n)
         m, total = self.model, kv.length + n
-        block = self.pool.take(total * m.kv_bytes_per_token())
+        block = self.pool.take(self._kv_bytes(total))
         out = self._tensors(block, block.ptr, total)
         old = [value for pair in kv.layers for value in pair]
         for dst, a, b in zip(out, old, new):  # per KV head: [old rows | new rows]
@@ -295,17 +309,14 @@ class TensorRTBackend(Backend):
         """Where a score pass writes the K/V of its packed tokens (never read); grows on demand."""
         if packed in self._presents:  # the hot path: a replayed bucket
             return self._presents[packed]
-        m = self.model
-        need = 2 * m.num_layers * m.num_kv_heads * packed * self._row
+        need = self._kv_bytes(packed)
         if self._scratch is None or self._scratch[1] < need:
             self._release_graphs()  # captured graphs hold the old scratch address
             self._presents.clear()
             if self._scratch is not None:
                 self.device.free(self._scratch[0])
             self._scratch = (self.device.alloc(need), need)
-        step = m.num_kv_heads * packed * self._row
-        self._presents[packed] = [DeviceTensor(self._scratch[0] + i * step, (m.num_kv_heads, packed, m.head_dim))
-                                  for i in range(2 * m.num_layers)]
+        self._presents[packed] = self._tensors(None, self._scratch[0], packed)
         return self._presents[packed]
 
     def _upload(self, batch: PackedBatch, ptrs: dict) -> dict:
@@ -367,7 +378,7 @@ class TensorRTBackend(Backend):
             batch = pad_batch(batch, batch.num_tokens, 1)
         n = batch.num_tokens
         ptrs, host = self._buffers(n, batch.readout_index.shape[0])
-        block = self.pool.take(n * self.model.kv_bytes_per_token())
+        block = self.pool.take(self._kv_bytes(n))
         presents = self._tensors(block, block.ptr, n)
         self._point(self._prefill, self._upload(batch, ptrs), kv, ptrs, presents)
         self._enqueue(self._prefill)
