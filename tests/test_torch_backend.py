@@ -60,21 +60,25 @@ def test_chunked_prefill_into_preallocated_buffers_equals_one_chunk(torch_engine
     assert chunked.length == len(ids) and chunked.nbytes == one.nbytes
 
 
-def test_golden_check_catches_a_broken_weight(engine_dir):
-    """Negative control: one altered weight in the rebuilt decoder fails the golden comparison."""
+def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
+    """Negative control: one altered weight in the rebuilt decoder fails the golden comparison (on the tiny Llama:
+    the check is the same code whatever the weights)."""
     from onepass.export.torch_backend import factory
 
-    broken = Engine.load(engine_dir, backend=factory("cpu"), verify=False)
+    assert check_golden(Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False))["target_logprob"] <= 2e-4
+    broken = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
     with torch.no_grad():
-        broken.backend.decoder.blocks[3].down.weight.mul_(1.05)
+        broken.backend.decoder.blocks[1].down.weight.mul_(1.05)
     assert run_golden(broken)["target_logprob"] > 1e-2
 
 
-def test_bucket_padding_changes_no_real_output(engine_dir, torch_engine):
+def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
+    """On the tiny Llama: padding is the tree mask's and the backend's logic, not the weights'."""
     from onepass.export.torch_backend import factory
     from onepass.runtime.tree import bucket, pad_batch
 
-    padded = Engine.load(engine_dir, backend=factory("cpu", buckets=True), verify=False)
+    torch_engine = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
+    padded = Engine.load(tiny_engine_dir, backend=factory("cpu", buckets=True), verify=False)
     padded.cache = torch_engine.cache  # the same prefilled state
     encoded = torch_engine.encode_questions(QUESTIONS)
     state = torch_engine.state(STATE)
@@ -130,12 +134,12 @@ def test_torch_backend_on_cuda_answers_like_cpu(engine_dir, torch_engine):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
 
 
-def test_serving_on_cuda_without_a_gpu_is_a_one_line_error(engine_dir, capsys):
+def test_serving_on_cuda_without_a_gpu_is_a_one_line_error(tiny_engine_dir, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from onepass.cli import main
 
-    assert main(["serve", "--engine", str(engine_dir), "--backend", "torch-cuda"]) == 2
+    assert main(["serve", "--engine", str(tiny_engine_dir), "--backend", "torch-cuda"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "CUDA" in err and err.count("\n") == 1
 
@@ -181,14 +185,15 @@ def test_the_device_lint_catches_a_host_tensor(tmp_path):
     assert len(_factories_without_device(bad)) == 1
 
 
-def test_prefill_and_score_propagate_on_the_meta_device(engine_dir):
+def test_prefill_and_score_propagate_on_the_meta_device(tiny_engine_dir):
     """A whole engine run — chunked prefill, then one packed score pass, plain and bucket-padded — with every
     weight and activation on torch's ``meta`` device: any tensor created on another device fails here, as it
-    would on CUDA (no data is computed, so the answers are uniform)."""
+    would on CUDA (no data is computed, so the answers are uniform). The tiny Llama runs the same decoder code as
+    SmolLM2."""
     from onepass.export.torch_backend import factory
 
     for buckets in (False, True):
-        meta = Engine.load(engine_dir, backend=factory("meta", buckets=buckets), verify=False)
+        meta = Engine.load(tiny_engine_dir, backend=factory("meta", buckets=buckets), verify=False)
         chunked = meta.with_limits(prefill_chunk=8)
         result = chunked.run(STATE, QUESTIONS)
         assert result.answers["refund"].noul == pytest.approx(0.5)
