@@ -23,6 +23,7 @@ and keeps what it measured); pass ``run`` to watch a run while it goes (a progre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -105,24 +106,37 @@ def _micros(seconds: float) -> int:
     return min(MAX_MICROS, max(1, int(round(seconds * 1e6))))
 
 
-def _wait(threads_done, stop: threading.Event, run: Run) -> None:
-    """Block until ``threads_done()``; Ctrl-C sets ``stop``, marks the run interrupted and waits for the senders
-    to finish their request in flight.
+@contextlib.contextmanager
+def _ctrl_c_stops(stop: threading.Event, run: Run):
+    """For a loop's whole run — scheduling, starting its senders, waiting — Ctrl-C sets ``stop`` and marks the run
+    interrupted; yields that action.
 
-    In the main thread SIGINT gets a handler that only sets those flags for the run's duration. Python's default
-    handler raises KeyboardInterrupt wherever the main thread happens to be, and when that is a garbage-collector
-    callback (torch's weak dictionaries run them) the exception is printed as "Exception ignored" and dropped: the
-    Ctrl-C would be lost and the run would go on to its end. A SIGINT ignored before the run (nohup) stays ignored.
+    In the main thread SIGINT gets a handler that only sets those flags. Python's default handler raises
+    KeyboardInterrupt wherever the main thread happens to be, and when that is a garbage-collector callback (the
+    thread pool's and torch's weak dictionaries run them) the exception is printed as "Exception ignored" and
+    dropped: the Ctrl-C would be lost and the run would go on to its end. A SIGINT ignored before the run (nohup)
+    stays ignored.
     """
     def interrupt(*_):
         stop.set()
         run.interrupted = True
 
-    previous = None
+    installed, previous = False, None
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGINT)
         if previous is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, interrupt)
+            installed = True
+    try:
+        yield interrupt
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _wait(threads_done, interrupt) -> None:
+    """Block until ``threads_done()``; after a Ctrl-C (``interrupt``), wait for the senders to finish their request
+    in flight."""
     try:
         while not threads_done():
             time.sleep(0.05)
@@ -130,9 +144,6 @@ def _wait(threads_done, stop: threading.Event, run: Run) -> None:
         interrupt()
         while not threads_done():
             time.sleep(0.05)
-    finally:
-        if previous is not None and previous is not signal.SIG_IGN:
-            signal.signal(signal.SIGINT, previous)
 
 
 def poisson_schedule(rate: float, duration: float, seed: int = 0) -> list[float]:
@@ -155,31 +166,32 @@ def _classify(err: BaseException) -> str:
 def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int = 0, run: Run | None = None,
               stop: threading.Event | None = None) -> Run:
     """Send at Poisson times for ``duration`` seconds; latency from each request's intended send time."""
-    schedule = poisson_schedule(rate, duration, seed)
     run = run or Run("open", offered=rate)
     stop = stop or threading.Event()
-    start = run.started = time.perf_counter() + 0.01
+    with _ctrl_c_stops(stop, run) as interrupt:
+        schedule = poisson_schedule(rate, duration, seed)
+        start = run.started = time.perf_counter() + 0.01
 
-    def one(intended: float) -> None:
-        at = start + intended
-        wait = at - time.perf_counter()
-        if stop.wait(wait) if wait > 0 else stop.is_set():
-            return
-        if wait < -0.001:
-            with run._lock:
-                run.late_starts += 1
-        try:
-            stages = send()
-        except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
-            run.fail(_classify(err))
-            return
-        _record(run, stop, time.perf_counter() - at, stages)
+        def one(intended: float) -> None:
+            at = start + intended
+            wait = at - time.perf_counter()
+            if stop.wait(wait) if wait > 0 else stop.is_set():
+                return
+            if wait < -0.001:
+                with run._lock:
+                    run.late_starts += 1
+            try:
+                stages = send()
+            except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
+                run.fail(_classify(err))
+                return
+            _record(run, stop, time.perf_counter() - at, stages)
 
-    pool = ThreadPoolExecutor(senders)
-    futures = [pool.submit(one, t) for t in schedule]
-    _wait(lambda: all(f.done() for f in futures), stop, run)
-    pool.shutdown(wait=True)
-    run.seconds = time.perf_counter() - start
+        pool = ThreadPoolExecutor(senders)
+        futures = [pool.submit(one, t) for t in schedule]
+        _wait(lambda: all(f.done() for f in futures), interrupt)
+        pool.shutdown(wait=True)
+        run.seconds = time.perf_counter() - start
     if run.error is not None:
         raise run.error
     return run
@@ -193,30 +205,31 @@ def closed_loop(send, concurrency: int, duration: float | None = None, requests:
         raise ValueError("give a duration or a number of requests")
     run = run or Run("closed", offered=concurrency)
     stop = stop or threading.Event()
-    left = [requests if requests is not None else -1]
-    start = run.started = time.perf_counter()
-    end = start + duration if duration is not None else math.inf
+    with _ctrl_c_stops(stop, run) as interrupt:
+        left = [requests if requests is not None else -1]
+        start = run.started = time.perf_counter()
+        end = start + duration if duration is not None else math.inf
 
-    def worker() -> None:
-        while time.perf_counter() < end and not stop.is_set():
-            with run._lock:
-                if left[0] == 0:
+        def worker() -> None:
+            while time.perf_counter() < end and not stop.is_set():
+                with run._lock:
+                    if left[0] == 0:
+                        return
+                    left[0] -= 1
+                t0 = time.perf_counter()
+                try:
+                    stages = send()
+                except Exception as err:  # noqa: BLE001 - counted by kind
+                    run.fail(_classify(err))
+                    continue
+                if not _record(run, stop, time.perf_counter() - t0, stages):
                     return
-                left[0] -= 1
-            t0 = time.perf_counter()
-            try:
-                stages = send()
-            except Exception as err:  # noqa: BLE001 - counted by kind
-                run.fail(_classify(err))
-                continue
-            if not _record(run, stop, time.perf_counter() - t0, stages):
-                return
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    _wait(lambda: not any(t.is_alive() for t in threads), stop, run)
-    run.seconds = time.perf_counter() - start
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        _wait(lambda: not any(t.is_alive() for t in threads), interrupt)
+        run.seconds = time.perf_counter() - start
     if run.error is not None:
         raise run.error
     return run

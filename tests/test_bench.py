@@ -70,38 +70,52 @@ def test_ctrl_c_ends_the_run_and_keeps_what_was_measured():
     assert summary["interrupted"] and 0 < summary["requests"] < 50 * 60 * 0.5
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_ctrl_c_that_lands_in_a_garbage_collector_callback_still_ends_the_run():
-    """Seen once under pytest-xdist: Python's default SIGINT handler ran inside a weak-reference callback (torch keeps
-    weak dictionaries), where a KeyboardInterrupt is printed and dropped, and the run went on to its end. Here a
-    weak-reference callback raises SIGINT itself while the run waits: the run still ends, interrupted. Control: under
-    the default handler the same callback's Ctrl-C never reaches the caller."""
+def _collect_with_sigint():
+    """Drop an object whose weak-reference callback raises SIGINT: the signal's Python handler then runs inside a
+    garbage-collector callback, in the main thread."""
     import weakref
-
-    from onepass.runtime.loadgen import Run, _wait
 
     class Thing:
         pass
 
-    def collect_with_sigint():
-        thing = Thing()
-        ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # noqa: F841
-        del thing  # the callback runs here, in the main thread
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # noqa: F841
+    del thing  # the callback runs here
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_lands_in_a_garbage_collector_callback_still_ends_the_run(monkeypatch):
+    """Seen twice under pytest-xdist: Python's default SIGINT handler ran inside a weak-reference callback (the
+    thread pool's and torch's weak dictionaries run them), where a KeyboardInterrupt is printed and dropped, and the
+    run went on to its end. Here a weak-reference callback raises SIGINT itself, once while the senders are being
+    started and once while the run waits: the run ends, interrupted, both times. Control: under the default handler
+    the same callback's Ctrl-C never reaches the caller."""
+    from onepass.runtime import loadgen
+    from onepass.runtime.loadgen import Run, _ctrl_c_stops, _wait
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        real = loadgen.poisson_schedule
+        monkeypatch.setattr(loadgen, "poisson_schedule", lambda *a: _collect_with_sigint() or real(*a))
+        started = time.perf_counter()
+        run = open_loop(lambda: None, rate=50, duration=5)  # SIGINT before the first sender exists
+        assert run.interrupted and run.count == 0 and time.perf_counter() - started < 4
+        monkeypatch.setattr(loadgen, "poisson_schedule", real)
+
         stop, run, polls = threading.Event(), Run("open"), []
 
         def threads_done():  # the senders: they finish once told to stop, else after 200 polls (~10 s)
             polls.append(1)
             if len(polls) == 3:
-                collect_with_sigint()
+                _collect_with_sigint()
             return stop.is_set() or len(polls) > 200
 
-        _wait(threads_done, stop, run)
+        with _ctrl_c_stops(stop, run) as interrupt:
+            _wait(threads_done, interrupt)
         assert run.interrupted and stop.is_set() and len(polls) < 10
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         try:
-            collect_with_sigint()  # control: the default handler's KeyboardInterrupt is dropped in the callback
+            _collect_with_sigint()  # control: the default handler's KeyboardInterrupt is dropped in the callback
         except KeyboardInterrupt:
             pytest.fail("a KeyboardInterrupt raised in a weak-reference callback reached the caller")
     finally:
