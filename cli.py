@@ -230,18 +230,15 @@ def cmd_cluster(args) -> int:
 
 
 def _wait_for_ctrl_c() -> None:
-    """Block until SIGINT. A handler sets a flag: Python's KeyboardInterrupt is dropped when it lands in a
-    garbage-collector callback, and the Ctrl-C would be lost (see runtime/loadgen.py's _wait)."""
-    import signal
+    """Block until SIGINT (a flag a garbage-collector callback cannot drop: runtime/interrupt.py)."""
     import threading
 
+    from .runtime.interrupt import ctrl_c_sets
+
     stop = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
+    with ctrl_c_sets(stop):
         while not stop.wait(0.2):
             pass
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_mcp(args) -> int:

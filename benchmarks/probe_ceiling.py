@@ -47,9 +47,12 @@ def features(engine: Path, rows: list[dict]) -> OptionFeatures:
 
 
 def design(f: OptionFeatures) -> np.ndarray:
-    """Per option: standardised hidden state, its summed log-likelihood, and its position among the options."""
+    """Per option: its hidden state and summed log-likelihood, standardised, and its position among the options
+    (one-hot, the eighth and later together)."""
     pos = np.concatenate([np.arange(f.offsets[i + 1] - f.offsets[i]) for i in range(f.num_questions)])
-    return np.concatenate([f.hidden, f.logprob[:, None], np.eye(8)[np.minimum(pos, 7)]], 1)
+    values = np.concatenate([f.hidden, f.logprob[:, None]], 1)
+    values = (values - values.mean(0)) / (values.std(0) + 1e-6)
+    return np.concatenate([values, np.eye(8)[np.minimum(pos, 7)]], 1)
 
 
 def padded(x: np.ndarray, f: OptionFeatures, qs: np.ndarray):
@@ -109,7 +112,6 @@ def main(argv=None) -> int:
         print(f"features of {engine}", file=sys.stderr, flush=True)
         f = features(engine, rows)
         x = design(f)
-        x[:, :-9] = (x[:, :-9] - x[:, :-9].mean(0)) / (x[:, :-9].std(0) + 1e-6)
         out = {}
         for name in sorted(set(f.task.tolist())):
             qs = np.flatnonzero(f.task == name)

@@ -23,16 +23,16 @@ and keeps what it measured); pass ``run`` to watch a run while it goes (a progre
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
+
+from .interrupt import ctrl_c_sets
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 CDF_POINTS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.99, 100.0)
@@ -74,6 +74,10 @@ class Run:
         with self._lock:
             return self.histogram.get_value_at_percentile(p) / 1000.0 if self.count else None
 
+    def mark_interrupted(self) -> None:
+        """Ctrl-C ended the run early (what it measured is kept)."""
+        self.interrupted = True
+
     def fail(self, kind: str) -> None:
         with self._lock:
             self.failures[kind] = self.failures.get(kind, 0) + 1
@@ -104,34 +108,6 @@ class Run:
 
 def _micros(seconds: float) -> int:
     return min(MAX_MICROS, max(1, int(round(seconds * 1e6))))
-
-
-@contextlib.contextmanager
-def _ctrl_c_stops(stop: threading.Event, run: Run):
-    """For a loop's whole run — scheduling, starting its senders, waiting — Ctrl-C sets ``stop`` and marks the run
-    interrupted; yields that action.
-
-    In the main thread SIGINT gets a handler that only sets those flags. Python's default handler raises
-    KeyboardInterrupt wherever the main thread happens to be, and when that is a garbage-collector callback (the
-    thread pool's and torch's weak dictionaries run them) the exception is printed as "Exception ignored" and
-    dropped: the Ctrl-C would be lost and the run would go on to its end. A SIGINT ignored before the run (nohup)
-    stays ignored.
-    """
-    def interrupt(*_):
-        stop.set()
-        run.interrupted = True
-
-    installed, previous = False, None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is not signal.SIG_IGN:
-            signal.signal(signal.SIGINT, interrupt)
-            installed = True
-    try:
-        yield interrupt
-    finally:
-        if installed:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _wait(threads_done, interrupt) -> None:
@@ -168,7 +144,7 @@ def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int =
     """Send at Poisson times for ``duration`` seconds; latency from each request's intended send time."""
     run = run or Run("open", offered=rate)
     stop = stop or threading.Event()
-    with _ctrl_c_stops(stop, run) as interrupt:
+    with ctrl_c_sets(stop, run.mark_interrupted) as interrupt:
         schedule = poisson_schedule(rate, duration, seed)
         start = run.started = time.perf_counter() + 0.01
 
@@ -205,7 +181,7 @@ def closed_loop(send, concurrency: int, duration: float | None = None, requests:
         raise ValueError("give a duration or a number of requests")
     run = run or Run("closed", offered=concurrency)
     stop = stop or threading.Event()
-    with _ctrl_c_stops(stop, run) as interrupt:
+    with ctrl_c_sets(stop, run.mark_interrupted) as interrupt:
         left = [requests if requests is not None else -1]
         start = run.started = time.perf_counter()
         end = start + duration if duration is not None else math.inf

@@ -91,7 +91,8 @@ def test_a_ctrl_c_that_lands_in_a_garbage_collector_callback_still_ends_the_run(
     started and once while the run waits: the run ends, interrupted, both times. Control: under the default handler
     the same callback's Ctrl-C never reaches the caller."""
     from onepass.runtime import loadgen
-    from onepass.runtime.loadgen import Run, _ctrl_c_stops, _wait
+    from onepass.runtime.interrupt import ctrl_c_sets
+    from onepass.runtime.loadgen import Run, _wait
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -110,7 +111,7 @@ def test_a_ctrl_c_that_lands_in_a_garbage_collector_callback_still_ends_the_run(
                 _collect_with_sigint()
             return stop.is_set() or len(polls) > 200
 
-        with _ctrl_c_stops(stop, run) as interrupt:
+        with ctrl_c_sets(stop, run.mark_interrupted) as interrupt:
             _wait(threads_done, interrupt)
         assert run.interrupted and stop.is_set() and len(polls) < 10
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -1,0 +1,36 @@
+"""Ctrl-C as a flag, not an exception, for code that waits on threads (the bench load loops, `onepass cluster`).
+
+Python's default SIGINT handler raises KeyboardInterrupt wherever the main thread happens to be. When that is a
+garbage-collector callback (the thread pool's and torch's weak dictionaries run them) the exception is printed as
+"Exception ignored" and dropped: the Ctrl-C is lost and the wait goes on. Inside :func:`ctrl_c_sets` a handler
+only sets a flag, which nothing can drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def ctrl_c_sets(stop: threading.Event, then=None):
+    """While inside, SIGINT sets ``stop`` and calls ``then()``; yields that action, for a caller that still catches a
+    KeyboardInterrupt raised by another handler. Only the main thread can install a handler: elsewhere nothing
+    changes. A SIGINT ignored before (nohup) stays ignored; the previous handler is back on leaving."""
+    def interrupt(*_):
+        stop.set()
+        if then is not None:
+            then()
+
+    installed, previous = False, None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, interrupt)
+            installed = True
+    try:
+        yield interrupt
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, previous)
