@@ -23,7 +23,15 @@ from ..runtime.engine import Engine
 from ..runtime.errors import OnepassError
 from .run import load_rows
 
-KEEP_BLOCKS = (0, 1, 28, 29)
+KEEP_EDGE = 2  # blocks kept in fp32 at each end of the network: the most sensitive to rounding
+
+
+def default_keep_blocks(num_layers: int) -> tuple[int, ...]:
+    """The blocks kept in fp32 by default: the first and last ``KEEP_EDGE`` of the engine's own ``num_layers``
+    (SmolLM2's 30: 0, 1, 28, 29); a network of at most 2 * KEEP_EDGE blocks keeps them all."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return tuple(sorted(set(range(min(KEEP_EDGE, num_layers))) | set(range(max(0, num_layers - KEEP_EDGE), num_layers))))
 
 
 class QuantizationRefused(OnepassError):
@@ -68,10 +76,16 @@ def _compare(ref: Engine, q8: Engine, rows: list[dict]) -> dict:
 
 
 def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_agreement: float = 0.99,
-                    max_error: float = 0.1, keep_blocks=KEEP_BLOCKS) -> dict:
-    """Write an INT8 engine to ``out`` if it keeps its answers on ``data``; else raise QuantizationRefused."""
+                    max_error: float = 0.1, keep_blocks: tuple[int, ...] | None = None) -> dict:
+    """Write an INT8 engine to ``out`` if it keeps its answers on ``data``; else raise QuantizationRefused.
+    ``keep_blocks``: the blocks left in fp32 (default: :func:`default_keep_blocks` of the engine's layer count)."""
     src, out = Path(src), Path(out)
     ref = Engine.load(src, backend="onnxruntime")  # INT8 is an ONNX Runtime scheme: like against like
+    layers = ref.manifest.model.num_layers
+    keep_blocks = default_keep_blocks(layers) if keep_blocks is None else tuple(keep_blocks)
+    if set(range(layers)) <= set(keep_blocks):
+        raise QuantizationRefused(f"the engine's {layers} blocks would all stay fp32 (kept: {list(keep_blocks)}): "
+                                  "nothing to quantize; no engine written")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
