@@ -39,8 +39,8 @@ def _block(probs, labels, k, min_confidence, target_accuracy) -> dict:
 def evaluate_engine(engine_dir, data, min_confidence: float | None = None, target_accuracy: float | None = None,
                     threads: int | None = None) -> dict:
     """The evaluation report of the engine at ``engine_dir`` on the rows in ``data``."""
+    rows = load_rows(data)  # a bad file is refused before the engine is loaded
     engine = Engine.load(engine_dir, threads=threads)
-    rows = load_rows(data)
     t0 = time.perf_counter()
     scored = score_rows(engine, rows)
     seconds = time.perf_counter() - t0

@@ -120,9 +120,10 @@ def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, se
 
     ``scored``: the rows of ``data`` already scored by :func:`score_rows` with this engine (a cache).
     """
+    rows = load_rows(data) if scored is None else None  # a bad file is refused before the engine is loaded
     engine = Engine.load(engine_dir)
     if scored is None:
-        scored = score_rows(engine, load_rows(data))
+        scored = score_rows(engine, rows)
     train, test = split(len(scored), holdout, seed)
     calibration = fit([scored[i] for i in train], engine.manifest.scoring.readout,
                       source={"data": str(data), "rows": len(scored), "train": len(train), "holdout": len(test),

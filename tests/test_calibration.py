@@ -153,13 +153,14 @@ def _review_rows(n: int, good: str, bad: str, dataset: str) -> list[dict]:
              "label": "yes" if i % 2 == 0 else "no", "dataset": dataset} for i in range(n)]
 
 
-@pytest.mark.slow
-def test_calibrate_command_writes_the_manifest_and_a_report(engine_dir, tmp_path):
+def test_calibrate_command_writes_the_manifest_and_a_report(tiny_engine_dir, tmp_path):
+    """On the tiny Llama: what is checked (the fit lands in the manifest under the keys the engine asks with, the
+    report's files) does not depend on the weights."""
     from test_engine import _copy_engine
 
     from onepass.calibration.run import calibrate
 
-    copy = _copy_engine(engine_dir, tmp_path / "engine")
+    copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
     rows = _review_rows(40, "I loved it, wonderful and fun.", "Awful, boring, I hated it.", "toy")
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
@@ -254,7 +255,6 @@ def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_comput
             assert again[name] == pytest.approx(p, abs=1e-4), (qid, name)
 
 
-@pytest.mark.slow
 def _eval_rows(path) -> list[dict]:
     """12 rows of two questions (a review's polarity, a 3-way tone), written to ``path``."""
     rows = []
@@ -267,9 +267,11 @@ def _eval_rows(path) -> list[dict]:
     return rows
 
 
-def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_dir, tmp_path, capsys):
+def test_eval_command_reports_accuracy_majority_coverage_and_confusion(tiny_engine_dir, tmp_path, capsys):
     """`onepass eval` on 12 rows of two questions: the numbers agree with the engine's own answers (accuracy
-    and confusion recomputed here from engine.ask), the majority baseline is right, the files are written."""
+    and confusion recomputed here from engine.ask), the majority baseline is right, the files are written. On the
+    tiny Llama: the report's arithmetic does not depend on the weights."""
+    engine_dir = tiny_engine_dir
     from onepass.cli import main
 
     data = tmp_path / "rows.jsonl"
@@ -299,28 +301,45 @@ def test_eval_command_reports_accuracy_majority_coverage_and_confusion(engine_di
     assert (tmp_path / "out" / "plots" / "confusion.png").stat().st_size > 0
 
 
-def test_eval_compare_puts_two_engines_side_by_side_and_its_thresholds_feed_a_gate(engine_dir, tiny_engine_dir,
-                                                                                   tmp_path, capsys):
+def _recalibrated_copy(src, dst, name: str):
+    """A copy of the engine at ``src`` under another name, with temperatures that change every probability: a
+    second engine whose numbers differ from the first's."""
+    from test_engine import _copy_engine
+
+    from onepass.runtime import manifest as mf
+
+    copy = _copy_engine(src, dst)
+    manifest = Engine.load(copy, backend="onnxruntime").manifest
+    groups = {"noul": GroupCalibration(4.0, (1.5, 0.0)), "choice/3-4": GroupCalibration(0.3)}
+    mf.write(copy, dataclasses.replace(manifest, name=name,
+                                       calibration=Calibration(groups, manifest.scoring.readout)))
+    return copy
+
+
+def test_eval_compare_puts_two_engines_side_by_side_and_its_thresholds_feed_a_gate(tiny_engine_dir, tmp_path, capsys):
     """`onepass eval --compare DIR2`: the second engine's report is the one `onepass eval` gives it alone, beside the
     first (a different engine: different numbers, the control); the table and plots show both. Gate.from_eval takes
     each question's threshold for the target accuracy from the report; a question the report lacks keeps the
-    default; a report without thresholds is refused."""
+    default; a report without thresholds is refused. On the tiny Llama and a recalibrated, renamed copy of it."""
     from onepass.calibration.evaluate import evaluate_engine
     from onepass.cli import main
     from onepass.runtime.cascade import Gate
 
+    engine_dir = tiny_engine_dir
+    second = _recalibrated_copy(engine_dir, tmp_path / "second", "llama-tiny-recalibrated")
+
     data = tmp_path / "rows.jsonl"
     _eval_rows(data)
     assert main(["eval", "--engine", str(engine_dir), "--data", str(data), "--target-accuracy", "0.9",
-                 "--compare", str(tiny_engine_dir), "--report", str(tmp_path / "out")]) == 0
+                 "--compare", str(second), "--report", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
-    alone = evaluate_engine(tiny_engine_dir, data, None, 0.9)
+    alone = evaluate_engine(second, data, None, 0.9)
     for key in ("accuracy", "nll", "brier", "ece"):
         assert report["compare"]["all"][key] == pytest.approx(alone["all"][key], abs=1e-9)
     assert report["compare"]["questions"].keys() == report["questions"].keys()
     assert report["all"]["nll"] != pytest.approx(report["compare"]["all"]["nll"], abs=1e-3)
     table = (tmp_path / "out" / "eval.md").read_text()
-    names = (Engine.load(engine_dir).name, Engine.load(tiny_engine_dir).name)
+    names = (Engine.load(engine_dir).name, Engine.load(second).name)
     assert f"Each cell: {names[0]} / {names[1]}." in table and "coverage at accuracy 0.9" in table
     a, b = report["all"]["accuracy"], report["compare"]["all"]["accuracy"]
     assert f"| all | 12 | 0.500 | {a:.3f} / {b:.3f} |" in table
