@@ -148,6 +148,9 @@ def cmd_serve(args) -> int:
     from .runtime.engine import Engine
 
     config = _server_config(args)
+    if (args.cascade is None) != (args.min_confidence is None):  # refused before any export or engine load
+        raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
+                           "confidence are asked again of the cascade engine")
     if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
         try:
             from .export.build import export_engine
@@ -161,9 +164,6 @@ def cmd_serve(args) -> int:
     engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
                                 max_questions=args.max_questions, max_options=args.max_options)
     engine = server_engine(engine, args.max_request_tokens)
-    if (args.cascade is None) != (args.min_confidence is None):
-        raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
-                           "confidence are asked again of the cascade engine")
     cascade = Engine.load(args.cascade, threads=args.threads) if args.cascade else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)

@@ -547,8 +547,10 @@ def test_a_server_cascade_re_asks_only_doubtful_questions_of_the_second_engine(e
     assert got["answers"][low] == strong_alone and got["answers"][high] == alone[high]
 
 
-def test_serve_cascade_without_a_threshold_is_a_one_line_error(engine_dir, capsys):
+def test_serve_cascade_without_a_threshold_is_a_one_line_error(tmp_path, capsys):
+    """Refused before any engine is loaded: the engine folders here hold nothing, and the error is the flags'."""
     from onepass.cli import main
 
-    assert main(["serve", "--engine", str(engine_dir), "--cascade", str(engine_dir), "--port", "1"]) == 2
-    assert "--cascade DIR and --min-confidence go together" in capsys.readouterr().err
+    assert main(["serve", "--engine", str(tmp_path / "a"), "--cascade", str(tmp_path / "b"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--cascade DIR and --min-confidence go together" in err and len(err.strip().splitlines()) == 1
