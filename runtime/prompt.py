@@ -89,6 +89,8 @@ def state_text(state) -> str:
 
 COUNT_CHUNK = 16384  # characters tokenised at a time when counting a long text against a limit
 BOUNDARY_SLACK = 4  # tokens a cut at whitespace can change the count by, at most
+MEMO_MAX_CHARS = 64  # caller texts up to this length (option names, yes/no) have their token ids memoised
+MEMO_ENTRIES = 4096  # per memo; when full it is cleared, so its memory stays bounded
 
 
 class PromptEncoder:
@@ -99,6 +101,8 @@ class PromptEncoder:
         self._trusted = Tokenizer.from_file(tokenizer_path)
         self._untrusted = Tokenizer.from_file(tokenizer_path)
         self._untrusted.encode_special_tokens = True
+        self._trusted_memo: dict[str, tuple] = {}  # text -> ids; dict get/set are atomic under the GIL
+        self._untrusted_memo: dict[str, tuple] = {}
 
     def surely_over(self, text: str, limit: int) -> bool:
         """True when ``text`` is certainly more than ``limit`` tokens, found without tokenising all of it.
@@ -138,8 +142,28 @@ class PromptEncoder:
                 nxt[0] = prev[0][len(stripped):] + nxt[0]
                 prev[0] = stripped
         for text, trusted in merged:
-            tok = self._trusted if trusted else self._untrusted
-            ids += tok.encode(text, add_special_tokens=False).ids
+            if text:
+                ids += self._encode_trusted(text) if trusted else self._encode_untrusted(text)
+        return ids
+
+    def _encode_trusted(self, text: str) -> tuple:
+        """Template text, special tokens recognised. Memoised: it only ever comes from the template's literals."""
+        return self._memo(self._trusted_memo, self._trusted, text)
+
+    def _encode_untrusted(self, text: str) -> tuple:
+        """Caller text, special-token strings kept as plain text; short texts (option names, yes/no) memoised."""
+        if len(text) > MEMO_MAX_CHARS:
+            return self._untrusted.encode(text, add_special_tokens=False).ids
+        return self._memo(self._untrusted_memo, self._untrusted, text)
+
+    @staticmethod
+    def _memo(memo: dict, tok: Tokenizer, text: str) -> tuple:
+        ids = memo.get(text)
+        if ids is None:
+            ids = tuple(tok.encode(text, add_special_tokens=False).ids)
+            if len(memo) >= MEMO_ENTRIES:  # bounded: a hostile stream of distinct names cannot grow it
+                memo.clear()
+            memo[text] = ids
         return ids
 
     def state(self, text: str) -> list[int]:

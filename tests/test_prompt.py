@@ -1,0 +1,86 @@
+"""The prompt encoder's memo of short texts' token ids: the same ids as tokenising every piece afresh, trust kept
+apart (a caller's "<|im_end|>" never reuses the template's special token), memory bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from onepass.runtime import prompt
+from onepass.runtime.prompt import PromptEncoder, PromptTemplate
+from onepass.runtime.questions import Choice, Noul, Score
+
+SPECIALS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
+WORDS = ["billing", "technical", "yes", "no", "refund", "积极", "fraud review", "x" * 80, *SPECIALS]
+
+
+def _fresh(monkeypatch, tokenizer_path) -> PromptEncoder:
+    """The reference: every piece tokenised afresh, nothing memoised."""
+    monkeypatch.setattr(PromptEncoder, "_memo", staticmethod(
+        lambda memo, tok, text: tuple(tok.encode(text, add_special_tokens=False).ids)))
+    return PromptEncoder(tokenizer_path, PromptTemplate())
+
+
+def _questions(rng: random.Random, n: int) -> list:
+    out = []
+    for i in range(n):
+        names = rng.sample(WORDS, rng.randint(2, 5))
+        kind = i % 3
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
+        if kind == 0:
+            out.append(Noul(f"Is it {text}?", {"true": rng.choice(WORDS)} if rng.random() < 0.3 else None))
+        elif kind == 1:
+            out.append(Choice(f"Which {text}?", {n_: rng.choice([None, *WORDS]) for n_ in names}))
+        else:
+            out.append(Score(f"How {text}?", names))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tiny_engine_dir) -> str:
+    return str(tiny_engine_dir / "tokenizer.json")
+
+
+def test_memoised_ids_equal_tokenising_every_piece_afresh(tokenizer_path, monkeypatch):
+    questions = _questions(random.Random(3), 300)
+    memo = PromptEncoder(tokenizer_path, PromptTemplate())
+    first = [memo.question(q) for q in questions]
+    again = [memo.question(q) for q in questions]  # served from the memo
+    fresh = _fresh(monkeypatch, tokenizer_path)
+    want = [fresh.question(q) for q in questions]
+    assert first == want and again == want
+    assert memo._untrusted_memo and memo._trusted_memo  # the memo was really used
+    assert not fresh._untrusted_memo and not fresh._trusted_memo  # ... and the reference really bypassed it
+
+
+def test_a_callers_special_token_string_is_plain_text_even_after_the_template_used_it(tokenizer_path):
+    """The template's trusted "<|im_end|>" is memoised first; a caller's state or option "<|im_end|>" must still be
+    plain text. Control: one memo shared by both kinds of text hands the caller the special token."""
+    from tokenizers import Tokenizer
+
+    end = Tokenizer.from_file(tokenizer_path).token_to_id("<|im_end|>")
+
+    def ends(enc) -> tuple:
+        enc.question(Noul("Is it ok?"))  # the template's "<|im_end|>" is now memoised as trusted text
+        state = enc.state("<|im_end|>")
+        option = enc.question(Choice("Which?", {"<|im_end|>": None, "other": None})).options[0]
+        return state.count(end), option.count(end)
+
+    assert ends(PromptEncoder(tokenizer_path, PromptTemplate())) == (1, 1)  # only the template's own end of turn
+    shared = PromptEncoder(tokenizer_path, PromptTemplate())
+    shared._untrusted_memo = shared._trusted_memo  # the bug the control stands for
+    assert ends(shared)[0] == 2
+
+
+def test_the_memo_stays_bounded_under_a_stream_of_distinct_names(tokenizer_path, monkeypatch):
+    monkeypatch.setattr(prompt, "MEMO_ENTRIES", 50)
+    enc = PromptEncoder(tokenizer_path, PromptTemplate())
+    fresh = PromptEncoder(tokenizer_path, PromptTemplate())
+    for i in range(400):
+        q = Choice("Which?", {f"name {i}": None, f"other {i}": None})
+        assert enc.question(q) == fresh.question(q)
+        assert len(enc._untrusted_memo) <= 50 and len(enc._trusted_memo) <= 50
+    long = "word " * 40  # longer than MEMO_MAX_CHARS: never memoised
+    enc.question(Noul(long))
+    assert long not in enc._untrusted_memo and f" {long}" not in enc._untrusted_memo
