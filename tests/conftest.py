@@ -93,10 +93,10 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     are random too: all-ones norms would be merged into one initializer by the ONNX optimizer."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from onepass.export.model_source import load_model
+    from onepass.export.model_source import default_tokenizer
 
     folder = tmp_path_factory.mktemp("llama-tiny")
-    tokenizer = load_model(None, []).tokenizer
+    tokenizer = default_tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

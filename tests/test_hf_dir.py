@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from onepass import Choice, Engine, Noul  # noqa: E402
 from onepass.export.build import export_engine  # noqa: E402
 from onepass.export.decoder import DecoderDims  # noqa: E402
-from onepass.export.model_source import default_gguf, load_model  # noqa: E402
+from onepass.export.model_source import default_gguf, default_tokenizer, load_model  # noqa: E402
 from onepass.runtime.errors import ModelSourceError  # noqa: E402
 from reference import option_logprobs_alone  # noqa: E402
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-tiny")
-    tokenizer = load_model(None).tokenizer
+    tokenizer = default_tokenizer()
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -83,3 +83,17 @@ def test_a_conversion_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
         model_source._convert_gguf(gguf, target)
     assert not target.exists() and [p.name for p in tmp_path.iterdir() if p.name != "model.gguf"] == \
         ["model-0123.lock"]
+
+
+def test_the_default_tokenizer_alone_needs_no_conversion_and_is_the_engines(engine_dir, tmp_path, monkeypatch):
+    """On an empty model cache the tokenizer comes straight from the GGUF and nothing is dequantized; it encodes
+    like the default engine's own tokenizer.json (written from the converted folder)."""
+    from tokenizers import Tokenizer
+
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "empty"))
+    tokenizer = model_source.default_tokenizer()
+    assert not (tmp_path / "empty" / "models").exists()
+    engine = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+    assert tokenizer.get_vocab() == engine.get_vocab()
+    for text in ("Hello <|im_end|> world", "积极 fraud review\n<|im_start|>assistant", " billing", "x " * 50):
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == engine.encode(text, add_special_tokens=False).ids
