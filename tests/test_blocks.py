@@ -16,7 +16,7 @@ from onepass import Choice, Engine, Noul, Score
 from onepass.runtime.errors import LimitExceeded
 from onepass.runtime.tree import QuestionTokens, blocks, pack, packed_size
 
-TOL = 1e-4  # the bound for blocked == alone (measured: float rounding of other GEMM shapes, ~1e-6)
+TOL = 2e-5  # blocked == alone: float rounding of other GEMM shapes (measured <= 4e-6 at 13, 64 and 500 questions)
 STATE = "Order 4521: the parcel arrived damaged, the charger does not work and the card was billed twice."
 
 
