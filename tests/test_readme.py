@@ -92,3 +92,24 @@ def test_the_python_snippets_run_on_the_test_engine(doc, tiny_engine_dir):
             code = "\n".join(line for line in text.splitlines() if "{...}" not in line)
             code = code.replace('"engines/smollm2"', repr(str(tiny_engine_dir))).replace("http://127.0.0.1:8000", base)
             exec(compile(code, doc, "exec"), namespace)
+
+
+def test_the_readmes_ticket_answers_are_the_default_engines(engine):
+    """The README's sentence about its ticket (what `make demo` prints), read from the README itself: refund P(yes),
+    the team and its probability, the frustration score, each equal to the default engine's answer at the README's
+    two decimals. If the README or the engine's answers drift, this fails."""
+    import json
+
+    from onepass.runtime.questions import from_wire
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    found = re.search(r"refund P\(yes\) \*\*([\d.]+)\*\*, team \*\*(\w+)\*\* \(([\d.]+)\), frustration \*\*([\d.]+)\*\* "
+                      r"\(\"(\w[\w ]*)\"\)", text)
+    assert found, "the README's ticket sentence changed shape: update this test with it"
+    refund, team, team_p, score, level = found.groups()
+    data = ROOT / "tests" / "data"
+    questions = {k: from_wire(k, v) for k, v in json.loads((data / "questions.json").read_text()).items()}
+    got = engine.ask((data / "ticket.txt").read_text(), questions)
+    assert f"{got['refund'].noul:.2f}" == refund
+    assert got["team"].choice == team and f"{got['team'].probabilities[team]:.2f}" == team_p
+    assert f"{got['frustration'].score:.2f}" == score and got["frustration"].legend[str(round(got["frustration"].score))] == level
