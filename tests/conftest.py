@@ -86,16 +86,29 @@ def hf_model():
     return load_model(None, resolve(None, None)).model
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama (SmolLM2's architecture and tokenizer, 2 blocks of width 64) as a Hugging Face folder:
-    what structure tests (tuning, heads, precisions) run on, in seconds instead of a SmolLM2 export each. Its norms
-    are random too: all-ones norms would be merged into one initializer by the ONNX optimizer."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+TINY_RECIPE = "llama-tiny-v1"  # bump when the recipe below changes: the cached tiny models are made again
+
+
+def _tiny_fingerprint() -> str:
+    """What the tiny Llama and its engine are made from: the recipe, the export code and SmolLM2's tokenizer (as in
+    export_fingerprint), and the torch and transformers versions that draw the random weights."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    return hashlib.sha256(f"{TINY_RECIPE}:{export_fingerprint()}:{torch.__version__}:{transformers.__version__}"
+                          .encode()).hexdigest()[:16]
+
+
+def _build_tiny_llama(folder: Path) -> None:
+    """A tiny random Llama (SmolLM2's architecture and tokenizer, 2 blocks of width 64) saved as a Hugging Face
+    folder. Its norms are random too: all-ones norms would be merged into one initializer by the ONNX optimizer."""
+    import torch
+    import transformers
+
     from onepass.export.model_source import default_tokenizer
 
-    folder = tmp_path_factory.mktemp("llama-tiny")
     tokenizer = default_tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -109,29 +122,66 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    """The tiny Llama exported once per session (a normal engine: golden file, self-check, manifest)."""
-    from onepass.export.build import export_engine
+def tiny_models() -> tuple[Path, Path]:
+    """(Hugging Face folder, engine directory) of the tiny Llama: what structure tests (tuning, heads, precisions,
+    the cluster, the TensorRT stand-in) run on, in seconds instead of a SmolLM2 export each. Made once and cached
+    across test sessions and pytest-xdist workers under $ONEPASS_CACHE/test-engines/llama-tiny-<fingerprint>
+    (the engine's manifest is written last and its hashes are verified on each use: a half-made or damaged cache is
+    made again)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import shutil
 
-    return export_engine(tmp_path_factory.mktemp("tiny-engine") / "llama-tiny", str(tiny_llama_dir))
+    from filelock import FileLock
+
+    from onepass import Engine
+    from onepass.export.build import export_engine
+    from onepass.runtime.errors import OnepassError
+    from onepass.runtime.paths import cache_root
+
+    cached = cache_root() / "test-engines" / f"llama-tiny-{_tiny_fingerprint()}"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    model, engine = cached / "model", cached / "engine"
+    with FileLock(f"{cached}.lock"):
+        if (engine / "manifest.json").is_file() and (model / "config.json").is_file():
+            try:
+                Engine.load(engine, backend="onnxruntime")
+                return model, engine
+            except OnepassError:
+                pass
+        shutil.rmtree(cached, ignore_errors=True)  # in place (the engine records its model's path), under the lock
+        _build_tiny_llama(model)
+        export_engine(engine, str(model))  # the engine's manifest comes last: present means the whole is there
+    return model, engine
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_models) -> Path:
+    """The tiny Llama as a Hugging Face folder (see ``tiny_models``); tests must not write into it."""
+    return tiny_models[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_models) -> Path:
+    """The tiny Llama's engine (a normal engine: golden file, self-check, manifest); tests copy it to change it."""
+    return tiny_models[1]
 
 
 ENGINE_FIXTURES = {"engine_dir", "hf_model"}  # what exports or loads the default model
-# The slowest files, slowest first (seconds on 2 cores, tests/ timed with --durations=0 on 2026-12-02). `make test`
-# runs two pytest-xdist workers that take whole files in this order (--dist loadfile --no-loadscope-reorder):
-# longest-processing-time-first keeps the two busy to the end, and the leading files need no SmolLM2, so one
-# worker runs them while the other exports it. Files not listed follow in their usual order.
-SLOWEST_FIRST = ("test_cluster.py",  # 74 s, the tiny Llama only
-                 "test_quantize.py",  # 55 s
-                 "test_hf_dir.py",  # 17 s, tiny Qwen3 exports only
-                 "test_calibration.py", "test_server.py", "test_hardening.py",  # 37-44 s
-                 "test_torch_backend.py",  # 37 s before its logic tests moved to the tiny Llama
-                 "test_precision.py", "test_blocks.py", "test_bench.py", "test_tune.py", "test_engine.py",  # 16-27 s
-                 "test_tensorrt_backend.py")  # 14 s, the tiny Llama only
+# The slowest files, slowest first (seconds on 2 cores under two workers, from a fresh cache, tests/ timed with
+# --durations=0 on 2026-12-02). `make test` runs two pytest-xdist workers that take whole files in this order (--dist
+# loadfile --no-loadscope-reorder): longest-processing-time-first keeps the two busy to the end. The first file needs
+# only the tiny Llama and the second starts the SmolLM2 export at once, so one worker exports while the other runs
+# the cluster. Files not listed follow in their usual order.
+SLOWEST_FIRST = ("test_cluster.py",  # 88 s, a real Ray Serve cluster of the tiny Llama
+                 "test_calibration.py",  # 78 s, 65 s of it the SmolLM2 export its first test waits for
+                 "test_hardening.py", "test_server.py",  # 53-57 s
+                 "test_precision.py", "test_torch_backend.py", "test_engine.py", "test_blocks.py",  # 22-30 s
+                 "test_tune.py", "test_hf_dir.py", "test_bench.py", "test_openvino_backend.py",  # 16-19 s
+                 "test_tensorrt_backend.py", "test_quantize.py")  # 11-13 s, the tiny Llama only
 
 
 def pytest_collection_modifyitems(config, items):
