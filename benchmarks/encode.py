@@ -24,7 +24,8 @@ RESULTS = Path(__file__).parent / "results"
 def questions(n: int) -> dict:
     """``n`` questions, a third of each type, the choices over a few recurring team names as real requests have."""
     teams = {"billing": "payments and refunds", "technical": None, "shipping": None, "sales": None}
-    kinds = (lambda i: Noul(f"Does note {i} mention a refund?"), lambda i: Choice(f"Which team handles note {i}?", teams),
+    kinds = (lambda i: Noul(f"Does note {i} mention a refund?"),
+             lambda i: Choice(f"Which team handles note {i}?", teams),
              lambda i: Score(f"How urgent is note {i}?", ["Low", "Medium", "High"]))
     return {f"q{i}": kinds[i % 3](i) for i in range(n)}
 

@@ -31,7 +31,7 @@ def default_keep_blocks(num_layers: int) -> tuple[int, ...]:
     (SmolLM2's 30: 0, 1, 28, 29); a network of at most 2 * KEEP_EDGE blocks keeps them all."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    return tuple(sorted(set(range(min(KEEP_EDGE, num_layers))) | set(range(max(0, num_layers - KEEP_EDGE), num_layers))))
+    return tuple(b for b in range(num_layers) if b < KEEP_EDGE or b >= num_layers - KEEP_EDGE)
 
 
 class QuantizationRefused(OnepassError):

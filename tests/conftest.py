@@ -46,23 +46,32 @@ def engine_dir(tmp_path_factory) -> Path:
     prebuilt = os.environ.get("ONEPASS_TEST_ENGINE")
     if prebuilt:
         return Path(prebuilt)
-    from filelock import FileLock
-
-    from onepass import Engine
     from onepass.export.build import export_engine
-    from onepass.runtime.errors import OnepassError
     from onepass.runtime.paths import cache_root
 
     cached = cache_root() / "test-engines" / f"smollm2-{export_fingerprint()}"
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{cached}.lock"):  # pytest-xdist workers: one exports, the others wait and load it
-        if (cached / "manifest.json").is_file():
+    _cached(cached, cached, lambda: export_engine(cached))
+    return cached
+
+
+def _cached(folder: Path, engine: Path, build, also: tuple = ()) -> None:
+    """Keep ``folder`` if the engine at ``engine`` is whole (its manifest present, every file's hash verified) and
+    the ``also`` paths exist, else ``build()`` it; under a file lock, so that of several pytest-xdist workers one
+    builds and the others wait and find it done."""
+    from filelock import FileLock
+
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.errors import OnepassError
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if (engine / "manifest.json").is_file() and all(p.exists() for p in also):
             try:
-                Engine.load(cached)  # every file's hash verified: a damaged cache is exported again
-                return cached
+                mf.load(engine, verify=True)  # a damaged cache is made again
+                return
             except OnepassError:
                 pass
-        return export_engine(cached)
+        build()
 
 
 @pytest.fixture(scope="session")
@@ -135,26 +144,18 @@ def tiny_models() -> tuple[Path, Path]:
     pytest.importorskip("transformers")
     import shutil
 
-    from filelock import FileLock
-
-    from onepass import Engine
     from onepass.export.build import export_engine
-    from onepass.runtime.errors import OnepassError
     from onepass.runtime.paths import cache_root
 
     cached = cache_root() / "test-engines" / f"llama-tiny-{_tiny_fingerprint()}"
-    cached.parent.mkdir(parents=True, exist_ok=True)
     model, engine = cached / "model", cached / "engine"
-    with FileLock(f"{cached}.lock"):
-        if (engine / "manifest.json").is_file() and (model / "config.json").is_file():
-            try:
-                Engine.load(engine, backend="onnxruntime")
-                return model, engine
-            except OnepassError:
-                pass
-        shutil.rmtree(cached, ignore_errors=True)  # in place (the engine records its model's path), under the lock
+
+    def build():
+        shutil.rmtree(cached, ignore_errors=True)  # made in place: the engine records its model's path
         _build_tiny_llama(model)
         export_engine(engine, str(model))  # the engine's manifest comes last: present means the whole is there
+
+    _cached(cached, engine, build, also=(model / "config.json",))
     return model, engine
 
 

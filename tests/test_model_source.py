@@ -96,4 +96,5 @@ def test_the_default_tokenizer_alone_needs_no_conversion_and_is_the_engines(engi
     engine = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
     assert tokenizer.get_vocab() == engine.get_vocab()
     for text in ("Hello <|im_end|> world", "积极 fraud review\n<|im_start|>assistant", " billing", "x " * 50):
-        assert tokenizer(text, add_special_tokens=False)["input_ids"] == engine.encode(text, add_special_tokens=False).ids
+        want = engine.encode(text, add_special_tokens=False).ids
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == want

@@ -7,7 +7,6 @@ import pytest
 from onepass import Engine, Noul
 
 
-
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
