@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+try:  # a worker crash under `make test` (pytest-xdist --dist loadfile) costs one test, not a hung run
+    from xdist_recovery import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa: F401
+except ImportError:  # pytest without pytest-xdist
+    pass
+
 
 ROOT = Path(__file__).resolve().parent.parent
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers on two cores
