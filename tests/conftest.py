@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 try:  # a worker crash under `make test` (pytest-xdist --dist loadfile) costs one test, not a hung run
-    from xdist_recovery import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa: F401
+    from xdist_recovery import (  # noqa: F401
+        pytest_configure,
+        pytest_handlecrashitem,
+        pytest_runtest_setup,
+        pytest_xdist_make_scheduler,
+    )
 except ImportError:  # pytest without pytest-xdist
     pass
 

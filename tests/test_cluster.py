@@ -4,7 +4,10 @@ What is proven: requests about one state stay on one replica (hit rate >= 0.9; S
 same traffic, clearly lower), the official SDK gets the answers Engine.ask gives, the HTTP API is the
 server's (errors, limits, compressed bodies, models, metrics aggregated over replicas), and a replica
 killed with SIGKILL mid-run costs no client request and re-prefills only the states it held.
-Everything is bounded: fixed request counts, timeouts on every wait, Ray shut down at the end.
+Everything is bounded: fixed request counts, timeouts on every wait, Ray shut down at the end. The Ray driver runs
+in a process of its own (tests/ray_driver.py), as a user's `onepass cluster` does: a driver inside the pytest
+worker left gRPC threads behind and the fault signals at their default actions, so a later fault killed the worker
+silently.
 
 Every deployment here, and the `onepass cluster` command, serves the tiny random Llama (SmolLM2's architecture and
 real tokenizer, exported through the same path): what they prove does not depend on the weights, and a request
@@ -83,21 +86,85 @@ def test_the_cluster_command_serves_and_stops_on_ctrl_c(tiny_engine_dir, tmp_pat
     assert rc == 0
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster (logical CPUs only; the machine's 2 cores are shared) with Serve's HTTP proxy on a free
-    loopback port; shut down at the end."""
-    from ray import serve
+class RayDriver:
+    """tests/ray_driver.py in its own process (see there why): commands as JSON lines, every answer awaited with a
+    timeout; its stderr (Ray's and Serve's messages) goes to a log that a failed command quotes."""
 
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    def __init__(self, port: int, log: Path):
+        import queue
+        import subprocess
+        import sys
+        import threading
+
+        self.log = log
+        self._err = open(log, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_driver.py")), str(port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        self._lines = queue.Queue()  # stdout's lines, then None at its end
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def answer(self, timeout: float):
+        """The next reply's value; the driver's exit, a timeout or an error reply fails the test."""
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the Ray driver gave no answer in {timeout:.0f} s: {self._log_tail()}")
+            if line is None:
+                pytest.fail(f"the Ray driver exited ({self.proc.wait(timeout=30)}): {self._log_tail()}")
+            if line.startswith("REPLY "):
+                message = json.loads(line[len("REPLY "):])
+                assert "error" not in message, message["error"]
+                return message["ok"]
+
+    def _log_tail(self) -> str:
+        self._err.flush()
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def call(self, op: str, timeout: float = 240, **fields):
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self.answer(timeout)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the driver shuts Serve and Ray down
+            self.proc.wait(timeout=120)
+        except Exception:  # noqa: BLE001 - a driver that does not stop is killed
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        finally:
+            self._err.close()
+
+
+@pytest.fixture(scope="module")
+def ray_driver(tmp_path_factory):
+    """A local Ray cluster (logical CPUs only; the machine's 2 cores are shared) with Serve's HTTP proxy on a free
+    loopback port, driven from its own process; shut down at the end."""
     port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    driver = RayDriver(port, tmp_path_factory.mktemp("ray") / "driver.log")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
+        driver.answer(timeout=240)  # "ready"
+        driver.url = f"http://127.0.0.1:{port}"
+        yield driver
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        driver.close()
+    assert not ray.is_initialized()  # this process never hosted a Ray driver
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_driver):
+    """The cluster's base URL."""
+    return ray_driver.url
 
 
 def post(base: str, body, headers: dict | None = None, raw: bytes | None = None):
@@ -105,22 +172,16 @@ def post(base: str, body, headers: dict | None = None, raw: bytes | None = None)
     return test_server.post(base, body, {**AUTH, **(headers or {})}, raw=raw)
 
 
-def deploy(engine_dir, routing: str, replicas: int = 3):
+def deploy(driver: RayDriver, engine_dir, routing: str, replicas: int = 3):
     """A fresh application (new replicas, empty caches) routed by ``routing``."""
-    from ray import serve
-
-    from onepass.runtime.server.cluster import build
-
-    serve.delete("onepass")
-    serve.run(build({"engine": str(engine_dir), "replicas": replicas, "routing": routing, "cpus_per_replica": 1,
-                     "threads": 1, "server": {"request_timeout_s": 60.0, "api_key": KEY}}), name="onepass",
-              route_prefix="/")
+    driver.call("deploy", args={"engine": str(engine_dir), "replicas": replicas, "routing": routing,
+                                "cpus_per_replica": 1, "threads": 1,
+                                "server": {"request_timeout_s": 60.0, "api_key": KEY}})
 
 
-def replica_ids() -> set:
-    """The live engine replicas, from Ray's named actors (Serve names them SERVE_REPLICA::app#deployment#id)."""
-    names = ray.util.list_named_actors(all_namespaces=True)
-    return {n["name"].rsplit("#", 1)[1] for n in names if "#EngineReplica#" in n["name"]}
+def replica_ids(driver: RayDriver) -> set:
+    """The live engine replicas' ids."""
+    return set(driver.call("replicas", timeout=60))
 
 
 def ask(base: str, state: str) -> tuple:
@@ -140,8 +201,8 @@ def hit_rate(log: list) -> float:
 
 
 @pytest.fixture(scope="module")
-def sticky(cluster, tiny_engine_dir):
-    deploy(tiny_engine_dir, "state")
+def sticky(cluster, ray_driver, tiny_engine_dir):
+    deploy(ray_driver, tiny_engine_dir, "state")
     return cluster
 
 
@@ -208,12 +269,12 @@ def test_state_affine_routing_keeps_each_state_on_one_replica(sticky):
     assert served >= len(log)
 
 
-def test_a_replica_killed_mid_run_costs_no_request(sticky):
+def test_a_replica_killed_mid_run_costs_no_request(sticky, ray_driver):
     """On the state-affine deployment (its states already prefilled by the traffic above, or by the first ask
     here when run alone): the last test of ``sticky``, which it leaves with a replacement replica."""
     cluster = sticky
     owner = {i: ask(cluster, s)[0] for i, s in enumerate(STATES)}  # each state prefilled on its owner
-    before = replica_ids()
+    before = replica_ids(ray_driver)
     victim = owner[0]
     requests = len(STATES) * 12
 
@@ -232,9 +293,9 @@ def test_a_replica_killed_mid_run_costs_no_request(sticky):
     assert killed_after < requests
 
     deadline = time.monotonic() + 120
-    while not (replica_ids() - before) and time.monotonic() < deadline:
+    while not (replica_ids(ray_driver) - before) and time.monotonic() < deadline:
         time.sleep(0.5)
-    new = replica_ids() - before
+    new = replica_ids(ray_driver) - before
     assert new, "Serve should have started a replacement replica"
     for i, replica, cache in log:
         if replica == owner[i]:
@@ -249,11 +310,11 @@ def test_a_replica_killed_mid_run_costs_no_request(sticky):
           "states moved")
 
 
-def test_serves_default_router_spreads_states_and_misses_the_cache(cluster, tiny_engine_dir):
+def test_serves_default_router_spreads_states_and_misses_the_cache(cluster, ray_driver, tiny_engine_dir):
     """The control for the state-affine test: the same traffic over Serve's default router (power of two
     choices), on a fresh deployment, sends states to several replicas and hits the cache clearly less often
     (measured 0.70 against 0.905). Replaces the state-affine deployment, so it runs after every test of it."""
-    deploy(tiny_engine_dir, "default")
+    deploy(ray_driver, tiny_engine_dir, "default")
     spread = traffic(cluster)
     default_rate = hit_rate(spread)
     print(f"state cache hit rate, Serve's default router: {default_rate:.3f}")

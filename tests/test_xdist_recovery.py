@@ -104,14 +104,20 @@ def test_negative_control_pytest_xdists_own_scheduler_hangs_or_reruns_after_the_
     assert "test_a.py::test_2" in rerun["ran"], rerun
 
 
-def test_real_pytest_xdist_run_with_a_killed_worker_ends_and_says_how(tmp_path):
+def test_real_pytest_xdist_run_with_a_killed_and_a_faulting_worker_ends_and_says_how(tmp_path):
+    """Real pytest-xdist: a SIGKILLed worker, and a segfault after the signals' default actions were put back; the
+    run ends, every other test runs, and the fault's Python stack is printed."""
     for name, body in {
         "test_a.py": "def test_1(): pass\ndef test_2(): pass\ndef test_3(): pass\n",
         "test_b.py": ("import os, signal\ndef test_before(): pass\n"
                       "def test_killed(): os.kill(os.getpid(), signal.SIGKILL)\ndef test_after(): pass\n"),
         "test_c.py": "def test_1(): pass\ndef test_2(): pass\n",
         "test_d.py": "def test_1(): pass\n",
-        "conftest.py": "from xdist_recovery import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa\n",
+        "test_e.py": ("import ctypes, signal\n"  # what ray.init/ray.shutdown leave behind, then a fault
+                      "def test_defaults_back(): signal.signal(signal.SIGSEGV, signal.SIG_DFL)\n"
+                      "def test_fault(): ctypes.string_at(0)\ndef test_after_the_fault(): pass\n"),
+        "conftest.py": ("from xdist_recovery import pytest_configure, pytest_handlecrashitem, pytest_runtest_setup, "
+                        "pytest_xdist_make_scheduler  # noqa\n"),
     }.items():
         (tmp_path / name).write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
@@ -122,6 +128,8 @@ def test_real_pytest_xdist_run_with_a_killed_worker_ends_and_says_how(tmp_path):
                           timeout=300)  # a liveness bound: pytest-xdist's own scheduler never ends here
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert re.search(r"\b1 failed, 8 passed\b", out), out  # test_after ran; test_killed did not run again
+    assert re.search(r"\b2 failed, 10 passed\b", out), out  # those after ran; the crashed did not run again
     assert "crashed while running 'test_b.py::test_killed'" in out and "killed by SIGKILL" in out, out
+    assert "crashed while running 'test_e.py::test_fault'" in out and "killed by SIGSEGV" in out, out
+    assert "Fatal Python error: Segmentation fault" in out and 'test_e.py", line 3 in test_fault' in out, out
     assert "MemAvailable" in out, out

@@ -13,12 +13,18 @@ told to stop after them: a worker only runs a test once it knows the next one, o
 
 The report of the crashed test names how the worker process ended (a signal, or an exit status) and the machine's
 memory at that moment, with the kernel's OOM-killer count where it can be read: SIGKILL with a grown OOM count is
-the out-of-memory killer, which leaves no traceback behind.
+the out-of-memory killer, which leaves no traceback behind. A crash by a fault (SIGSEGV, SIGABRT, ...) prints every
+thread's Python stack: pytest arms faulthandler once, but Ray's ``ray.init``/``ray.shutdown`` (the cluster tests run
+a Ray driver inside their worker) leave SIGSEGV and SIGABRT at their default action, after which that worker would
+die of a fault without a word; so faulthandler is armed again before every test.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +62,23 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
         return RecoveringLoadFileScheduling(config, log)
     return None
+
+
+_fault_fd: int | None = None
+
+
+def pytest_configure(config):
+    """A descriptor of this process's stderr as it is before any capture, for faulthandler (as pytest keeps one)."""
+    global _fault_fd
+    _fault_fd = os.dup(sys.__stderr__.fileno())
+
+
+def pytest_runtest_setup(item):
+    """faulthandler armed again (disable, then enable: a second enable alone changes nothing, even where a library
+    has put the signals' default actions back)."""
+    if _fault_fd is not None:
+        faulthandler.disable()
+        faulthandler.enable(file=_fault_fd, all_threads=True)
 
 
 def _read(path: str) -> str:
