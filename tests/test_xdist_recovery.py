@@ -50,8 +50,11 @@ class Worker:
         return not self._down and (len(self.queue) >= 2 or (self.queue and self._shutdown_sent))
 
 
-def simulate(scheduler_class, crash_at: str, workers: int = 2) -> dict:
-    """Run COLLECTION on ``workers`` model workers; the worker that starts ``crash_at`` dies and is replaced."""
+def simulate(scheduler_class, crash_at, workers: int = 2) -> dict:
+    """Run COLLECTION on ``workers`` model workers; a worker that starts a test of ``crash_at`` (one node id or a
+    set) dies and is replaced. A replacement's collection comes in one step after it was added, as a real one
+    collects while the others run: a second crash in that step finds it still collecting."""
+    crash_at = {crash_at} if isinstance(crash_at, str) else set(crash_at)
     config = SimpleNamespace(getvalue=lambda name: [f"{workers}*popen"] if name == "tx" else None,
                              option=SimpleNamespace(loadscopereorder=False))
     sched = scheduler_class(config)
@@ -60,25 +63,29 @@ def simulate(scheduler_class, crash_at: str, workers: int = 2) -> dict:
         sched.add_node(node)
         sched.add_node_collection(node, COLLECTION)
     sched.schedule()
-    ran, crashed = [], []
+    ran, crashed, collecting = [], [], []
     for _ in range(10 * len(COLLECTION)):  # each step runs one test; a stuck model simply stops
+        arrived, collecting = collecting, []
         runnable = [n for n in nodes if n.can_run()]
-        if not runnable:
-            break
-        node = runnable[0]
-        index = node.queue[0]
-        if COLLECTION[index] == crash_at and not crashed:
-            node._down = True
-            crashed.append(sched.remove_node(node))
-            fresh = Worker(f"gw{len(nodes)}")
-            nodes.append(fresh)
-            sched.add_node(fresh)
+        if runnable:
+            node = runnable[0]
+            index = node.queue[0]
+            if COLLECTION[index] in crash_at - set(crashed):
+                node._down = True
+                crashed.append(sched.remove_node(node))
+                fresh = Worker(f"gw{len(nodes)}")
+                nodes.append(fresh)
+                sched.add_node(fresh)
+                collecting.append(fresh)
+            else:
+                node.queue.pop(0)
+                ran.append(COLLECTION[index])
+                sched.mark_test_complete(node, index)
+        for fresh in arrived:
             sched.add_node_collection(fresh, COLLECTION)
             sched.schedule()
-            continue
-        node.queue.pop(0)
-        ran.append(COLLECTION[index])
-        sched.mark_test_complete(node, index)
+        if not runnable and not arrived and not collecting:
+            break
     empty_sends = sum(batch == [] for n in nodes for batch in n.sent)
     return {"ran": ran, "crashed": crashed, "empty_sends": empty_sends, "finished": not sched.has_pending}
 
@@ -91,6 +98,10 @@ def test_a_crash_costs_its_test_and_every_other_runs_once():
     for crash_at in ("test_c.py::test_1", "test_e.py::test_2"):
         run = simulate(RecoveringLoadFileScheduling, crash_at, workers=1)
         assert run["finished"] and sorted(run["ran"]) == sorted(set(COLLECTION) - {crash_at}), crash_at
+    both = {"test_a.py::test_0", "test_b.py::test_0"}  # both first workers die, one step apart
+    run = simulate(RecoveringLoadFileScheduling, both)
+    assert sorted(run["crashed"]) == sorted(both) and run["finished"], run
+    assert sorted(run["ran"]) == sorted(set(COLLECTION) - both)
     clean = simulate(RecoveringLoadFileScheduling, crash_at="nothing")
     assert sorted(clean["ran"]) == sorted(COLLECTION) and clean["finished"]
 

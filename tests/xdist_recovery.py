@@ -9,7 +9,9 @@ that worker again, and at the end of the run every worker waits for work that ne
 also runs the test the worker died on again, on the replacement, which the crash report has already failed (#1371).
 No release carries the fixes, so this scheduler does what they do: only unfinished files go back, without the
 crashed test, and a worker is topped up until it has more than two tests to run or the queue is empty (then it is
-told to stop after them: a worker only runs a test once it knows the next one, or that there is none).
+told to stop after them: a worker only runs a test once it knows the next one, or that there is none). A replacement
+still collecting gets no work before its collection is in: when two workers crashed close together, the second's
+rescheduling reached the first's replacement and pytest-xdist stopped on a KeyError (INTERNALERROR).
 
 The report of the crashed test names how the worker process ended (a signal, or an exit status) and the machine's
 memory at that moment, with the kernel's OOM-killer count where it can be read: SIGKILL with a grown OOM count is
@@ -49,8 +51,8 @@ class RecoveringLoadFileScheduling(LoadFileScheduling):
         return crashed
 
     def _reschedule(self, node):
-        if node.shutting_down:
-            return
+        if node.shutting_down or node not in self.registered_collections:
+            return  # a replacement still collecting gets its work once its collection is in (schedule())
         while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
             self._assign_work_unit(node)
         if not self.workqueue:
