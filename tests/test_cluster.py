@@ -20,7 +20,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +35,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 import test_server  # noqa: E402
+from ray_driver import REPLY  # noqa: E402
 from test_server import QUESTIONS, TICKET, _free_port, get, sdk_client  # noqa: E402
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
@@ -56,9 +61,6 @@ def test_the_cluster_command_serves_and_stops_on_ctrl_c(tiny_engine_dir, tmp_pat
     """`onepass cluster` as a user runs it (its own Ray instance; this test runs before the module's cluster):
     it answers over HTTP, and SIGINT shuts Serve and Ray down with status 0. Bad settings are one-line errors,
     refused before Ray starts (checked in this process: no Ray instance is left behind by them)."""
-    import subprocess
-    import sys
-
     from onepass.cli import main
 
     for args, message in ((["--engine", str(tmp_path)], "holds no engine"),
@@ -91,11 +93,7 @@ class RayDriver:
     timeout; its stderr (Ray's and Serve's messages) goes to a log that a failed command quotes."""
 
     def __init__(self, port: int, log: Path):
-        import queue
-        import subprocess
-        import sys
-        import threading
-
+        self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self._err = open(log, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_driver.py")), str(port)],
@@ -111,8 +109,6 @@ class RayDriver:
 
     def answer(self, timeout: float):
         """The next reply's value; the driver's exit, a timeout or an error reply fails the test."""
-        import queue
-
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -121,8 +117,8 @@ class RayDriver:
                 pytest.fail(f"the Ray driver gave no answer in {timeout:.0f} s: {self._log_tail()}")
             if line is None:
                 pytest.fail(f"the Ray driver exited ({self.proc.wait(timeout=30)}): {self._log_tail()}")
-            if line.startswith("REPLY "):
-                message = json.loads(line[len("REPLY "):])
+            if line.startswith(REPLY):
+                message = json.loads(line[len(REPLY):])
                 assert "error" not in message, message["error"]
                 return message["ok"]
 
@@ -154,7 +150,6 @@ def ray_driver(tmp_path_factory):
     driver = RayDriver(port, tmp_path_factory.mktemp("ray") / "driver.log")
     try:
         driver.answer(timeout=240)  # "ready"
-        driver.url = f"http://127.0.0.1:{port}"
         yield driver
     finally:
         driver.close()

@@ -16,9 +16,10 @@ rescheduling reached the first's replacement and pytest-xdist stopped on a KeyEr
 The report of the crashed test names how the worker process ended (a signal, or an exit status) and the machine's
 memory at that moment, with the kernel's OOM-killer count where it can be read: SIGKILL with a grown OOM count is
 the out-of-memory killer, which leaves no traceback behind. A crash by a fault (SIGSEGV, SIGABRT, ...) prints every
-thread's Python stack: pytest arms faulthandler once, but Ray's ``ray.init``/``ray.shutdown`` (the cluster tests run
-a Ray driver inside their worker) leave SIGSEGV and SIGABRT at their default action, after which that worker would
-die of a fault without a word; so faulthandler is armed again before every test.
+thread's Python stack: pytest arms faulthandler once, but a library can put SIGSEGV and SIGABRT back to their
+default actions (Ray's ``ray.init``/``ray.shutdown`` do: the cluster tests ran a Ray driver inside their worker until
+tests/ray_driver.py), after which that worker would die of a fault without a word; so faulthandler is armed again
+before every test.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class RecoveringLoadFileScheduling(LoadFileScheduling):
             return None
         scope, crashed = pending[0]  # a worker runs its tests in the order sent: the first unfinished one crashed
         workload[scope][crashed] = True  # failed by the crash report; never run again
-        for scope, unit in workload.items():
+        for unfinished, unit in workload.items():
             if not all(unit.values()):
-                self.workqueue[scope] = unit
+                self.workqueue[unfinished] = unit
         for other in self.assigned_work:
             self._reschedule(other)
         return crashed
