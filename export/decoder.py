@@ -209,8 +209,12 @@ class PackedDecoder(nn.Module):
         self.head = head
         return self
 
-    def readout(self, input_ids, position_ids, tree_mask, *args):
-        """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents)."""
+    def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None):
+        """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents).
+
+        ``past_length`` (a 0-d int64 tensor, outside the ONNX contract: the PyTorch backend's CUDA graphs): only the
+        first ``past_length`` rows of the past are real, the rest padding no token sees (a graph captured over a
+        state-length bucket serves every state up to it)."""
         layers = self.dims.num_layers
         past = args[: 2 * layers]
         readout_index, readout_target = args[2 * layers], args[2 * layers + 1]
@@ -220,7 +224,11 @@ class PackedDecoder(nn.Module):
         cos, sin = emb.cos(), emb.sin()  # [N, D]
         n, s = input_ids.shape[0], past[0].shape[1]
         tree_bias = torch.where(tree_mask, 0.0, torch.finfo(torch.float32).min)  # [N, N]
-        bias = torch.cat([tree_bias.new_zeros(n, s), tree_bias], dim=1)  # [N, S+N] fp32, on the inputs' device
+        past_bias = tree_bias.new_zeros(n, s)  # [N, S]
+        if past_length is not None:  # padding rows of the past: never seen
+            past_bias = torch.where(torch.arange(s, device=tree_bias.device) < past_length, 0.0,
+                                    torch.finfo(torch.float32).min).expand(n, s)
+        bias = torch.cat([past_bias, tree_bias], dim=1)  # [N, S+N] fp32, on the inputs' device
         presents = []
         for i, block in enumerate(self.blocks):
             x, k, v = block(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
@@ -232,9 +240,9 @@ class PackedDecoder(nn.Module):
         target = logprobs.gather(1, readout_target[:, None])[:, 0]  # [R]
         return h, target, presents
 
-    def forward(self, input_ids, position_ids, tree_mask, *args):
-        """See onepass.runtime.contract for the inputs and outputs."""
-        h, target, presents = self.readout(input_ids, position_ids, tree_mask, *args)
+    def forward(self, input_ids, position_ids, tree_mask, *args, past_length=None):
+        """See onepass.runtime.contract for the inputs and outputs (``past_length``: see ``readout``)."""
+        h, target, presents = self.readout(input_ids, position_ids, tree_mask, *args, past_length=past_length)
         if self.head is None:
             return (target, *presents)
         return (target, *presents, self.head(h))

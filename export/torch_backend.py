@@ -24,8 +24,9 @@ import torch
 from onnx import numpy_helper
 
 from ..runtime.backends.base import Backend, StateKV
+from ..runtime.backends.graphs import MAX_GRAPHS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
 from ..runtime.errors import EngineFileError
-from ..runtime.tree import PackedBatch, bucket, causal, pad_batch
+from ..runtime.tree import PackedBatch, bucket, causal
 from .decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 
@@ -67,20 +68,25 @@ def _initializer(root: Path, tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
-MAX_GRAPHS = 32
-
-
 class TorchBackend(Backend):
     """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ..., or "meta": shapes and devices
     propagate, no data — the tests' CPU check of device placement) at ``precision`` (fp32, fp16, bf16).
 
-    ``buckets`` pads every score pass to bucketed packed/read-out sizes (default: on CUDA),
-    so a few shapes repeat; with ``cuda_graphs`` (default: on CUDA) the score pass of each
-    (state, bucket) is captured once as a CUDA graph and replayed (at most MAX_GRAPHS kept).
+    ``buckets`` pads every score pass to bucketed packed/read-out sizes, capped at the engine's
+    ``max_packed_tokens`` (default: on CUDA), so a few shapes repeat. With ``cuda_graphs`` (default: on
+    CUDA) a score pass reads its state from one of ``slots`` fixed K/V slots of ``max_state_tokens`` rows
+    (``graphs.SlotTable``: one device copy when a state is new to its slot), padded to a state-length
+    bucket whose padding rows are masked (``past_length``), and the pass of each (slot, state bucket,
+    packed bucket, read-out bucket) is captured once as a CUDA graph and replayed: the captures are
+    bounded by slots x buckets whatever the number of distinct states, no graph holds a state's memory,
+    and the slots' bytes (``reserved_bytes``) come out of the engine's state-cache budget.
     """
 
+    graph_devices = ("cuda",)  # where ``_capture_graph`` works (a test stand-in adds "cpu")
+
     def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None,
-                 precision: str | None = None, buckets: bool | None = None, cuda_graphs: bool | None = None):
+                 precision: str | None = None, buckets: bool | None = None, cuda_graphs: bool | None = None,
+                 slots: int = SLOTS, max_graphs: int = MAX_GRAPHS):
         super().__init__(manifest.model)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
@@ -96,62 +102,116 @@ class TorchBackend(Backend):
         self._empty = torch.zeros(m.num_kv_heads, 0, m.head_dim, device=self.device)
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
-        if self.cuda_graphs and not on_cuda:
+        if self.cuda_graphs and self.device.type not in self.graph_devices:
             raise ValueError("CUDA graphs need a CUDA device")
         self.buckets = (on_cuda if buckets is None else buckets) or self.cuda_graphs
-        self._graphs: OrderedDict = OrderedDict()
+        self.max_packed = manifest.limits.max_packed_tokens
+        self.slot_tokens = manifest.limits.max_state_tokens
+        self.slots = SlotTable(slots)
+        self._slots: torch.Tensor | None = None  # [slots, 2L, Hkv, max_state_tokens, D], allocated at first use
+        self.reserved_bytes = slots * self.slot_tokens * m.kv_bytes_per_token() if self.cuda_graphs else 0
+        self.graphs = GraphCache(max_graphs)
         # One memory pool for every captured graph: a graph's temporaries live only during its replay and
         # replays never overlap (one stream, serialised calls), so graphs may reuse each other's temporaries;
-        # a pool per graph would hold MAX_GRAPHS copies of the activations.
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # a pool per graph would hold every graph's activations.
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and on_cuda else None
 
     def device_timer(self):
         """CUDA events on the current stream around a call (None on CPU): `onepass bench`'s device stage."""
         return CudaEvents() if self.device.type == "cuda" else None
 
+    def graph_stats(self) -> dict | None:
+        """The graph cache's counters and the slots' copies and hits (None without CUDA graphs)."""
+        if not self.cuda_graphs:
+            return None
+        return self.graphs.stats.as_dict() | {"slot_copies": self.slots.copies, "slot_hits": self.slots.hits}
+
     def score_all(self, kv: StateKV, batch: PackedBatch):
-        """Score pass, padded to a bucket (and replayed from a CUDA graph) when configured."""
+        """Score pass, padded to a bucket (and replayed from a CUDA graph over a slot) when configured."""
         if not self.buckets:
             return super().score_all(kv, batch)
         self.check(batch)
-        n, r = batch.num_tokens, batch.readout_index.shape[0]
-        padded = pad_batch(batch, bucket(n), bucket(r))
-        if self.cuda_graphs:
-            logprob, head = self._replay(kv, padded)
+        r = batch.readout_index.shape[0]
+        padded = bucketed(batch, self.max_packed)
+        if self.cuda_graphs and 0 < kv.length <= self.slot_tokens:
+            logprob, head = self._graph_pass(kv, padded)
         else:
             logprob, _, head = self._run(padded, kv)
         return logprob[:r], (head[:r] if head is not None else None)
 
     @torch.inference_mode()
-    def _replay(self, kv: StateKV, batch: PackedBatch):
-        """Run ``batch`` through the CUDA graph of (this state's buffers, this shape), capturing it once."""
-        key = (kv.layers[0][0].data_ptr(), kv.length, batch.num_tokens, batch.readout_index.shape[0])
-        entry = self._graphs.get(key)
-        arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target)
-        if entry is None:
+    def _graph_pass(self, kv: StateKV, batch: PackedBatch):
+        """``batch`` over ``kv`` copied into its slot, through the graph of (slot, state bucket, batch shape)."""
+        index, fresh = self.slots.place(kv)
+        slot = self._slot(index)  # [2L, Hkv, max_state_tokens, D]
+        if fresh:
+            self._copy_in(slot, kv)
+        past = bucket(kv.length, self.slot_tokens)
+        arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target,
+                  np.asarray(kv.length, dtype=np.int64))
+        key = (index, past, batch.num_tokens, batch.readout_index.shape[0])
+        views = list(slot[:, :, :past].unbind(0))  # 2L views [Hkv, past, D] at addresses that never move
+
+        def capture():
             static = [torch.from_numpy(a).to(self.device) for a in arrays]
-            past = [value for pair in kv.layers for value in pair]
+
+            def run():
+                return self.decoder(*static[:3], *views, *static[3:5], past_length=static[5])
+            graph, out = self._capture_graph(run)
+            return graph, static, out
+
+        def replay(entry):
+            graph, static, out = entry
+            for dst, src in zip(static, arrays):
+                dst.copy_(torch.from_numpy(src), non_blocking=True)
+            graph.replay()
+            logprob, _, head = self._outputs(out)
+            return logprob, head
+
+        def plain():
+            logprob, _, head = self._run(batch, kv)
+            return logprob, head
+        return self.graphs.run(key, capture, replay, plain)
+
+    def _slot(self, index: int) -> torch.Tensor:
+        """Slot ``index``: zeros at first (padding rows must be finite: a masked row still multiplies its value)."""
+        if self._slots is None:
+            m = self.model
+            self._slots = torch.zeros(self.slots.count, 2 * m.num_layers, m.num_kv_heads, self.slot_tokens,
+                                      m.head_dim, device=self.device)
+        return self._slots[index]
+
+    @staticmethod
+    def _copy_in(slot: torch.Tensor, kv: StateKV) -> None:
+        """The state's K/V into the first rows of ``slot``: one copy from prefill's single buffer, else per tensor."""
+        if kv.storage is not None:
+            slot[:, :, :kv.length].copy_(kv.storage)
+            return
+        for dst, src in zip(slot.unbind(0), (value for pair in kv.layers for value in pair)):
+            dst[:, :kv.length].copy_(src)
+
+    def _capture_graph(self, run):
+        """(a CUDA graph of ``run()``, its output tensors), after two warm-up runs on a side stream (allocator,
+        kernels). Any failure of the capture is ``CaptureFailed``: that key then runs without a graph."""
+        try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (allocator, kernels)
-                    self.decoder(*static[:3], *past, *static[3:])
+                for _ in range(2):
+                    run()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.decoder(*static[:3], *past, *static[3:])
-            entry = (graph, static, out, kv)  # kv: keeps the state's buffers alive while the graph exists
-            self._graphs[key] = entry
-            while len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
-        graph, static, out, _ = entry
-        for dst, src in zip(static, arrays):
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
-        graph.replay()
-        logprob, _, head = self._outputs(out)
-        return logprob, head
+                out = run()
+        except RuntimeError as err:
+            raise CaptureFailed(str(err)) from err
+        return graph, out
+
+    def close(self) -> None:
+        """Drop the graphs and the slots (device memory goes back to torch's allocator)."""
+        self.graphs.clear()
+        self.slots.forget()
+        self._slots = None
 
     def to_host(self, value) -> np.ndarray:
         """A device tensor as float32 numpy; on the ``meta`` device (shapes only) zeros of its shape."""
@@ -167,7 +227,8 @@ class TorchBackend(Backend):
         if len(ids) == 0:
             raise ValueError("a state needs at least one token")
         m = self.model
-        buffers = [torch.empty(m.num_kv_heads, len(ids), m.head_dim, device=self.device) for _ in range(2 * m.num_layers)]
+        storage = torch.empty(2 * m.num_layers, m.num_kv_heads, len(ids), m.head_dim, device=self.device)
+        buffers = list(storage.unbind(0))  # 2L views [Hkv, S, D]: one buffer, copied into a graph slot at once
         for start in range(0, len(ids), chunk):
             past = [b[:, :start] for b in buffers]
             kv = StateKV(tuple((past[2 * i], past[2 * i + 1]) for i in range(m.num_layers)), start, 0)
@@ -175,7 +236,7 @@ class TorchBackend(Backend):
             for b, n in zip(buffers, new):
                 b[:, start:start + n.shape[1]].copy_(n)
         layers = tuple((buffers[2 * i], buffers[2 * i + 1]) for i in range(m.num_layers))
-        return StateKV(layers, len(ids), len(ids) * m.kv_bytes_per_token())
+        return StateKV(layers, len(ids), len(ids) * m.kv_bytes_per_token(), storage)
 
     @torch.inference_mode()
     def _run(self, batch: PackedBatch, kv: StateKV):
@@ -215,7 +276,7 @@ class CudaEvents:
 
 def factory(device: str = "cpu", precision: str | None = None, **options):
     """An Engine.load backend factory for this backend on ``device`` at ``precision`` (default: the engine's);
-    ``options``: ``buckets``, ``cuda_graphs``."""
+    ``options``: ``buckets``, ``cuda_graphs``, ``slots``, ``max_graphs``."""
     def make(root, manifest, threads=None):
         return TorchBackend(root, manifest, device=device, threads=threads, precision=precision, **options)
     return make

@@ -65,7 +65,8 @@ class Engine:
         self.manifest = manifest
         self.backend = backend
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
-        self.cache = StateCache(cache_bytes)
+        # the backend's own state K/V (graph slots) is counted in the budget
+        self.cache = StateCache(max(0, cache_bytes - getattr(backend, "reserved_bytes", 0)))
         self._priors: OrderedDict = OrderedDict()
         self._null: State | None = None
         self._lock = threading.Lock()
@@ -119,7 +120,7 @@ class Engine:
                 raise LimitExceeded(f"{key}={value} is above this engine's {getattr(current, key)}; "
                                     "export an engine with a larger limit instead", key)
         manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
-        engine = Engine(self.root, manifest, self.backend, self.cache.max_bytes)
+        engine = Engine(self.root, manifest, self.backend, self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0))
         engine.cache = self.cache
         return engine
 

@@ -224,9 +224,11 @@ def option_head_scores(batch: PackedBatch, head_score: np.ndarray) -> list[np.nd
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def bucket(n: int) -> int:
-    """The smallest bucket size >= n (n itself above the largest bucket)."""
-    return next((b for b in BUCKETS if b >= n), n)
+def bucket(n: int, cap: int | None = None) -> int:
+    """The smallest bucket size >= n (n itself above the largest bucket), never above ``cap`` (a limit such as
+    ``max_packed_tokens`` that need not be a power of two: the TensorRT profiles end there) when n fits under it."""
+    b = next((b for b in BUCKETS if b >= n), n)
+    return min(b, cap) if cap is not None and n <= cap else b
 
 
 def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:

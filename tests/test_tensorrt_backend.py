@@ -58,9 +58,11 @@ def plan_dir(tiny_engine_dir, tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def load(root, device=None, **options) -> Engine:
+def load(root, device=None, capture_after=1, **options) -> Engine:
+    """The plan dir on the stand-in; graphs captured at a key's first pass (the default waits for its second)."""
     device = device or HostDevice()
-    return Engine.load(root, backend=factory(device=device, tensorrt=fake_tensorrt(root, device), **options))
+    return Engine.load(root, backend=factory(device=device, tensorrt=fake_tensorrt(root, device),
+                                             capture_after=capture_after, **options))
 
 
 def test_tensorrt_backend_reproduces_the_golden_file(plan_dir):
@@ -97,7 +99,7 @@ def test_answers_equal_onnxruntime_and_graphs_replay_with_new_inputs(plan_dir, e
     batches = {trt.pack(trt.state(STATE), trt.encode_questions(q)).num_tokens for q in (QUESTIONS, OTHER)}
     assert len(batches) == 2  # two different packed lengths ...
     assert device.captures == 1 and device.launches == 3  # ... one bucket, one capture, three replays
-    assert trt.backend.graphs == 1
+    assert len(trt.backend.graphs) == 1
 
 
 def test_chunked_prefill_appends_on_the_device_like_one_chunk(plan_dir, engine):
@@ -147,7 +149,7 @@ def test_without_graphs_the_same_answers_and_no_capture(plan_dir, engine):
     encoded = engine.encode_questions(QUESTIONS)
     for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
-    assert device.captures == 0 and trt.backend.graphs == 0
+    assert device.captures == 0 and len(trt.backend.graphs) == 0
 
 
 def test_state_blocks_return_to_the_pool_and_are_reused(plan_dir):
@@ -182,11 +184,11 @@ def test_a_growing_scratch_drops_graphs_that_point_at_the_old_one(plan_dir, engi
     device = HostDevice()
     trt = load(plan_dir, device)
     trt.ask(STATE, {"refund": QUESTIONS["refund"]})  # small bucket
-    assert trt.backend.graphs == 1
+    assert len(trt.backend.graphs) == 1
     many = {f"q{i}": Choice(f"Question {i}: which team?", {"billing": None, "technical": None}) for i in range(12)}
     got = trt.ask(STATE, many)  # a larger bucket: the scratch grows, the old graph goes
     want = engine.ask(STATE, many)
-    assert trt.backend.graphs == 1
+    assert len(trt.backend.graphs) == 1
     for k in many:  # every option's probability by name (a swap of the two options would show here)
         assert got[k].choice == want[k].choice
         assert got[k].probabilities == pytest.approx(want[k].probabilities, abs=1e-4)
@@ -329,12 +331,12 @@ def test_a_failed_capture_falls_back_to_plain_enqueue_once(plan_dir, engine, cap
     device = HostDevice(uncapturable=True)
     trt = load(plan_dir, device)
     encoded = engine.encode_questions(QUESTIONS)
-    with caplog.at_level("WARNING", logger="onepass.tensorrt"):
+    with caplog.at_level("WARNING", logger="onepass.graphs"):
         for _ in range(3):
             for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
                 np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
-    assert device.captures == 1 and device.launches == 0 and trt.backend.graphs == 0
-    assert trt.backend.capture_failures == 1
+    assert device.captures == 1 and device.launches == 0 and len(trt.backend.graphs) == 0
+    assert trt.backend.graphs.stats.capture_failures == 1
     assert sum("capture failed" in r.message for r in caplog.records) == 1
 
 
@@ -357,8 +359,8 @@ def test_each_graph_replays_on_its_own_context_in_one_shared_activation_buffer(p
     trt = load(plan_dir, device)
     _alternate(trt, engine)
     backend = trt.backend
-    assert device.captures == 2 and device.launches == 4 and backend.graphs == 2
-    contexts = [ctx for _, ctx in backend._graphs.values()] + list(backend.contexts.values())
+    assert device.captures == 2 and device.launches == 4 and len(backend.graphs) == 2
+    contexts = [ctx for _, ctx in backend.graphs._graphs.values()] + list(backend.contexts.values())
     assert len({id(c) for c in contexts}) == len(contexts)  # one context per graph, none shared
     assert {c.memory for c in contexts} == {backend._activation}
     assert backend.engine.static_contexts == 0 and backend.activation_bytes == backend.engine.device_memory_size_v2
@@ -405,7 +407,7 @@ def test_a_context_that_says_it_cannot_be_captured_runs_without_a_graph(plan_dir
     for _ in range(2):
         for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
-    assert device.captures == 0 and trt.backend.graphs == 0 and trt.backend.capture_failures == 1
+    assert device.captures == 0 and len(trt.backend.graphs) == 0 and trt.backend.graphs.stats.capture_failures == 1
 
 
 def test_ask_from_8_threads_equals_single_threaded_on_the_tensorrt_stand_in(plan_dir):
@@ -425,6 +427,138 @@ def test_closing_the_engine_frees_every_device_buffer(plan_dir):
     with load(plan_dir, device) as trt:
         trt.ask(STATE, QUESTIONS)
         trt.ask(STATE_2, QUESTIONS)
-        assert trt.backend.graphs == 2 and device.live_bytes > 1 << 20
+        assert len(trt.backend.graphs) == 2 and device.live_bytes > 1 << 20
     assert device.live_bytes <= 4096  # only the 256-byte address of empty tensors is left
     trt.close()
+
+
+def _same_length_states(trt, n: int) -> list[str]:
+    """``n`` different tickets of one token length (digits are single tokens)."""
+    texts = [f"Ticket {i:03d}: I was charged twice for order {999 - i:03d}. Refund it." for i in range(n)]
+    assert len({trt.state(t).num_tokens for t in texts[:5]}) == 1
+    return texts
+
+
+def test_200_distinct_states_capture_at_most_slots_x_buckets_graphs(plan_dir, engine):
+    """A service's traffic: every request a new state. The graphs are keyed by (slot, state length, bucket), so
+    200 states of one length capture one graph per slot, each replayed over whatever state was copied into its
+    slot, with that state's answers; device memory stays within the state cache's budget plus the fixed slots."""
+    device = HostDevice()
+    slots = 2
+    manifest = mf.load(plan_dir)
+    backend = factory(device=device, tensorrt=fake_tensorrt(plan_dir, device), slots=slots,
+                      pool_bytes=0)(plan_dir, manifest)
+    cache = backend.reserved_bytes + (256 << 10)  # the slots, and room for a few of the 200 states
+    trt = Engine(plan_dir, manifest, backend, cache)
+    encoded = engine.encode_questions(QUESTIONS)
+    texts = _same_length_states(trt, 200)
+    worst, live = 0.0, []
+    for text in texts:
+        got = trt.option_logprobs(text, encoded)
+        want = engine.option_logprobs(text, encoded)
+        worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(got, want)))
+        live.append(device.live_bytes)
+    stats = backend.graph_stats()
+    assert stats["captures"] == slots * 1 and device.captures == slots  # one bucket, one length
+    assert stats["uncaptured"] == slots  # a key's first pass runs plain (capture_after=2)
+    assert stats["slot_copies"] == 200 and device.launches == 200 - slots
+    assert worst <= 1e-4, f"a replay over a reused slot differs from ONNX Runtime by {worst}"
+    assert trt.cache.max_bytes + backend.reserved_bytes == cache
+    per_state = -(-backend._kv_bytes(trt.state(texts[0]).num_tokens) // backend.pool.granule) * backend.pool.granule
+    assert len(trt.cache) < 200  # the budget evicted states ...
+    assert max(live) - live[0] <= trt.cache.max_bytes + per_state  # ... and what grows stays within it
+
+
+def test_negative_control_graphs_keyed_by_the_state_capture_once_per_state(plan_dir, engine, monkeypatch):
+    """The previous design (a graph per state address, captured at first sight): 20 new states, 20 captures."""
+    device = HostDevice()
+    trt = load(plan_dir, device)
+    monkeypatch.setattr(trt.backend, "_in_slot", lambda kv: kv)  # the pass binds the state's own buffers
+    encoded = engine.encode_questions(QUESTIONS)
+    for text in _same_length_states(trt, 20):
+        trt.option_logprobs(text, encoded)
+    assert trt.backend.graph_stats()["captures"] == 20 > trt.backend.slots.count
+
+
+def test_negative_control_a_slot_not_refilled_for_a_new_state_is_caught(plan_dir, engine, monkeypatch):
+    """A replay over a slot that still holds another state's K/V answers for that other state: caught."""
+    trt = load(plan_dir, HostDevice(), slots=1)
+    encoded = engine.encode_questions(QUESTIONS)
+    first, second = _same_length_states(trt, 2)
+    trt.option_logprobs(first, encoded)
+    place = trt.backend.slots.place
+    monkeypatch.setattr(trt.backend.slots, "place", lambda owner: (place(owner)[0], False))
+    got = trt.option_logprobs(second, encoded)
+    want = engine.option_logprobs(second, encoded)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, want)) > 1e-3
+
+
+def test_a_state_length_seen_once_is_never_captured(plan_dir, engine):
+    """By default a (slot, length, bucket) key is captured at its second pass: states of lengths that never repeat
+    cost no capture and no execution context."""
+    device = HostDevice()
+    trt = Engine.load(plan_dir, backend=factory(device=device, tensorrt=fake_tensorrt(plan_dir, device)))
+    encoded = engine.encode_questions(QUESTIONS)
+    contexts = trt.backend.engine.contexts_created
+    for i in range(6):
+        trt.option_logprobs(STATE + " Again." * i, encoded)  # six lengths
+    assert device.captures == 0 and trt.backend.engine.contexts_created == contexts
+    trt.option_logprobs(STATE, encoded)  # its second pass: now captured
+    assert device.captures == 1
+
+
+def test_passes_pad_to_buckets_capped_at_max_packed_tokens(plan_dir, engine, tmp_path):
+    """A limit that is not a power of two (the Orin advice: 1500) ends the buckets: a pass of 1,100 tokens pads to
+    1,500, which the plan's profile accepts, not to 2,048, which it refuses. Here: a plan built for 100 packed
+    tokens and a pass of 84 (bucket 128 before the cap)."""
+    from onepass.runtime.tree import bucket
+
+    assert bucket(1100) == 2048 and bucket(1100, 1500) == 1500 and bucket(1600, 1500) == 2048
+    assert bucket(100, 1500) == 128
+    root = mf.copy_engine(plan_dir, tmp_path / "engine")
+    manifest = mf.load(root)
+    manifest = dataclasses.replace(manifest, limits=dataclasses.replace(manifest.limits, max_packed_tokens=100,
+                                                                          prefill_chunk=64))
+    data, profile = write_plan(manifest)
+    (root / "decoder.sm90.plan").write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    record = dict(manifest.plans[0], sha256=sha, bytes=len(data), profiles=profile)
+    mf.write(root, dataclasses.replace(manifest, plans=[record], files={**manifest.files, record["file"]: sha}))
+    trt = load(root)
+    encoded = trt.encode_questions(QUESTIONS)
+    assert trt.pack(trt.state(STATE), encoded).num_tokens == 84
+    for x, y in zip(trt.option_logprobs(STATE, encoded), engine.option_logprobs(STATE, encoded)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+    assert trt.backend._io.keys() >= {(100, 32)}  # the pass ran padded to the cap
+
+
+def test_build_native_plan_if_missing_records_this_devices_plan_through_the_library(plan_dir, tmp_path, monkeypatch):
+    """What the GPU images' entry point (`serve --build-trt-if-missing`) and gpu_check call: a library function, no
+    command-line namespace (a forged one lacked ``device`` and crashed). On the stand-in device (sm87) with the
+    stand-in builder: the plan is built once, recorded under the device's compute capability, and then loads."""
+    from onepass.runtime.backends import cuda_device, tensorrt_build
+
+    root = mf.copy_engine(plan_dir, tmp_path / "engine")
+    device = HostDevice(compute_capability="sm87")
+    module = fake_tensorrt(root, device, version="0.1")
+    built = []
+
+    def build_plan(root_, manifest, out, **options):
+        data, profiles = write_plan(manifest)
+        out.write_bytes(data)
+        built.append(options)
+        return {"file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "tensorrt": VERSION, "compute_capability": "current", "precision": manifest.precision,
+                "profiles": profiles}
+
+    monkeypatch.setattr(cuda_device, "CudaDevice", lambda ordinal=0: device)
+    monkeypatch.setattr(tensorrt_build, "import_tensorrt", lambda flavour=None: module)
+    monkeypatch.setattr(tensorrt_build, "build_plan", build_plan)
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
+    record = tensorrt_build.build_native_plan_if_missing(root)
+    assert record["compute_capability"] == "sm87" and built[0]["compute_capability"] is None  # built on the device
+    assert tensorrt_build.build_native_plan_if_missing(root) is None and len(built) == 1  # present: not rebuilt
+    plans = {p["compute_capability"] for p in mf.load(root).plans}
+    assert plans == {"sm90", "sm87"}
+    trt = Engine.load(root, backend=factory(device=device, tensorrt=module))
+    assert trt.backend.plan["compute_capability"] == "sm87"

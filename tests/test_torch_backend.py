@@ -113,13 +113,13 @@ def test_cuda_graph_replays_equal_eager_passes(engine_dir):
     for a, b, c in zip(first, second, eager.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
         np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
-    assert len(graphs.backend._graphs) == 1
+    assert len(graphs.backend.graphs) == 1
     # graphs of other keys share one memory pool: replayed in any order, each still equals eager
     other = STATE + " I have asked three times already."
     for state in (other, STATE, other, STATE):
         for a, c in zip(graphs.option_logprobs(state, encoded), eager.option_logprobs(state, encoded)):
             np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
-    assert len(graphs.backend._graphs) == 2
+    assert len(graphs.backend.graphs) == 2  # two slots, one state bucket
 
 
 @pytest.mark.gpu
@@ -245,3 +245,103 @@ def test_the_backend_table_opens_each_cpu_backend_by_name(tiny_engine_dir):
     assert isinstance(Engine.load(tiny_engine_dir, backend=factory("onnxruntime"), verify=False).backend, OrtBackend)
     with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'; known: onnxruntime, onnxruntime-gpu, tensorrt"):
         factory("onnx")
+
+
+# -- CUDA graphs keyed by slot and shape, on a CPU stand-in -------------------------------------------------------
+
+class _HostGraph:
+    """A CPU stand-in for a captured CUDA graph: ``replay()`` runs the captured function again on the tensors it
+    was captured with and writes the results into the captured outputs, as a CUDA graph re-runs its kernels on fixed
+    addresses (a replay that relies on anything set after the capture reads the wrong data here too)."""
+
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        for dst, src in zip(self.out, self.run()):
+            dst.copy_(src)
+
+
+@pytest.fixture(scope="module")
+def engine_tiny(tiny_engine_dir):
+    """The reference: ONNX Runtime on the tiny Llama's engine."""
+    with Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as reference:
+        yield reference
+
+
+def _host_graph_backend(slots: int = 2):
+    """The torch backend with graphs captured as ``_HostGraph``s on CPU: its slot and graph-cache logic is real."""
+    from onepass.export.torch_backend import TorchBackend
+
+    class HostGraphs(TorchBackend):
+        graph_devices = ("cuda", "cpu")
+
+        def _capture_graph(self, run):
+            out = run()
+            return _HostGraph(run, out), out
+
+    return lambda root, manifest, threads=None: HostGraphs(root, manifest, device="cpu", cuda_graphs=True,
+                                                           slots=slots)
+
+
+def _distinct_states(n: int) -> list[str]:
+    """``n`` different tickets of a few lengths (two state-length buckets)."""
+    return [f"Ticket {i}: I was charged {i % 7 + 2} times for order {1000 + 37 * i}." + " Please refund it now." * (4 * (i % 3))
+            for i in range(n)]
+
+
+def test_200_distinct_states_capture_at_most_slots_x_buckets_graphs_and_answer_like_onnxruntime(tiny_engine_dir,
+                                                                                                  engine_tiny):
+    """A service's traffic: every request a new state. Captures stay within slots x buckets (the state-length and
+    pass buckets seen), every replay over a reused slot gives its own state's answers, and no state is held by a
+    graph: the slots' bytes are fixed and counted in the state cache's budget."""
+    from onepass.runtime.tree import bucket
+
+    slots = 2
+    cache = 64 << 20
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(slots), verify=False, cache_bytes=cache)
+    encoded = eng.encode_questions(QUESTIONS)
+    shapes, worst = set(), 0.0
+    for text in _distinct_states(200):
+        state = eng.state(text)
+        batch = eng.pack(state, encoded)
+        shapes.add((bucket(state.num_tokens), bucket(batch.num_tokens), bucket(batch.readout_index.shape[0])))
+        got = eng.option_logprobs(state, encoded)
+        want = engine_tiny.option_logprobs(text, engine_tiny.encode_questions(QUESTIONS))
+        worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(got, want)))
+    stats = eng.backend.graph_stats()
+    assert len(shapes) >= 2  # more than one state-length bucket was exercised
+    assert stats["captures"] <= slots * len(shapes), stats
+    assert stats["replays"] == 200 and stats["uncaptured"] == 0 and stats["slot_copies"] == 200
+    assert worst <= 1e-4, f"a replay over a reused slot differs from ONNX Runtime by {worst}"
+    m = eng.manifest
+    assert eng.backend.reserved_bytes == slots * m.limits.max_state_tokens * m.model.kv_bytes_per_token()
+    assert eng.cache.max_bytes + eng.backend.reserved_bytes == cache
+    assert eng.backend._slots.numel() * 4 == eng.backend.reserved_bytes
+
+
+def test_negative_control_a_slot_not_refilled_for_a_new_state_is_caught(tiny_engine_dir, engine_tiny, monkeypatch):
+    """If a replay read a slot still holding another state's K/V (the hazard of keying graphs on anything but
+    the slot's content), the answers move: the check above would fail."""
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(slots=1), verify=False)
+    encoded = eng.encode_questions(QUESTIONS)
+    first, second = _distinct_states(2)
+    eng.option_logprobs(first, encoded)
+    place = eng.backend.slots.place
+    monkeypatch.setattr(eng.backend.slots, "place", lambda owner: (place(owner)[0], False))  # never copies again
+    got = eng.option_logprobs(second, encoded)
+    want = engine_tiny.option_logprobs(second, engine_tiny.encode_questions(QUESTIONS))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, want)) > 1e-3
+
+
+def test_negative_control_unmasked_padding_rows_of_a_state_bucket_are_caught(tiny_engine_dir, engine_tiny,
+                                                                                monkeypatch):
+    """A state padded to its bucket without ``past_length`` lets every token see the padding rows: wrong answers."""
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(), verify=False)
+    forward = eng.backend.decoder.forward
+    monkeypatch.setattr(eng.backend.decoder, "forward", lambda *a, past_length=None: forward(*a))
+    text = _distinct_states(1)[0]
+    assert eng.state(text).num_tokens not in (16, 32, 64)  # padding rows exist
+    got = eng.option_logprobs(text, eng.encode_questions(QUESTIONS))
+    want = engine_tiny.option_logprobs(text, engine_tiny.encode_questions(QUESTIONS))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, want)) > 1e-3

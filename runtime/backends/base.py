@@ -21,6 +21,7 @@ class StateKV:
     layers: tuple
     length: int
     nbytes: int
+    storage: Any = None  # the one buffer [2L, Hkv, S, D] the layers are views of, where the backend keeps one
 
 
 class Backend(ABC):
@@ -37,6 +38,9 @@ class Backend(ABC):
     # (benchmarks/results/blocks.md): attention is dense within a pass, so smaller blocks do less work.
     block_tokens: int | None = None
     name = "custom"  # the backend table's name of this backend, set by ``backends.factory`` (``/readyz`` reports it)
+    # device bytes of state K/V the backend holds beyond the engine's state cache (the GPU backends' graph slots):
+    # the engine takes them out of the cache's budget, so the two together stay within it
+    reserved_bytes = 0
 
     def __init__(self, model: ModelInfo):
         self.model = model
@@ -48,6 +52,11 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release what the backend holds beyond Python memory (device buffers, graphs); idempotent."""
+
+    def graph_stats(self) -> dict | None:
+        """What the backend's CUDA-graph cache did (captures, replays, uncaptured passes, failures, slot copies), or
+        None for a backend without graphs."""
+        return None
 
     def device_timer(self):
         """A new timer of the device work between its ``start()`` and ``stop() -> ms`` (CUDA events on the

@@ -14,11 +14,19 @@ Memory:
   strided device-to-device copy. Score passes bind the state's tensors as ``past_*``
   inputs by address: read in place, never copied, never on the host. Blocks of evicted
   states go back to the pool and serve later states of the same size class.
-* **Score passes** are padded to bucketed (packed, read-out) shapes (``tree.pad_batch``;
-  padding changes no real output). Each bucket has its own input/output buffers; the
-  present K/V a score pass must write go to one scratch block. With ``cuda_graphs`` the
-  pass of each (state, bucket) is captured once and replayed: only the inputs are
-  uploaded and the two [R] outputs read back.
+* **Score passes** are padded to bucketed (packed, read-out) shapes, capped at the engine's
+  ``max_packed_tokens`` (``graphs.bucketed``; padding changes no real output). Each bucket has
+  its own input/output buffers; the present K/V a score pass must write go to one scratch block.
+* **Graph slots**: with ``cuda_graphs`` a score pass reads its state from one of ``slots``
+  fixed device slots (``graphs.SlotTable``; a state is copied in, one device-to-device copy,
+  unless it is still there from its last pass), and the pass of each (slot, state length,
+  bucket) is captured once it has been seen ``capture_after`` times (default 2: a one-off
+  state length runs uncaptured instead of paying a capture) and replayed after: only the
+  inputs are uploaded and the two [R] outputs read back. The graph shape includes the state's
+  exact length (the ONNX contract has no mask over the past, so it cannot be padded), so the
+  captures are bounded by slots x lengths seen twice x buckets and by ``MAX_GRAPHS`` (least
+  recently used evicted) — never by which state is asked about, and no graph holds a state's
+  memory. The slots' bytes are ``reserved_bytes``, taken out of the engine's state-cache budget.
 
 One stream per backend; calls are serialised by the engine. Execution contexts: one per
 optimisation profile of the plan (``prefill`` and ``score``, see ``tensorrt_build.role_profiles``)
@@ -33,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -45,11 +52,11 @@ from ..errors import EngineFileError, OnepassError
 from ..manifest import Manifest
 from ..tree import PackedBatch, bucket, pad_batch
 from .base import Backend, StateKV
+from .graphs import MAX_GRAPHS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
 from .tensorrt_build import import_tensorrt
 
 log = logging.getLogger("onepass.tensorrt")
 
-MAX_GRAPHS = 32
 FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
 ALIGN = 256  # bytes: TensorRT refuses a tensor address that is not a multiple
 _INPUTS = ("input_ids", "position_ids", "tree_mask", "readout_index", "readout_target")
@@ -162,7 +169,8 @@ class TensorRTBackend(Backend):
     """The manifest's TensorRT plan for this device. ``device``/``tensorrt`` default to the real ones."""
 
     def __init__(self, root: Path, manifest: Manifest, *, device=None, tensorrt=None, ordinal: int = 0,
-                 cuda_graphs: bool = True, pool_bytes: int = 1 << 30):
+                 cuda_graphs: bool = True, pool_bytes: int = 1 << 30, slots: int = SLOTS, capture_after: int = 2,
+                 max_graphs: int = MAX_GRAPHS):
         super().__init__(manifest.model)
         trt = tensorrt or import_tensorrt()
         if device is None:
@@ -202,9 +210,13 @@ class TensorRTBackend(Backend):
         self._io: dict = {}  # (packed, readout) -> (device pointers, host output arrays)
         self._scratch: tuple[int, int] | None = None  # (ptr, bytes): present K/V a score pass writes
         self._presents: dict[int, list] = {}  # packed bucket -> its 2L present tensors in the scratch
-        self._graphs: OrderedDict = OrderedDict()
-        self._uncapturable: set = set()  # graph keys whose capture failed: run without a graph
-        self.capture_failures = 0
+        self.max_packed = manifest.limits.max_packed_tokens
+        self.slot_tokens = manifest.limits.max_state_tokens
+        self.slots = SlotTable(slots)
+        self._slot_ptrs: list[int] = []  # allocated at the first graph pass, fixed for the backend's life
+        self.reserved_bytes = slots * self._kv_bytes(self.slot_tokens) if cuda_graphs else 0
+        self.graphs = GraphCache(max_graphs, release=lambda entry: self.device.release_graph(entry[0]),
+                                 capture_after=capture_after)
 
     def _new_context(self, role: str):
         """An execution context on ``role``'s profile that runs in the shared activation buffer."""
@@ -294,7 +306,7 @@ class TensorRTBackend(Backend):
 
     def _buffers(self, packed: int, readout: int):
         """Device input/output buffers for passes of up to (packed, read-out) bucket sizes, allocated once."""
-        packed, readout = bucket(packed), bucket(readout)
+        packed, readout = bucket(packed, max(self.max_packed, packed)), bucket(readout, max(self.max_packed, readout))
         key = (packed, readout)
         if key not in self._io:
             sizes = {"input_ids": packed * 8, "position_ids": packed * 8, "tree_mask": packed * packed,
@@ -311,7 +323,7 @@ class TensorRTBackend(Backend):
             return self._presents[packed]
         need = self._kv_bytes(packed)
         if self._scratch is None or self._scratch[1] < need:
-            self._release_graphs()  # captured graphs hold the old scratch address
+            self.graphs.clear()  # captured graphs hold the old scratch address
             self._presents.clear()
             if self._scratch is not None:
                 self.device.free(self._scratch[0])
@@ -386,60 +398,78 @@ class TensorRTBackend(Backend):
         return logprob, presents, head
 
     def score_all(self, kv: StateKV, batch: PackedBatch):
-        """Score pass padded to its bucket, replayed from the CUDA graph of (state, bucket) when enabled."""
+        """Score pass padded to its bucket; with graphs, over the state's slot and replayed from the graph of
+        (slot, state length, bucket) once that key is due for capture."""
         self.check(batch)
         self.device.activate()
-        n, r = batch.num_tokens, batch.readout_index.shape[0]
-        padded = pad_batch(batch, bucket(n), bucket(r))
+        r = batch.readout_index.shape[0]
+        padded = bucketed(batch, self.max_packed)
         packed, readout = padded.num_tokens, padded.readout_index.shape[0]
         ptrs, host = self._buffers(packed, readout)
         presents = self._scratch_presents(packed)
-        ctx = self._score
         shapes = self._upload(padded, ptrs)  # into the buffers a captured graph reads
-        if not self.cuda_graphs:
-            self._point(ctx, shapes, kv, ptrs, presents)
-            self._enqueue(ctx)
-            return self._read(ptrs, host, r)
-        key = (kv.layers[0][0].ptr, kv.length, packed, readout)
-        if key in self._uncapturable:  # its capture failed once: plain enqueue from then on
-            self._point(ctx, shapes, kv, ptrs, presents)
-            self._enqueue(ctx)
-            return self._read(ptrs, host, r)
-        entry = self._graphs.get(key)
-        if entry is None:  # a context of its own: shapes and addresses are set once, then baked into the graph
+        if not self.cuda_graphs or kv.length > self.slot_tokens or kv.length == 0:
+            return self._plain(shapes, kv, ptrs, presents, host, r)
+        slot = self._in_slot(kv)
+        key = (slot.layers[0][0].ptr, kv.length, packed, readout)
+
+        def capture():  # a context of its own: shapes and addresses are set once, then baked into the graph
             ctx = self._new_context(self._score_role)
-            self._point(ctx, shapes, kv, ptrs, presents)
+            self._point(ctx, shapes, slot, ptrs, presents)
             self._enqueue(ctx)  # a first, uncaptured pass settles TensorRT's shape-dependent set-up
             self.device.synchronize(self.stream)
             try:
                 if hasattr(ctx, "is_stream_capturable") and not ctx.is_stream_capturable(self._handle):
-                    raise OnepassError("TensorRT says this context cannot be stream-captured")
-                graph = self.device.capture(self.stream, lambda: self._enqueue(ctx))
-            except OnepassError as err:  # e.g. an operation that cannot be captured: this key runs uncaptured
-                self._uncapturable.add(key)
-                self.capture_failures += 1
-                log.warning("CUDA graph capture failed for packed=%d readout=%d (%s); this shape runs without "
-                            "a graph from now on", packed, readout, err)
-                self._enqueue(ctx)  # the failed capture may have left the stream or the outputs in any state
-                return self._read(ptrs, host, r)
-            # The key holds the state's address and length: a graph is only replayed for a live state at
-            # that address with that layout, so it need not keep an evicted state's block alive.
-            entry = self._graphs[key] = (graph, ctx)
-            while len(self._graphs) > MAX_GRAPHS:
-                self.device.release_graph(self._graphs.popitem(last=False)[1][0])
-        else:
-            self._graphs.move_to_end(key)
-        self.device.launch(entry[0], self.stream)
+                    raise CaptureFailed("TensorRT says this context cannot be stream-captured")
+                return self.device.capture(self.stream, lambda: self._enqueue(ctx)), ctx
+            except OnepassError as err:  # e.g. an operation that cannot be captured
+                raise CaptureFailed(str(err)) from err
+
+        def replay(entry):
+            self.device.launch(entry[0], self.stream)
+            return self._read(ptrs, host, r)
+
+        return self.graphs.run(key, capture, replay, lambda: self._plain(shapes, slot, ptrs, presents, host, r))
+
+    def _plain(self, shapes: dict, kv: StateKV, ptrs: dict, presents, host: dict, r: int):
+        """The score pass enqueued on the shared score context, without a graph."""
+        self._point(self._score, shapes, kv, ptrs, presents)
+        self._enqueue(self._score)
         return self._read(ptrs, host, r)
 
-    def _release_graphs(self) -> None:
-        while self._graphs:
-            self.device.release_graph(self._graphs.popitem(last=False)[1][0])  # its context goes with it
+    def _in_slot(self, kv: StateKV) -> StateKV:
+        """``kv`` as read from its graph slot: copied in (one device-to-device copy of its aligned block) unless it
+        is still there from its last pass. Slots are allocated at the first use and never move."""
+        if not self._slot_ptrs:
+            self._slot_ptrs = [self.device.alloc(self._kv_bytes(self.slot_tokens)) for _ in range(self.slots.count)]
+        index, fresh = self.slots.place(kv)
+        tensors = self._tensors(None, self._slot_ptrs[index], kv.length)
+        if fresh:
+            self._copy_in(tensors, kv)
+        return self._state(tensors, kv.length)
+
+    def _copy_in(self, slot: Sequence[DeviceTensor], kv: StateKV) -> None:
+        """The state's 2L tensors into the slot's (the same aligned layout): one copy when they lie end to end in
+        one block, as prefill lays them out; tensor by tensor otherwise."""
+        old = [value for pair in kv.layers for value in pair]
+        step = self._step(kv.length)
+        if all(t.ptr == old[0].ptr + i * step for i, t in enumerate(old)):
+            size = len(old) * step
+            self.device.copy_rows(slot[0].ptr, size, old[0].ptr, size, size, 1, self.stream)
+        else:
+            for dst, src in zip(slot, old):
+                self.device.copy_rows(dst.ptr, src.nbytes, src.ptr, src.nbytes, src.nbytes, 1, self.stream)
+
+    def graph_stats(self) -> dict | None:
+        """The graph cache's counters and the slots' copies and hits (None without CUDA graphs)."""
+        if not self.cuda_graphs:
+            return None
+        return self.graphs.stats.as_dict() | {"slot_copies": self.slots.copies, "slot_hits": self.slots.hits}
 
     def close(self) -> None:
         """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""
         self.device.activate()
-        self._release_graphs()
+        self.graphs.clear()
         self.device.synchronize(self.stream)
         for ptrs, _ in self._io.values():
             for ptr in ptrs.values():
@@ -449,6 +479,10 @@ class TensorRTBackend(Backend):
             self.device.free(self._scratch[0])
             self._scratch = None
         self._presents.clear()
+        for ptr in self._slot_ptrs:
+            self.device.free(ptr)
+        self._slot_ptrs = []
+        self.slots.forget()
         self.pool.clear()
         self.contexts.clear()
         self._prefill = self._score = None
@@ -456,15 +490,10 @@ class TensorRTBackend(Backend):
             self.device.free(self._activation)
             self._activation = None
 
-    @property
-    def graphs(self) -> int:
-        """How many CUDA graphs are held."""
-        return len(self._graphs)
-
 
 def factory(ordinal: int = 0, **options):
-    """An ``Engine.load`` backend factory for the TensorRT backend on GPU ``ordinal``;
-    ``options``: ``cuda_graphs``, ``pool_bytes`` (and ``device``/``tensorrt`` to substitute them)."""
+    """An ``Engine.load`` backend factory for the TensorRT backend on GPU ``ordinal``; ``options``: ``cuda_graphs``,
+    ``pool_bytes``, ``slots``, ``capture_after``, ``max_graphs`` (and ``device``/``tensorrt`` to substitute them)."""
     def make(root, manifest, threads=None):
         return TensorRTBackend(root, manifest, ordinal=ordinal, **options)
     return make
