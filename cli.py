@@ -158,6 +158,8 @@ def cmd_serve(args) -> int:
             raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
         export_engine(args.engine)  # first start on this device: the default model, cached in the volume
     if args.build_trt_if_missing and args.backend == "tensorrt":  # the images' default; moot for other backends
+        from .runtime.backends.tensorrt_build import build_native_plan_if_missing
+
         build_native_plan_if_missing(Path(args.engine))
     engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
                          backend=args.backend)
@@ -342,43 +344,11 @@ def cmd_plan(args) -> int:
 
 def cmd_build_trt(args) -> int:
     """Build TensorRT plans (one per compute capability) into the engine directory and record them."""
-    import dataclasses
-    from pathlib import Path
+    from .runtime.backends.tensorrt_build import build_plans
 
-    from .runtime import manifest as mf
-    from .runtime.backends.tensorrt_build import build_plan, import_tensorrt
-    from .runtime.paths import cache_root
-
-    root = Path(args.engine)
-    manifest = mf.load(root)
-    if args.precision != manifest.precision:
-        raise OnepassError(f"this engine's graph is {manifest.precision}; plans are built at the graph's precision "
-                           f"(strongly typed networks), so --precision {args.precision} needs a graph exported at it "
-                           f"(onepass export --precision {args.precision})")
-    native = None
-    if "native" in args.arch:  # build on this device, for this device; record its real compute capability
-        from .runtime.backends.cuda_device import CudaDevice
-
-        native = CudaDevice().compute_capability
-    archs = [native if a == "native" else a for a in args.arch]
-    plans, files = list(manifest.plans), dict(manifest.files)
-    workspace = None
-    if args.device:
-        from .runtime.plan import DEVICES
-
-        workspace = DEVICES[args.device].workspace_mib << 20
-    trt = import_tensorrt(args.flavour)
-    for arch, asked in zip(archs, args.arch):
-        out = root / f"decoder.{arch}.plan"
-        timing = cache_root() / "tensorrt" / f"{trt.__name__}-{trt.__version__}-{arch}.timing"
-        record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
-                            flavour=trt.__name__, timing_cache=timing, workspace_bytes=workspace)
-        record["compute_capability"] = arch
-        plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
-        plans.append(record)
-        files[out.name] = record["sha256"]
-    mf.write(root, dataclasses.replace(manifest, plans=plans, files=files))
-    print(f"recorded {len(archs)} plan(s) in {root / mf.MANIFEST}")
+    records = build_plans(Path(args.engine), args.arch, precision=args.precision, flavour=args.flavour,
+                          device=args.device)
+    print(f"recorded {len(records)} plan(s) in {Path(args.engine) / 'manifest.json'}")
     return 0
 
 
@@ -386,23 +356,6 @@ def _device_names() -> list:
     from .runtime.plan import DEVICES
 
     return list(DEVICES)
-
-
-def build_native_plan_if_missing(root: Path) -> None:
-    """First start on a GPU: build this device's TensorRT plan unless the engine already has one that loads."""
-    from .runtime import manifest as mf
-    from .runtime.backends.cuda_device import CudaDevice
-    from .runtime.backends.tensorrt import select_plan, tensorrt_version
-    from .runtime.backends.tensorrt_build import import_tensorrt
-    from .runtime.errors import EngineFileError
-
-    manifest = mf.load(root)
-    trt, device = import_tensorrt(), CudaDevice()  # neither there: a clear error, nothing to build
-    try:
-        select_plan(manifest, tensorrt_version(trt), device.compute_capability)
-    except EngineFileError:
-        cmd_build_trt(argparse.Namespace(engine=str(root), arch=["native"], precision=manifest.precision,
-                                         flavour=None))
 
 
 def cmd_quantize(args) -> int:
@@ -572,7 +525,8 @@ def parser() -> argparse.ArgumentParser:
     trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"],
                      help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121), or native: "
                           "this machine's GPU (standard TensorRT on NGC/JetPack builds on the device)")
-    trt.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    trt.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "fp8", "int8"],
+                     help="the graph's precision (the default); plans are built at it")
     trt.add_argument("--device", default=None, choices=sorted(_device_names()),
                      help="limit the builder's workspace to this device's budget (see `onepass plan`)")
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
