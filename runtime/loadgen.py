@@ -13,7 +13,10 @@ Two ways to drive a ``send()`` callable (one request; raises on failure):
   stalls (the stall is counted once per sender, not for the requests it held back).
 
 Latencies go into an HdrHistogram (the ``hdrhistogram`` package: 1 µs to 1 h, 3 significant
-digits), from which the percentiles are read; failures are counted by kind and never dropped.
+digits), from which the percentiles are read; where that package is not installed (a GPU image that
+carries only what it needs), into ``ExactHistogram``, which keeps every sample (exact percentiles;
+fine for the thousands of samples of a device check). Failures are counted by kind, the first
+message of each kind kept, and never dropped.
 ``send()`` may return the request's stage times (milliseconds by stage name, e.g. the engine's
 tokenize/prefill/pack/score/readout or a server's Server-Timing entries): each stage gets its own histogram.
 
@@ -30,13 +33,60 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hdrh.histogram import HdrHistogram
-
 from .interrupt import ctrl_c_sets
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 CDF_POINTS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.99, 100.0)
 MAX_MICROS = 3600 * 10**6
+
+
+class ExactHistogram:
+    """The slice of ``hdrh.histogram.HdrHistogram``'s interface the loops use, over every recorded value (µs): exact
+    percentiles (the smallest value with at least p% of the samples at or below it, as HdrHistogram reads them)."""
+
+    def __init__(self, lowest: int = 1, highest: int = MAX_MICROS, digits: int = 3):
+        self._values: list[int] = []
+        self._sorted = True
+
+    def record_value(self, value: int) -> None:
+        self._values.append(int(value))
+        self._sorted = False
+
+    def _ordered(self) -> list[int]:
+        if not self._sorted:
+            self._values.sort()
+            self._sorted = True
+        return self._values
+
+    def get_total_count(self) -> int:
+        return len(self._values)
+
+    def get_value_at_percentile(self, p: float) -> int:
+        values = self._ordered()
+        if not values:
+            return 0
+        return values[max(0, min(len(values) - 1, math.ceil(p / 100.0 * len(values)) - 1))]
+
+    def get_min_value(self) -> int:
+        return self._ordered()[0] if self._values else 0
+
+    def get_max_value(self) -> int:
+        return self._ordered()[-1] if self._values else 0
+
+    def get_mean_value(self) -> float:
+        return sum(self._values) / len(self._values) if self._values else 0.0
+
+    def get_stddev(self) -> float:
+        if not self._values:
+            return 0.0
+        mean = self.get_mean_value()
+        return math.sqrt(sum((v - mean) ** 2 for v in self._values) / len(self._values))
+
+
+try:
+    from hdrh.histogram import HdrHistogram as Histogram
+except ImportError:  # e.g. the GPU check's image: percentiles from every sample instead
+    Histogram = ExactHistogram
 
 
 @dataclass
@@ -45,11 +95,12 @@ class Run:
 
     mode: str
     offered: float | None = None  # requests/s scheduled (open loop) or concurrency (closed loop)
-    histogram: HdrHistogram = field(default_factory=lambda: HdrHistogram(1, MAX_MICROS, 3))
+    histogram: Histogram = field(default_factory=lambda: Histogram(1, MAX_MICROS, 3))
     failures: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # kind -> the first failure's message of that kind
     seconds: float = 0.0
     late_starts: int = 0  # open loop: requests that started after their intended time (no sender free)
-    stages: dict = field(default_factory=dict)  # stage name -> HdrHistogram (µs)
+    stages: dict = field(default_factory=dict)  # stage name -> Histogram (µs)
     interrupted: bool = False
     started: float = 0.0  # perf_counter at the start (progress)
     error: BaseException | None = None  # a sender's contract error: ends the run, raised to the caller
@@ -66,7 +117,7 @@ class Run:
             self.histogram.record_value(_micros(seconds))
             for name, ms in (stages or {}).items():
                 if name not in self.stages:
-                    self.stages[name] = HdrHistogram(1, MAX_MICROS, 3)
+                    self.stages[name] = Histogram(1, MAX_MICROS, 3)
                 self.stages[name].record_value(_micros(ms / 1000.0))
 
     def percentile(self, p: float) -> float | None:
@@ -78,9 +129,12 @@ class Run:
         """Ctrl-C ended the run early (what it measured is kept)."""
         self.interrupted = True
 
-    def fail(self, kind: str) -> None:
+    def fail(self, kind: str, message: str | None = None) -> None:
+        """One failed request of ``kind``; the first ``message`` of each kind is kept for the report."""
         with self._lock:
             self.failures[kind] = self.failures.get(kind, 0) + 1
+            if message is not None:
+                self.errors.setdefault(kind, message[:500])
 
     @property
     def count(self) -> int:
@@ -91,7 +145,7 @@ class Run:
         h = self.histogram
         ms = 1e-3
         out = {"mode": self.mode, "offered": self.offered, "requests": self.count,
-               "failures": dict(self.failures), "seconds": round(self.seconds, 3),
+               "failures": dict(self.failures), "errors": dict(self.errors), "seconds": round(self.seconds, 3),
                "throughput": round(self.count / self.seconds, 3) if self.seconds > 0 else None,
                "late_starts": self.late_starts, "interrupted": self.interrupted}
         if self.stages:  # 0 ms (e.g. prefill of a cached state) is recorded as 1 µs: the histogram's floor
@@ -159,7 +213,7 @@ def open_loop(send, rate: float, duration: float, senders: int = 64, seed: int =
             try:
                 stages = send()
             except Exception as err:  # noqa: BLE001 - every failure is counted by kind, never dropped
-                run.fail(_classify(err))
+                run.fail(_classify(err), f"{type(err).__name__}: {err}")
                 return
             _record(run, stop, time.perf_counter() - at, stages)
 
@@ -196,7 +250,7 @@ def closed_loop(send, concurrency: int, duration: float | None = None, requests:
                 try:
                     stages = send()
                 except Exception as err:  # noqa: BLE001 - counted by kind
-                    run.fail(_classify(err))
+                    run.fail(_classify(err), f"{type(err).__name__}: {err}")
                     continue
                 if not _record(run, stop, time.perf_counter() - t0, stages):
                     return
