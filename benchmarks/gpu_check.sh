@@ -8,8 +8,10 @@
 #   here:  python benchmarks/gpu_shape.py pack .gpu/shape        (config + tokenizer, ~3.5 MiB)
 #   there: carry .gpu/shape, command: SHAPE=.gpu/shape bash benchmarks/gpu_check.sh "$OUT"
 # With SHAPE set and no engine at ENGINE, the engine is exported from the default model's shape with
-# seeded random weights (benchmarks/gpu_shape.py): parity and latency are those of the real model, its
-# answers are not. The real weights need the two-call recipe of benchmarks/gpu_carry.sh.
+# seeded random weights (benchmarks/gpu_shape.py): latency is the real model's; its answers are not, and random
+# weights hide precision error (the report says RANDOM). The real weights need benchmarks/gpu_carry.sh's two calls.
+# Every import on this path is in the H200 image (benchmarks/h200_image.txt): tests/test_gpu_check.py rehearses
+# this script on a CPU (DEVICE=cpu) with nothing else importable.
 #
 # Needs: torch with CUDA, numpy, tokenizers, onnx (the torch backend reads the weights from the
 # engine's ONNX initializers) and an engine directory (`onepass export --out engines/smollm2`);
@@ -34,12 +36,14 @@ if [ ! -f "$ENGINE/manifest.json" ] && [ -n "${SHAPE:-}" ]; then
   timeout 180 "$PY" -m onepass export --model "$work/smollm2-shape" --out "$work/engine" --adapter none \
     > "$OUT/export.log" 2>&1 || { tail -5 "$OUT/export.log"; exit 1; }
   ENGINE="$work/engine"
+  RANDOM_WEIGHTS=1
 elif [ ! -f "$ENGINE/manifest.json" ]; then
   echo "no engine at $ENGINE: export one (onepass export --out $ENGINE) or set SHAPE (see the top of this script)" >&2
   exit 2
 fi
 extra=()
 [ "${SKIP_HF:-0}" = 1 ] && extra+=(--skip-hf)
+[ "${RANDOM_WEIGHTS:-0}" = 1 ] && extra+=(--random-weights)
 left=$((480 - SECONDS))  # the whole script, export included, stays within 8 minutes
 budget=$((left - 80 < ${BUDGET_S:-400} ? left - 80 : ${BUDGET_S:-400}))
 exec timeout "$left" "$PY" benchmarks/gpu_check.py --engine "$ENGINE" --out "$OUT" --device "$DEVICE" \

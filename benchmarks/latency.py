@@ -158,11 +158,21 @@ class HFBaselines:
         return self.tok.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
                                             add_generation_prompt=True)
 
-    def generate_json(self, state: str, max_new_tokens: int) -> int:
+    def generate_json(self, state: str, max_new_tokens: int, exactly: bool = False) -> int:
+        """Greedy generation of the JSON answer (at most ``max_new_tokens``, or exactly that many with ``exactly``:
+        the decode work of writing a given answer, whether or not the model stops earlier); returns the count."""
         ids = self.tok(self.prompt_json(state), return_tensors="pt", add_special_tokens=False).to(self.device)
+        floor = {"min_new_tokens": max_new_tokens} if exactly else {}
         with self.torch.no_grad():
-            out = self.model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens)
+            out = self.model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens, **floor)
         return int(out.shape[1] - ids["input_ids"].shape[1])
+
+    def answer_tokens(self, engine: Engine, state: str) -> int:
+        """Tokens of the JSON answer onepass gives to the workload's questions on ``state`` (what a generating
+        baseline must write to answer the same)."""
+        answers = engine.ask(state, QUESTIONS)
+        text = json.dumps({qid: _label(a) for qid, a in answers.items()})
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def score_options(self, engine: Engine, state: str) -> None:
         state_ids = engine.encoder.state(state)
@@ -172,6 +182,17 @@ class HFBaselines:
                 with self.torch.no_grad():
                     logits = self.model(seq).logits[0]
                 self.torch.log_softmax(logits[-len(option) - 1:-1], dim=-1).cpu()
+
+
+def _label(answer) -> str:
+    """An answer as the word a generating model would write: yes/no, the option, or the level's description."""
+    from onepass.runtime.questions import ChoiceAnswer, NoulAnswer
+
+    if isinstance(answer, NoulAnswer):
+        return "yes" if answer.noul >= 0.5 else "no"
+    if isinstance(answer, ChoiceAnswer):
+        return answer.choice
+    return answer.legend[str(max(answer.probabilities, key=lambda k: answer.probabilities[k]))]
 
 
 def run(args) -> dict:

@@ -162,9 +162,10 @@ class TorchBackend(Backend):
 
         def replay(entry):
             graph, static, out = entry
-            for dst, src in zip(static, arrays):
-                dst.copy_(torch.from_numpy(src), non_blocking=True)
-            graph.replay()
+            with self.device_span():
+                for dst, src in zip(static, arrays):
+                    dst.copy_(torch.from_numpy(src), non_blocking=True)
+                graph.replay()
             logprob, _, head = self._outputs(out)
             return logprob, head
 
@@ -244,8 +245,10 @@ class TorchBackend(Backend):
             return torch.from_numpy(a).to(self.device, non_blocking=True)
 
         past = [value for pair in kv.layers for value in pair]
-        return self._outputs(self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
-                                          t(batch.readout_index), t(batch.readout_target)))
+        with self.device_span():
+            out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                               t(batch.readout_index), t(batch.readout_target))
+        return self._outputs(out)
 
     def _outputs(self, out) -> tuple:
         """(target log-probs on the host, presents on the device, head scores on the host or None)."""

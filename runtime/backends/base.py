@@ -41,6 +41,7 @@ class Backend(ABC):
     # device bytes of state K/V the backend holds beyond the engine's state cache (the GPU backends' graph slots):
     # the engine takes them out of the cache's budget, so the two together stay within it
     reserved_bytes = 0
+    spans: list | None = None  # device milliseconds of each ``device_span`` while a list (see ``device_span``)
 
     def __init__(self, model: ModelInfo):
         self.model = model
@@ -57,6 +58,20 @@ class Backend(ABC):
         """What the backend's CUDA-graph cache did (captures, replays, uncaptured passes, failures, slot copies), or
         None for a backend without graphs."""
         return None
+
+    @contextlib.contextmanager
+    def device_span(self):
+        """Around one stretch of device work only (a pass's kernels and its input copies; never host packing): while
+        ``spans`` is a list, the span's device milliseconds (``device_timer``, synchronised at its end) are appended to
+        it. How gpu_check separates GPU time from host time; a no-op otherwise, and on a backend without a device
+        clock."""
+        timer = self.device_timer() if self.spans is not None else None
+        if timer is None:
+            yield
+            return
+        timer.start()
+        yield
+        self.spans.append(timer.stop())
 
     def device_timer(self):
         """A new timer of the device work between its ``start()`` and ``stop() -> ms`` (CUDA events on the

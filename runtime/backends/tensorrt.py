@@ -367,6 +367,11 @@ class TensorRTBackend(Backend):
             address("head_score", ptrs["head_score"] if r else self._nothing)
 
     def _enqueue(self, context) -> None:
+        """One pass on the stream (timed as a device span when asked; see ``Backend.device_span``)."""
+        with self.device_span():
+            self._execute(context)
+
+    def _execute(self, context) -> None:
         if not context.execute_async_v3(self._handle):
             raise EngineFileError("TensorRT could not enqueue the pass (see its log above)")
 
@@ -421,12 +426,13 @@ class TensorRTBackend(Backend):
             try:
                 if hasattr(ctx, "is_stream_capturable") and not ctx.is_stream_capturable(self._handle):
                     raise CaptureFailed("TensorRT says this context cannot be stream-captured")
-                return self.device.capture(self.stream, lambda: self._enqueue(ctx)), ctx
+                return self.device.capture(self.stream, lambda: self._execute(ctx)), ctx  # no events in a capture
             except OnepassError as err:  # e.g. an operation that cannot be captured
                 raise CaptureFailed(str(err)) from err
 
         def replay(entry):
-            self.device.launch(entry[0], self.stream)
+            with self.device_span():
+                self.device.launch(entry[0], self.stream)
             return self._read(ptrs, host, r)
 
         return self.graphs.run(key, capture, replay, lambda: self._plain(shapes, slot, ptrs, presents, host, r))

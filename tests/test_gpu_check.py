@@ -1,0 +1,86 @@
+"""The one-shot device check, rehearsed on a CPU inside the lent H200 machine's exact package set.
+
+That machine fetches nothing: an import the check needs and the image lacks ends the run before it measures
+anything (it once died on ``hdrh`` after a 64 s export). Here the whole flow of ``benchmarks/gpu_check.sh`` —
+random weights for the model's shape, ``onepass export``, every backend's parity, the timed workloads, the report
+— runs with ``DEVICE=cpu`` in a Python that can import only ``benchmarks/h200_image.txt``'s distributions and what
+they require (``tests/image_env.py``), on the tiny Llama (SmolLM2's architecture and tokenizer at 2 blocks).
+"""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from image_env import image_env, read_image
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = read_image(ROOT / "benchmarks" / "h200_image.txt")
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return image_env(IMAGE, tmp_path_factory.mktemp("h200-image"))
+
+
+def _python(env, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([env["PYTHON"], "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_rehearsal_python_has_the_images_packages_and_nothing_else(env):
+    """Negative control of the rehearsal itself: what the image lacks is neither importable nor visible to an
+    availability check, and what it has imports."""
+    for absent in ("hdrh", "fastapi", "pydantic", "openvino", "gguf", "zstandard", "uvicorn"):
+        run = _python(env, f"import importlib.util, importlib.metadata as m\n"
+                           f"assert importlib.util.find_spec({absent!r}) is None\nimport {absent}")
+        assert run.returncode != 0 and f"No module named '{absent}'" in run.stderr, (absent, run.stderr[-300:])
+    run = _python(env, "import torch, numpy, onnx, onnxruntime, transformers, tokenizers, peft, filelock; print('ok')")
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_device_check_runs_in_the_h200_images_package_set(env, tiny_llama_dir, tiny_engine_dir, tmp_path):
+    """gpu_check.sh as the machine will run it (SHAPE: the model's config and tokenizer, random weights made there,
+    the engine exported there), then gpu_check.py on an engine with real (here: the tiny Llama's) weights, which
+    adds the Hugging Face baselines. Both end with a full report and no failed measurement."""
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    for f in tiny_llama_dir.iterdir():  # config and tokenizer only, as gpu_shape.py pack gives
+        if f.suffix not in (".safetensors", ".bin"):
+            shutil.copy(f, shape / f.name)
+    out = tmp_path / "out"
+    run_env = dict(env, SHAPE=str(shape), ENGINE=str(tmp_path / "none"), DEVICE="cpu", ITERS="3", BUDGET_S="150")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)], env=run_env,
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _check_report(out, random_weights=True)
+
+    out2 = tmp_path / "out2"
+    link = tmp_path / "pkg"
+    link.mkdir()
+    (link / "onepass").symlink_to(ROOT)
+    run = subprocess.run([env["PYTHON"], str(ROOT / "benchmarks" / "gpu_check.py"), "--engine", str(tiny_engine_dir),
+                          "--device", "cpu", "--iters", "3", "--budget-s", "150", "--out", str(out2)],
+                         env=dict(env, PYTHONPATH=str(link)), capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = _check_report(out2, random_weights=False)
+    hf = report["latency"]["torch-cpu"]
+    assert hf["hf_eager_score_options"]["n"] == 3 and hf["hf_eager_generate_json"]["new_tokens"] > 5
+
+
+def _check_report(out: Path, random_weights: bool) -> dict:
+    report = json.loads((out / "gpu_check.json").read_text())
+    env = report["environment"]
+    assert env["hdrh"].startswith("missing") and env["weights"].startswith("RANDOM") == random_weights
+    assert report["errors"] == {}, report["errors"]
+    parity = report["parity"]["torch-cpu"]
+    assert all(v["within"] for v in parity["golden"].values()), parity
+    assert parity["vs_cpu_reference"]["within"], parity
+    latency = report["latency"]["torch-cpu"]
+    timed = [latency["warm_13_questions_512_state"], latency["service_new_state_each_call_13_questions"],
+             *latency["questions"].values(), *latency["prefill"].values()]
+    assert len(timed) == 9 and all("error" not in r and r["n"] >= 3 and not r["failures"] for r in timed), timed
+    assert "## Timing" in (out / "gpu_check.md").read_text()
+    return report
