@@ -1,0 +1,89 @@
+"""The Jetson image's pins resolve for its Python: CPython 3.10 on aarch64 (JetPack 6, Ubuntu 22.04, glibc 2.35).
+
+Every exact pin the image installs — the package's own dependencies and its ``serve`` extra evaluated with
+that interpreter's markers, and the pins written in ``docker/Dockerfile.jetson`` — must have a wheel PyPI serves
+for cp310 aarch64 whose Requires-Python admits 3.10 (the image has no compiler for an sdist). Read from PyPI's
+JSON API; nothing is downloaded. ``filelock==4.3.1`` (Requires-Python >= 3.11) and ``hdrhistogram`` (no aarch64
+wheel) once broke the build. Skipped only when PyPI cannot be reached.
+"""
+
+import json
+import re
+import tomllib
+import urllib.error
+import urllib.request
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKERS = {"python_version": "3.10", "python_full_version": "3.10.12", "platform_machine": "aarch64",
+           "sys_platform": "linux", "platform_system": "Linux", "implementation_name": "cpython", "extra": ""}
+PLATFORMS = [f"manylinux_2_{minor}_aarch64" for minor in range(35, 16, -1)] + ["manylinux2014_aarch64",
+                                                                                "linux_aarch64"]
+TAGS = set(cpython_tags((3, 10), platforms=PLATFORMS)) | set(compatible_tags((3, 10), "cp310", PLATFORMS))
+NOT_ON_PYPI = {"torch"}  # the Jetson AI Lab index's CUDA build (Dockerfile's TORCH_INDEX): not on PyPI
+
+
+def image_pins() -> list[Requirement]:
+    """The exact pins the Jetson image installs, markers evaluated for cp310 aarch64."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    texts = project["dependencies"] + project["optional-dependencies"]["serve"]
+    docker = (ROOT / "docker" / "Dockerfile.jetson").read_text().replace("\\\n", " ")
+    for line in docker.splitlines():
+        if "pip install" in line:
+            texts += [t.strip("'\"") for t in line.split() if re.fullmatch(r"['\"]?[A-Za-z0-9_.\-]+==[\w.]+['\"]?", t)]
+    pins = [Requirement(t) for t in texts]
+    return [r for r in pins if r.marker is None or r.marker.evaluate(MARKERS)]
+
+
+@lru_cache(maxsize=None)
+def release_files(name: str, version: str) -> list[dict]:
+    try:
+        with urllib.request.urlopen(f"https://pypi.org/pypi/{canonicalize_name(name)}/json", timeout=60) as r:
+            return json.load(r)["releases"].get(version, [])
+    except urllib.error.URLError as err:
+        pytest.skip(f"PyPI's JSON API cannot be reached here ({err})")
+
+
+def installable(name: str, version: str) -> str | None:
+    """None when a cp310 aarch64 wheel admitting Python 3.10 exists; else why not."""
+    files = release_files(name, version)
+    if not files:
+        return f"{name}=={version} is not on PyPI"
+    wheels = [f for f in files if f["filename"].endswith(".whl")
+              and TAGS & set(parse_wheel_filename(f["filename"])[3])]
+    if not wheels:
+        return f"{name}=={version} has no wheel for cp310 aarch64 (only {len(files)} other files; an sdist needs a compiler)"
+    if not any(SpecifierSet(f.get("requires_python") or "").contains("3.10") for f in wheels):
+        return f"{name}=={version} requires Python {wheels[0]['requires_python']}"
+    return None
+
+
+def test_the_image_pins_are_read_from_pyproject_and_the_dockerfile():
+    names = {canonicalize_name(r.name) for r in image_pins()}
+    assert {"numpy", "tokenizers", "onnxruntime", "fastapi", "transformers", "filelock", "cuda-bindings"} <= names
+
+
+def test_every_jetson_pin_has_a_cp310_aarch64_wheel_that_admits_python_3_10():
+    problems = []
+    for req in image_pins():
+        if canonicalize_name(req.name) in NOT_ON_PYPI:
+            continue
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"{req}: the image installs exact pins"
+        why = installable(req.name, spec.version)
+        if why:
+            problems.append(why)
+    assert not problems, problems
+
+
+def test_negative_control_the_pins_that_broke_the_image_are_refused():
+    assert "requires Python >=3.11" in installable("filelock", "4.3.1")
+    assert "no wheel for cp310 aarch64" in installable("hdrhistogram", "0.10.8")
+    assert installable("filelock", "4.1.0") is None
