@@ -64,8 +64,8 @@ def environment(device: str, random_weights: bool) -> dict:
            "weights": "RANDOM (shape check: latency real, answers and precision errors not)" if random_weights
            else "real"}
     if torch.cuda.is_available():
-        env.update(gpu=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                   cuda=torch.version.cuda)
+        capability = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        env.update(gpu=torch.cuda.get_device_name(0), capability=capability, cuda=torch.version.cuda)
         try:
             env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total",
                                             "--format=csv,noheader"], capture_output=True, text=True,
@@ -290,8 +290,8 @@ def markdown(report: dict) -> str:
             note = r.get("error") or r.get("cold") or (f"{sum(r['failures'].values())} failed: {r['errors']}"
                                                         if r.get("failures") else "")
             lines.append(f"| {name} | {what} | {_cell(r, 'p50', 'gpu')} | {_cell(r, 'p99', 'gpu')} | "
-                         f"{_cell(r, 'p50', 'host')} | {_cell(r)} | {_cell(r, 'p99')} | {r.get('n', '–')} | {graphs} | "
-                         f"{note} |")
+                         f"{_cell(r, 'p50', 'host')} | {_cell(r)} | {_cell(r, 'p99')} | {r.get('n', '–')} | "
+                         f"{graphs} | {note} |")
     lines += ["", TARGETS, ""]
     for name, m in report["latency"].items():
         warm = m.get("warm_13_questions_512_state", {}).get("p50")

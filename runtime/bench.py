@@ -80,17 +80,16 @@ def _chooser(states: list, seed: int, cold_fraction: float):
 
 
 def _on_device_clock(engine, call) -> dict:
-    """``call()``'s stage times, plus ``device`` where the backend has a device clock: a timer of its own per
-    call, so concurrent senders time their own calls; stopped (and its events released) even if the call fails."""
-    timer = engine.backend.device_timer()
-    if timer is None:
-        return call()
-    timer.start()
+    """``call()``'s stage times, plus ``device`` where the backend has a device clock: the sum of the CUDA-event
+    spans around the call's device work only (``Backend.device_span``: prefill chunks, score passes), collected
+    per thread, so concurrent senders time their own passes and host work (tokenise, pack, read-out) is not in it."""
+    backend = engine.backend
+    backend.spans = spans = []
     try:
         stages = call()
     finally:
-        device_ms = timer.stop()
-    return {**stages, "device": device_ms}
+        backend.spans = None
+    return {**stages, "device": float(sum(spans))} if spans else stages
 
 
 def engine_targets(engine_dir: str, backends: list[str], threads: int | None, body: dict, states: list,

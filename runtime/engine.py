@@ -120,7 +120,8 @@ class Engine:
                 raise LimitExceeded(f"{key}={value} is above this engine's {getattr(current, key)}; "
                                     "export an engine with a larger limit instead", key)
         manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
-        engine = Engine(self.root, manifest, self.backend, self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0))
+        budget = self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0)  # as this engine was given
+        engine = Engine(self.root, manifest, self.backend, budget)
         engine.cache = self.cache
         return engine
 

@@ -13,11 +13,16 @@ from .tree import PackedBatch
 
 GOLDEN_VERSION = 1
 TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4, "head_score": 1e-3}
-# fp16 GEMMs: ONNX Runtime and PyTorch accumulate in different orders (measured 0.004 / 0.015 / 0.018)
+# fp16 GEMMs: ONNX Runtime and PyTorch accumulate in different orders (measured 0.004 / 0.015 / 0.018); PyTorch's
+# fp16 GEMMs on SmolLM2's real weights against the fp32 golden file: 0.004 / 0.028 / 0.0225
+# (benchmarks/results/gpu/precision_golden.md). Random weights show a twentieth of that: only real ones set these.
 FP16_TOLERANCES = {"prefill_key_first": 0.05, "prefill_value_last": 0.05, "target_logprob": 0.05, "head_score": 0.05}
-# bf16 GEMMs keep 8 significant bits: two kernels that round partial sums differently drift apart faster than
-# in fp16 (set from fp16's measurement scaled by the 8x coarser mantissa; no bf16 kernel pair was measured here)
-BF16_TOLERANCES = {"prefill_key_first": 0.2, "prefill_value_last": 0.2, "target_logprob": 0.2, "head_score": 0.2}
+# bf16 GEMMs keep 8 significant bits. Measured with SmolLM2's real weights (PyTorch bf16 GEMMs against the fp32
+# golden file): 0.040 / 0.186 / 0.340 — over the 0.2 first set from fp16 scaled by the coarser mantissa, which only
+# random weights (0.008) met. Raised to what real weights need, with margin; bf16 is 15x fp16's error for no speed
+# on the GPUs checked, so the GPU check measures its parity only.
+BF16_TOLERANCES = {"prefill_key_first": 0.1, "prefill_value_last": 0.4, "target_logprob": 0.5,
+                   "head_score": 0.5}
 
 
 TOLERANCES_BY_PRECISION = {"fp32": TOLERANCES, "fp16": FP16_TOLERANCES, "bf16": BF16_TOLERANCES}

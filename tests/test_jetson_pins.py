@@ -59,7 +59,8 @@ def installable(name: str, version: str) -> str | None:
     wheels = [f for f in files if f["filename"].endswith(".whl")
               and TAGS & set(parse_wheel_filename(f["filename"])[3])]
     if not wheels:
-        return f"{name}=={version} has no wheel for cp310 aarch64 (only {len(files)} other files; an sdist needs a compiler)"
+        return (f"{name}=={version} has no wheel for cp310 aarch64 (only {len(files)} other files; an sdist needs "
+                "a compiler)")
     if not any(SpecifierSet(f.get("requires_python") or "").contains("3.10") for f in wheels):
         return f"{name}=={version} requires Python {wheels[0]['requires_python']}"
     return None

@@ -562,3 +562,25 @@ def test_build_native_plan_if_missing_records_this_devices_plan_through_the_libr
     assert plans == {"sm90", "sm87"}
     trt = Engine.load(root, backend=factory(device=device, tensorrt=module))
     assert trt.backend.plan["compute_capability"] == "sm87"
+
+
+def test_device_spans_cover_the_passes_and_nothing_inside_a_capture(plan_dir, engine):
+    """gpu_check and bench time the device work as the spans of each pass (Backend.device_span): the first pass
+    of a key is one span for its warm-up enqueue and one for its first replay — no event is recorded while the
+    stream is being captured — and a replay is one span. Spans are collected per thread."""
+    import threading
+
+    trt = load(plan_dir, HostDevice())
+    encoded = engine.encode_questions(QUESTIONS)
+    trt.state(STATE)  # prefilled before collecting
+    trt.backend.spans = spans = []
+    trt.option_logprobs(STATE, encoded)
+    assert len(spans) == 2 and trt.backend.graph_stats()["captures"] == 1
+    spans.clear()
+    trt.option_logprobs(STATE, encoded)
+    assert len(spans) == 1 and all(ms >= 0 for ms in spans)
+    other = threading.Thread(target=lambda: trt.option_logprobs(STATE, encoded))
+    other.start()
+    other.join()
+    assert len(spans) == 1  # another thread's pass is not this thread's span
+    trt.backend.spans = None

@@ -286,7 +286,8 @@ def _host_graph_backend(slots: int = 2):
 
 def _distinct_states(n: int) -> list[str]:
     """``n`` different tickets of a few lengths (two state-length buckets)."""
-    return [f"Ticket {i}: I was charged {i % 7 + 2} times for order {1000 + 37 * i}." + " Please refund it now." * (4 * (i % 3))
+    return [f"Ticket {i}: I was charged {i % 7 + 2} times for order {1000 + 37 * i}."
+            + " Please refund it now." * (4 * (i % 3))
             for i in range(n)]
 
 

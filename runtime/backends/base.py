@@ -41,11 +41,21 @@ class Backend(ABC):
     # device bytes of state K/V the backend holds beyond the engine's state cache (the GPU backends' graph slots):
     # the engine takes them out of the cache's budget, so the two together stay within it
     reserved_bytes = 0
-    spans: list | None = None  # device milliseconds of each ``device_span`` while a list (see ``device_span``)
 
     def __init__(self, model: ModelInfo):
         self.model = model
         self._serial = threading.RLock()
+        self._local = threading.local()
+
+    @property
+    def spans(self) -> list | None:
+        """This thread's list of device milliseconds, one per ``device_span`` (None: not collecting). Per thread, so
+        concurrent callers each collect the spans of their own passes."""
+        return getattr(self._local, "spans", None)
+
+    @spans.setter
+    def spans(self, value: list | None) -> None:
+        self._local.spans = value
 
     def serial(self):
         """A context in which one pass runs: the backend's lock, or nothing for a concurrent backend."""

@@ -97,7 +97,8 @@ class OrtBackend(Backend):
         for name in self.output_names:  # read-outs to the host, the new K/V stay on the device
             kv_output = name.startswith("present_")
             binding.bind_output(name, self.device if kv_output else "cpu", self.device_id if kv_output else 0)
-        self.session.run_with_iobinding(binding)
+        with self.device_span():
+            self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         layers = 2 * self.model.num_layers
         head = outputs[1 + layers].numpy() if self.has_head else None
