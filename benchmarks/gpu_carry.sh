@@ -9,7 +9,8 @@
 #   call 2: carry .gpu/part2   command: bash benchmarks/gpu_carry.sh --assemble && \
 #           PYTHONPATH=/tmp/site ENGINE=/tmp/onepass/engine bash benchmarks/gpu_check.sh "$OUT"
 # (the machine keeps /tmp between calls while it stays warm). --assemble checks the sha256,
-# installs the gguf wheel into /tmp/site and exports the engine from the GGUF into /tmp/onepass/engine.
+# unpacks the gguf wheel into /tmp/site and exports the engine from the GGUF into /tmp/onepass/engine.
+# Rehearsed on a CPU with only the image's packages importable (benchmarks/results/gpu/rehearsal.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -18,7 +19,7 @@ if [ "${1:-}" = "--assemble" ]; then
   cd /tmp/onepass
   cat model.gguf.part-* > model.gguf
   sha256sum -c model.gguf.sha256
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site ./*.whl
+  for wheel in ./*.whl; do "$PY" -m zipfile -e "$wheel" /tmp/site; done  # pure-Python wheels: no pip needed
   cd - >/dev/null
   tmp=$(mktemp -d); ln -s "$PWD" "$tmp/onepass"
   PYTHONPATH="$tmp:/tmp/site" "$PY" -m onepass export --model /tmp/onepass/model.gguf --out /tmp/onepass/engine

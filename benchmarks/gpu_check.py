@@ -216,6 +216,7 @@ class Measure:
                  iters=max(3, self.iters // 10))
         if hf is not None:
             self.run("hf_eager_score_options", lambda: hf.score_options(engine, text512), iters=3, warmup=1)
+        if hf is not None and self.left():
             n = hf.answer_tokens(engine, text512)
             self.run("hf_eager_generate_json", lambda: hf.generate_json(text512, n, exactly=True), iters=3, warmup=1)
             self.out["hf_eager_generate_json"]["new_tokens"] = n

@@ -44,7 +44,7 @@ fi
 extra=()
 [ "${SKIP_HF:-0}" = 1 ] && extra+=(--skip-hf)
 [ "${RANDOM_WEIGHTS:-0}" = 1 ] && extra+=(--random-weights)
-left=$((480 - SECONDS))  # the whole script, export included, stays within 8 minutes
+left=$((${LIMIT_S:-480} - SECONDS))  # the whole script, export included, stays within LIMIT_S (8 minutes)
 budget=$((left - 80 < ${BUDGET_S:-400} ? left - 80 : ${BUDGET_S:-400}))
 exec timeout "$left" "$PY" benchmarks/gpu_check.py --engine "$ENGINE" --out "$OUT" --device "$DEVICE" \
   --budget-s "$budget" --iters "${ITERS:-50}" "${extra[@]}"
