@@ -134,7 +134,20 @@ def _server_config(args):
         raise _serve_extra(err) from None
     return ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                  max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                                 batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout)
+                                 batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout,
+                                 docs=getattr(args, "docs", None))
+
+
+def _transport(args):
+    """The connection limits of `onepass serve` (header and body read timeouts, keep-alive, header size, cap)."""
+    from .runtime.server.transport import TransportLimits
+
+    try:
+        return TransportLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                               keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
+                               max_connections=args.max_connections)
+    except ValueError as err:
+        raise OnepassError(str(err)) from None
 
 
 def cmd_serve(args) -> int:
@@ -170,7 +183,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
     app = create_app(engine, config, cascade=cascade, min_confidence=args.min_confidence)
-    uvicorn.run(app, host=config.host, port=config.port, access_log=False, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, access_log=False, log_level="info",
+                **_transport(args).uvicorn_options())
     return 0
 
 
@@ -572,6 +586,15 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
     serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers (else 408 and closed)")
+    serve.add_argument("--body-timeout", type=float, default=30.0,
+                       help="seconds a request has to send its whole body once its headers are in (else 408)")
+    serve.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept")
+    serve.add_argument("--max-header-bytes", type=int, default=16384, help="larger request heads get 431")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="connections at once, 503 beyond (default 1000, below the open-files limit)")
+    serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     serve.add_argument("--cascade", default=None, help="a second (stronger) engine directory: questions answered "
                                                         "below --min-confidence are asked again of it")
     serve.add_argument("--min-confidence", type=float, default=None, help="the cascade's threshold (0..1)")

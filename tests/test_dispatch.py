@@ -202,20 +202,30 @@ def test_seconds_per_token_are_measured_on_passes_of_enough_tokens():
         dispatcher.close()
 
 
-def test_a_request_over_the_limits_adds_no_estimated_work():
-    """A request the engine will refuse at once (a question larger than a pass) must not make the requests behind
-    it look late; the same characters spread over questions that fit do count (the control)."""
+def test_an_estimate_over_a_limit_counts_as_that_limit_and_a_request_that_cannot_fit_is_refused_at_once():
+    """A state estimated over max_state_tokens may still be legal (a text of longer words than 4 characters a
+    token): counted as no work, a 5,500-word state was admitted and held the engine 23 s past its deadline. Each
+    part of an estimate is now capped at its limit (at most that much work), and a request that alone cannot
+    finish before its deadline is refused at admission (NeverFits: 413), before any queue or pass."""
     from types import SimpleNamespace
 
     from onepass.runtime.manifest import Limits
+    from onepass.runtime.server.dispatch import NeverFits
 
-    engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096)))
+    engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096, max_state_tokens=7168)))
     dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
     try:
-        huge = {"q": Noul("word " * 20000)}  # ~25k estimated tokens in one question: over max_packed_tokens
-        spread = {f"q{i}": Noul("word " * 1000) for i in range(20)}  # the same characters, each question fits
-        assert dispatcher.estimate_tokens("state", huge) == 0
+        q = {"q": Noul("Is it?")}
+        small = dispatcher.estimate_tokens("state", q)
+        assert dispatcher.estimate_tokens("word " * 6000, q) == pytest.approx(7168 + small - 5 / 4)  # capped
+        assert dispatcher.estimate_tokens("s", {"q": Noul("word " * 20000)}) == pytest.approx(4096 + 1 / 4)
+        spread = {f"q{i}": Noul("word " * 1000) for i in range(20)}  # every question fits: counted in full
         assert dispatcher.estimate_tokens("state", spread) > 20000
+        dispatcher.measured(0.1)
+        dispatcher.calibrate(0.3, 300)  # 1 ms per estimated token
+        with pytest.raises(NeverFits, match="more than the"):
+            dispatcher.submit("word " * 5500, q, time.monotonic() + 2.0)  # ~7 s of work, 2 s to go
+        assert dispatcher.depth == 0
     finally:
         dispatcher.close()
 

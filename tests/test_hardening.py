@@ -334,6 +334,24 @@ def test_burst_never_answers_after_the_deadline(capped_server):
     assert bad[0] == 400 and b"X-Request-Timeout".lower() in bad[2].lower()
 
 
+def test_a_state_too_long_for_its_deadline_is_refused_at_once_and_the_next_request_is_served(capped_server):
+    """A legal 5,500-word state (~33 KB, under the engine's token limit) with a 2 s deadline needs ~10 s of
+    prefill on this CPU: it was admitted (estimated as no work) and held the engine 23 s, turning the requests
+    behind it into 503s. Admission now refuses it at once (413: no retry can meet that deadline), and a small
+    request sent right after it is answered."""
+    url, proc, _ = capped_server
+    words = ("The customer writes again about the duplicate charge and the crashing reports page. " * 400).split()
+    state = " ".join(words[:5500])
+    t0 = time.monotonic()
+    status, _, resp = post(url, body(state=state), {"X-Request-Timeout": "2"})
+    refused_after = time.monotonic() - t0
+    assert status == 413 and b"before its deadline" in resp, (status, resp[:300])
+    assert refused_after < 5, refused_after  # at admission, not after a pass (it took 23 s)
+    status, _, resp = post(url, body(), {"X-Request-Timeout": "10"})
+    assert status == 200, resp[:300]
+    print(f"5,500-word state, 2 s deadline: 413 after {refused_after:.3f} s; the next request 200")
+
+
 # -- a request can only fail itself ---------------------------------------------------------------------
 
 

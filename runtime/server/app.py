@@ -28,14 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ..cascade import Gate
 from ..engine import Engine, parse_request, response_body
 from ..questions import MAX_LEVELS
 from ..errors import InvalidRequest, LimitExceeded, OnepassError
-from .body import HTTPError, parse_json, read_body
+from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
 from .config import ServerConfig
-from .dispatch import DeadlinePassed, Dispatcher, QueueFull
+from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
 from .memory import release_free_memory
 from .metrics import Metrics
 
@@ -129,10 +130,17 @@ class Server:
         seeds the dispatcher's estimate of seconds per pass."""
         from ..questions import Noul
 
-        self.engine.run("Warm-up.", {"q": Noul("Is this a warm-up?")})
+        questions = {"q": Noul("Is this a warm-up?")}
+        self.engine.run("Warm-up.", questions)
         start = time.monotonic()  # a new state, so the estimate includes a prefill as most requests do
-        self.engine.run("A second warm-up, about another state.", {"q": Noul("Is this a warm-up?")})
+        self.engine.run("A second warm-up, about another state.", questions)
         self.dispatcher.measured(time.monotonic() - start)
+        # a state of some 300 tokens: the seconds per estimated token are known before the first request, so
+        # admission refuses at once what cannot fit its deadline (a 5,500-word state with a 2 s deadline)
+        text = "A third warm-up, long enough to time the work per token of a state. " * 18
+        start = time.monotonic()
+        self.engine.run(text, questions)
+        self.dispatcher.calibrate(time.monotonic() - start, self.dispatcher.estimate_tokens(text, questions))
         self.ready = True
 
     def start_warm_up(self) -> threading.Thread:
@@ -177,6 +185,10 @@ class Server:
                                  f"got {raw[:40]!r}")
         return arrived + seconds
 
+    def parse_body(self, raw: bytes, encoding: str) -> tuple:
+        """``parse`` of the body as sent (Content-Encoding undone first, within the body limit)."""
+        return self.parse(decode(raw, encoding, self.config.max_body_bytes))
+
     def parse(self, raw: bytes) -> tuple:
         """(body, state, questions) of a decoded request body, every check that needs no inference done;
         HTTPError otherwise. Never raises anything else (fuzzed in the tests)."""
@@ -187,7 +199,7 @@ class Server:
             raise _validation_error(err) from None
         model = data.get("model")
         if model is not None and model not in self.names:
-            raise HTTPError(404, f"model {model!r} is not served here; available: {sorted(self.names)}", "model")
+            raise HTTPError(404, f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
         try:
             state, questions = parse_request(data)
         except OnepassError as err:
@@ -198,13 +210,19 @@ class Server:
         """Parse, validate, queue and answer one System One request."""
         self.check_auth(request)
         deadline = request.state.deadline = self.deadline(request, arrived)
-        data, state, questions = self.parse(await read_body(request, self.config.max_body_bytes))
+        raw = await read_raw(request, self.config.max_body_bytes)
+        encoding = request.headers.get("content-encoding", "")
+        # decompression, JSON and validation are linear but not free on a 1 MiB body: off the event loop
+        data, state, questions = await run_in_threadpool(self.parse_body, raw, encoding)
         queued = time.monotonic()
         try:
             future = self.dispatcher.submit(state, questions, deadline)
         except QueueFull as err:
             retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
             raise HTTPError(429, f"the server is busy: {err}; retry later", headers={"Retry-After": retry}) from None
+        except NeverFits as err:  # no retry can help: the request itself is too slow for its deadline
+            raise HTTPError(413, f"{err}: shorten the state or the questions, or allow more time with "
+                                 f"{TIMEOUT_HEADER} (at most {MAX_CLIENT_TIMEOUT_S:g} s)") from None
         result = await future
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
         if isinstance(result, DeadlinePassed):
@@ -266,8 +284,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     if (cascade is None) != (min_confidence is None):
         raise ValueError("a cascade engine needs min_confidence (and the other way round)")
     server = Server(engine, config or ServerConfig(), cascade, min_confidence)
+    config = server.config
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
     app = FastAPI(title="onepass", version="0.1.0",
-                  description="TypeSafe System One compatible decision engine")
+                  description="TypeSafe System One compatible decision engine", **docs)
     app.state.server = server
     if warm:
         app.router.on_startup.append(server.start_warm_up)
@@ -305,13 +325,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         response.headers["Server-Timing"] = ", ".join(
             [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
         route, length = _route_label(request), request.headers.get("content-length") or ""
+        if response.status_code == CLIENT_CLOSED:  # nobody reads it: one line, never an internal error
+            access_log.info(json.dumps({"request_id": rid, "path": route, "status": CLIENT_CLOSED,
+                                        "event": "client_closed", "ms": round(ms, 2)}))
+            server.metrics.requests.labels(route, str(CLIENT_CLOSED)).inc()
+            return response
         if response.status_code == 200 and request.state.timing:
             server.metrics.on_timing(request.state.timing)
         server.metrics.requests.labels(route, str(response.status_code)).inc()
         access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": route,
                                     "status": response.status_code, "ms": round(ms, 2),
-                                    "bytes": int(length) if length.isdigit() else None,
-                                    "encoding": request.headers.get("content-encoding")}, ensure_ascii=True))
+                                    "bytes": int(length) if length.isdigit() and len(length) < 20 else None,
+                                    "encoding": (request.headers.get("content-encoding") or "")[:64] or None},
+                                   ensure_ascii=True))
         return response
 
     @app.exception_handler(HTTPError)

@@ -22,6 +22,7 @@ class ServerConfig:
     aliases: tuple = field(default=DEFAULT_ALIASES)
     retry_after_s: int = 1
     request_timeout_s: float = 10.0  # default deadline (the official SDK's timeout); clients may send their own
+    docs: bool = False  # /docs and /openapi.json (served without the API key): off unless asked for
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

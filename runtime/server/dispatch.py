@@ -44,6 +44,10 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class NeverFits(Exception):
+    """The request alone needs more time than its deadline allows: no retry can help (answer 413)."""
+
+
 class DeadlinePassed(Exception):
     """A queued request's deadline passed (or would pass) before its pass: answer 503 with Retry-After."""
 
@@ -99,20 +103,26 @@ class Dispatcher:
             self.seconds_per_token = rate if self.seconds_per_token == 0 else (
                 (1 - EWMA) * self.seconds_per_token + EWMA * rate)
 
+    def calibrate(self, seconds: float, tokens: float) -> None:
+        """Seed the seconds per estimated token from one pass of ``tokens`` (the server's warm-up), where no pass
+        has measured it yet."""
+        if self.seconds_per_token == 0 and tokens > 0:
+            self.seconds_per_token = seconds / tokens
+
     def estimate_tokens(self, key, questions) -> float:
         """A request's tokens of work from its characters: its questions, and the state's prefill unless the
-        state was answered lately (call under the lock). A request whose estimate is over the engine's limits
-        counts as no tokens: the engine refuses it (413) before any pass, so it must not make the requests
-        behind it look late (one hostile request would otherwise turn its neighbours into 429s)."""
+        state was answered lately (call under the lock). Each part is capped at the engine's limit for it: an
+        estimate over a limit may still be a legal request (a text of longer words than the rate assumes), and
+        then it costs at most the limit's work; one the tokenizer finds over it is refused before any pass."""
         limits = getattr(getattr(self.engine, "manifest", None), "limits", None)
         items = list(questions.values()) if isinstance(questions, dict) else []
         each = [QUESTION_TOKENS + OPTION_TOKENS * _options(q) + _chars(q) / CHARS_PER_TOKEN for q in items]
         state = (len(key) / CHARS_PER_TOKEN if isinstance(key, str) and key not in self._recent
                  and self._tokens[key] == 0 else 0.0)
-        if limits is not None and (state > limits.max_state_tokens or any(t > limits.max_packed_tokens for t in each)
-                                   or sum(each) > limits.max_request_tokens):
-            return 0.0
-        return state + sum(each)
+        if limits is None:
+            return state + sum(each)
+        packed = min(sum(min(t, limits.max_packed_tokens) for t in each), limits.max_request_tokens)
+        return min(state, limits.max_state_tokens) + packed
 
     def wait_with(self, key, tokens: float) -> tuple[int, float]:
         """(passes, seconds of work) the queue holds once one more request about state ``key`` of ``tokens``
@@ -132,10 +142,13 @@ class Dispatcher:
         key = _state_key(state)
         with self._lock:
             tokens = self.estimate_tokens(key, questions)
+            alone, left = self.pass_seconds(1, tokens), deadline - time.monotonic()
+            if alone > left:
+                raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.1f} s here, more "
+                                f"than the {max(0.0, left):.1f} s before its deadline")
             passes, wait = self.wait_with(key, tokens)
             if self._depth >= self.max_queue:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
-            left = deadline - time.monotonic()
             if wait > left:
                 queued = sum(self._tokens.values())
                 raise QueueFull(f"{self._depth} requests ({passes} passes and about {queued + tokens:.0f} tokens "

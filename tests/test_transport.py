@@ -1,0 +1,214 @@
+"""The HTTP transport protects itself: no client can hold `onepass serve` hostage below the JSON layer.
+
+A real ``onepass serve`` process of the tiny Llama (what is tested here does not depend on the weights) with
+short read timeouts (header 1 s, body 2 s), over loopback with raw sockets:
+
+* 300 half-open connections (headers never finished) leave a valid request served at once, and the server
+  closes them itself after its header timeout (408);
+* an 8 MB header is answered 431 after reading at most the header limit;
+* a body that stalls is closed after the body timeout, and an upload the client abandons is logged once as a
+  client close (499) — neither is a 500 or an internal error;
+* pathological 1 MiB bodies (escaped quotes, backslashes, brackets, ``{"a":`` chains, digits) are refused while
+  ``/healthz`` keeps answering: the pre-parse scan is linear and parsing runs off the event loop;
+* echoed values are cut short; duplicate JSON keys are refused by name; /docs and /openapi.json are off.
+
+Times are bounded loosely (hang detectors, seconds where the faults took tens of seconds or forever); the
+measured figures are in benchmarks/results/hardening.md.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from test_server import _free_port  # noqa: E402
+
+HEADER_TIMEOUT, BODY_TIMEOUT = 1.0, 2.0
+NOUL = {"type": "noul", "instructions": "Does the customer ask for a refund?"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine_dir, tmp_path_factory):
+    """``onepass serve`` of the tiny engine with short read timeouts; yields (url, port, process, log path)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("transport") / "serve.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "onepass", "serve", "--engine", str(tiny_engine_dir),
+                                 "--port", str(port), "--backend", "onnxruntime", "--header-timeout",
+                                 str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)], stdout=fh, stderr=fh)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    yield url, port, proc, log
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _post(url: str, raw: bytes, headers: dict | None = None, timeout: float = 30):
+    req = urllib.request.Request(url + "/v1/systemone", data=raw, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _valid(url: str) -> tuple[int, float]:
+    t0 = time.monotonic()
+    status, _ = _post(url, json.dumps({"state": "I was charged twice.", "questions": {"q": NOUL}}).encode())
+    return status, time.monotonic() - t0
+
+
+def _healthz(url: str) -> float:
+    t0 = time.monotonic()
+    with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+        assert r.status == 200
+    return time.monotonic() - t0
+
+
+def _read_all(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends until it closes the connection (or ``timeout`` passes: then what came so far)."""
+    sock.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return out
+
+
+def _metric(url: str, name: str) -> dict:
+    page = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in page.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")}
+
+
+def test_300_half_open_connections_leave_valid_requests_served_and_are_closed_after_the_header_timeout(served):
+    url, port, proc, _ = served
+    held = []
+    for i in range(300):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half a head, or nothing
+        held.append(s)
+    status, seconds = _valid(url)
+    assert status == 200 and seconds < 5, seconds  # served beside them (it took forever at the fd limit before)
+    t0 = time.monotonic()
+    answers = [_read_all(s, HEADER_TIMEOUT + 5) for s in held]
+    waited = time.monotonic() - t0
+    for s in held:
+        s.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:40] for a in answers}
+    assert waited < HEADER_TIMEOUT + 5  # closed by the server, not by our read timeout
+    assert proc.poll() is None and _valid(url)[0] == 200
+
+
+def test_an_8_mb_header_gets_431_after_reading_only_the_header_limit(served):
+    url, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    t0 = time.monotonic()
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 << 20) + b"\r\n\r\n"
+    try:
+        s.sendall(head)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before taking all 8 MB: what it should do
+    answer = _read_all(s, 10)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:80]
+    assert time.monotonic() - t0 < 5 and _healthz(url) < 5
+
+
+def test_a_stalled_body_is_closed_after_the_body_timeout_and_never_counted_as_a_server_error(served):
+    url, port, _, log = served
+    before = _metric(url, "onepass_internal_errors_total")
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{")
+    t0 = time.monotonic()
+    answer = _read_all(s, BODY_TIMEOUT + 5)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < BODY_TIMEOUT + 5, answer[:80]
+    abandoned = socket.create_connection(("127.0.0.1", port), timeout=10)  # an upload the client gives up on
+    abandoned.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    abandoned.close()
+    time.sleep(0.5)
+    counted = _metric(url, "onepass_requests_total")
+    assert counted.get('onepass_requests_total{path="/v1/systemone",status="499"}', 0) >= 2
+    assert not any('status="500"' in k for k in counted)
+    assert _metric(url, "onepass_internal_errors_total") == before
+    text = log.read_text()
+    assert "Traceback" not in text and text.count('"client_closed"') >= 2
+
+
+@pytest.mark.parametrize("name, raw", [
+    ("escaped quotes", b'"' + b'\\"' * (1 << 19)),
+    ("backslashes", b'"' + b"\\" * ((1 << 20) - 2) + b'"'),
+    ("open brackets", b"[" * (1 << 20)),
+    ("object chain", b'{"a":' * ((1 << 20) // 5)),
+    ("digits", b"1" * (1 << 20)),
+    ("escaped quotes, gzip", None),
+])
+def test_a_pathological_1_mib_body_is_refused_while_healthz_answers(served, name, raw):
+    url, _, _, _ = served
+    headers = {}
+    if raw is None:  # the 100-byte-on-the-wire attack: 1 MiB of escaped quotes, gzipped
+        raw, headers = gzip.compress(b'"' + b'\\"' * ((1 << 19) - 1)), {"Content-Encoding": "gzip"}
+    with ThreadPoolExecutor(2) as pool:
+        t0 = time.monotonic()
+        refused = pool.submit(_post, url, raw, headers)
+        time.sleep(0.05)
+        health = pool.submit(_healthz, url)
+        status, body = refused.result()
+        took = time.monotonic() - t0
+        assert health.result() < 5  # the event loop was never held (a quadratic scan held it for minutes)
+    assert status in (400, 413, 422), (name, status, body[:200])
+    assert took < 10, (name, took)
+    assert json.loads(body)["error"]["message"]
+
+
+def test_echoed_values_are_cut_short(served):
+    url, _, _, log = served
+    status, body = _post(url, b"{}", {"Content-Encoding": "x" * 10000})
+    assert status == 400 and len(body) < 1000, len(body)
+    status, body = _post(url, json.dumps({"model": "m" * 100000, "state": "s", "questions": {"q": NOUL}}).encode())
+    assert status == 404 and len(body) < 2000, len(body)
+    assert max(len(line) for line in log.read_text().splitlines()) < 2000
+
+
+def test_duplicate_json_keys_are_refused_by_name(served):
+    url, _, _, _ = served
+    raw = b'{"state": "a", "state": "b", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}'
+    status, body = _post(url, raw)
+    assert status == 400 and "'state' appears twice" in json.loads(body)["error"]["message"]
+    raw = (b'{"state": "a", "questions": {"q": {"type": "choice", "instructions": "Which?", '
+           b'"criteria": {"x": null, "x": "again"}}}}')
+    status, body = _post(url, raw)
+    assert status == 400 and "'x' appears twice" in json.loads(body)["error"]["message"]
+
+
+def test_the_api_docs_are_off_unless_asked_for(served):
+    url, _, _, _ = served
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + path, timeout=30)
+        assert err.value.code == 404, path
