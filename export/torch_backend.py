@@ -14,7 +14,6 @@ torch; ``onepass serve --backend torch-cpu`` (or ``torch-cuda``) loads it lazily
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -24,7 +23,7 @@ import torch
 from onnx import numpy_helper
 
 from ..runtime.backends.base import Backend, StateKV
-from ..runtime.backends.graphs import MAX_GRAPHS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
+from ..runtime.backends.graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
 from ..runtime.errors import EngineFileError
 from ..runtime.tree import PackedBatch, bucket, causal
 from .decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
@@ -74,8 +73,9 @@ class TorchBackend(Backend):
 
     ``buckets`` pads every score pass to bucketed packed/read-out sizes, capped at the engine's
     ``max_packed_tokens`` (default: on CUDA), so a few shapes repeat. With ``cuda_graphs`` (default: on
-    CUDA) a score pass reads its state from one of ``slots`` fixed K/V slots of ``max_state_tokens`` rows
-    (``graphs.SlotTable``: one device copy when a state is new to its slot), padded to a state-length
+    CUDA) a score pass reads its state from one of ``slots`` fixed K/V slots of ``slot_tokens`` rows
+    (``graphs.SlotTable``: one device copy when a state is new to its slot; a longer state runs without a graph),
+    padded to a state-length
     bucket whose padding rows are masked (``past_length``), and the pass of each (slot, state bucket,
     packed bucket, read-out bucket) is captured once as a CUDA graph and replayed: the captures are
     bounded by slots x buckets whatever the number of distinct states, no graph holds a state's memory,
@@ -86,7 +86,7 @@ class TorchBackend(Backend):
 
     def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None,
                  precision: str | None = None, buckets: bool | None = None, cuda_graphs: bool | None = None,
-                 slots: int = SLOTS, max_graphs: int = MAX_GRAPHS):
+                 slots: int = SLOTS, slot_tokens: int = SLOT_TOKENS, max_graphs: int = MAX_GRAPHS):
         super().__init__(manifest.model)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
@@ -106,7 +106,7 @@ class TorchBackend(Backend):
             raise ValueError("CUDA graphs need a CUDA device")
         self.buckets = (on_cuda if buckets is None else buckets) or self.cuda_graphs
         self.max_packed = manifest.limits.max_packed_tokens
-        self.slot_tokens = manifest.limits.max_state_tokens
+        self.slot_tokens = min(slot_tokens, manifest.limits.max_state_tokens)
         self.slots = SlotTable(slots)
         self._slots: torch.Tensor | None = None  # [slots, 2L, Hkv, max_state_tokens, D], allocated at first use
         self.reserved_bytes = slots * self.slot_tokens * m.kv_bytes_per_token() if self.cuda_graphs else 0
@@ -142,10 +142,15 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def _graph_pass(self, kv: StateKV, batch: PackedBatch):
         """``batch`` over ``kv`` copied into its slot, through the graph of (slot, state bucket, batch shape)."""
+        slots = self._slot_storage()  # allocated before a slot is promised to the state
         index, fresh = self.slots.place(kv)
-        slot = self._slot(index)  # [2L, Hkv, max_state_tokens, D]
+        slot = slots[index]  # [2L, Hkv, slot_tokens, D]
         if fresh:
-            self._copy_in(slot, kv)
+            try:
+                self._copy_in(slot, kv)
+            except BaseException:
+                self.slots.vacate(index)  # a half-filled slot must never be read as this state's
+                raise
         past = bucket(kv.length, self.slot_tokens)
         arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target,
                   np.asarray(kv.length, dtype=np.int64))
@@ -155,8 +160,9 @@ class TorchBackend(Backend):
         def capture():
             static = [torch.from_numpy(a).to(self.device) for a in arrays]
 
-            def run():
-                return self.decoder(*static[:3], *views, *static[3:5], past_length=static[5])
+            def run():  # only the read-outs leave the graph: its presents are temporaries of the shared pool
+                out = self.decoder(*static[:3], *views, *static[3:5], past_length=static[5])
+                return out[0], (out[-1] if self.decoder.head is not None else None)
             graph, out = self._capture_graph(run)
             return graph, static, out
 
@@ -166,21 +172,22 @@ class TorchBackend(Backend):
                 for dst, src in zip(static, arrays):
                     dst.copy_(torch.from_numpy(src), non_blocking=True)
                 graph.replay()
-            logprob, _, head = self._outputs(out)
-            return logprob, head
+            logprob, head = out
+            return self.to_host(logprob), (self.to_host(head) if head is not None else None)
 
         def plain():
             logprob, _, head = self._run(batch, kv)
             return logprob, head
         return self.graphs.run(key, capture, replay, plain)
 
-    def _slot(self, index: int) -> torch.Tensor:
-        """Slot ``index``: zeros at first (padding rows must be finite: a masked row still multiplies its value)."""
+    def _slot_storage(self) -> torch.Tensor:
+        """Every slot, [slots, 2L, Hkv, slot_tokens, D]: zeros at first (padding rows must be finite: a masked row
+        still multiplies its value)."""
         if self._slots is None:
             m = self.model
             self._slots = torch.zeros(self.slots.count, 2 * m.num_layers, m.num_kv_heads, self.slot_tokens,
                                       m.head_dim, device=self.device)
-        return self._slots[index]
+        return self._slots
 
     @staticmethod
     def _copy_in(slot: torch.Tensor, kv: StateKV) -> None:
@@ -202,8 +209,10 @@ class TorchBackend(Backend):
                     run()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = run()
+        except torch.cuda.OutOfMemoryError:
+            raise  # out of memory now is no reason never to capture this shape
         except RuntimeError as err:
             raise CaptureFailed(str(err)) from err
         return graph, out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -18,13 +19,14 @@ from .backends.base import Backend, StateKV
 from .calibration import question_key
 from .errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
-from .questions import Answer, Question, from_wire
+from .questions import Answer, Question, check_visible, distinct, from_wire
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
 from .tree import (PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, option_head_scores,
                    option_logprobs, pack, packed_size)
 
 DEFAULT_CACHE_BYTES = 512 << 20
+log = logging.getLogger("onepass.engine")
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
 MAX_QUESTION_ID_CHARS = 256
 PRIOR_CACHE_ITEMS = 4096
@@ -66,7 +68,12 @@ class Engine:
         self.backend = backend
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
         # the backend's own state K/V (graph slots) is counted in the budget
-        self.cache = StateCache(max(0, cache_bytes - getattr(backend, "reserved_bytes", 0)))
+        reserved = getattr(backend, "reserved_bytes", 0)
+        if reserved and reserved >= cache_bytes:
+            log.warning("the backend's graph slots take %d MiB of the %d MiB state-cache budget: no state will be "
+                        "cached; give a larger cache (onepass serve --cache-mib, Engine.load(cache_bytes=...))",
+                        reserved >> 20, cache_bytes >> 20)
+        self.cache = StateCache(max(0, cache_bytes - reserved))
         self._priors: OrderedDict = OrderedDict()
         self._null: State | None = None
         self._lock = threading.Lock()
@@ -168,14 +175,25 @@ class Engine:
 
     # -- questions ------------------------------------------------------------------------------
 
-    def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
-        """Validate a request's questions against the limits and turn them into token ids."""
+    def check_counts(self, questions: Mapping[str, Question]) -> None:
+        """The limits no retry can meet that need no tokenizer: questions per request, options per question
+        (the server checks them before admission, so such a request is a 413 at once, never a retryable 429)."""
         limits = self.manifest.limits
         if not isinstance(questions, Mapping) or not questions:
             raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
         if len(questions) > limits.max_questions:
             raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
                                 "per request", "questions")
+        for qid, q in questions.items():
+            n_opts = len(self.encoder.options(q)) if hasattr(q, "instructions") else 0
+            if n_opts > limits.max_options:
+                raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
+                                    f"questions.{qid}.criteria")
+
+    def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
+        """Validate a request's questions against the limits and turn them into token ids."""
+        limits = self.manifest.limits
+        self.check_counts(questions)
         encoded, total = [], 0
         # a question's text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it
         # is refused after tokenising no more than the bound, never the whole text
@@ -185,10 +203,6 @@ class Engine:
             check_question_id(qid)
             if not hasattr(q, "instructions"):
                 raise InvalidRequest("expected a Noul, Choice or Score question", f"questions.{qid}")
-            n_opts = len(self.encoder.options(q))
-            if n_opts > limits.max_options:
-                raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
-                                    f"questions.{qid}.criteria")
             if self.encoder.surely_over(self.encoder.caller_text(q), bound):
                 raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
                                     f"{bound} per question", f"questions.{qid}")
@@ -488,6 +502,7 @@ def check_question_id(qid) -> None:
     except UnicodeEncodeError as err:
         raise InvalidRequest(f"a question id is not valid UTF-8 text (character {err.start}); send UTF-8 text",
                              "questions") from None
+    check_visible(qid, "a question id", "questions")
 
 
 def parse_request(body: Mapping) -> tuple:
@@ -501,6 +516,9 @@ def parse_request(body: Mapping) -> tuple:
         raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
     if body.get("assets"):
         raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
+    for qid in raw:
+        check_question_id(qid)
+    distinct(list(raw), "question ids", "questions")
     return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
@@ -43,6 +44,27 @@ def _content(value, what: str, field_path: str | None, optional: bool = False):
         raise InvalidRequest(f"{what} must not be empty", field_path)
     check_utf8(value, what, field_path)
     return value.strip()
+
+
+def check_visible(name: str, what: str, field_path: str | None) -> None:
+    """Refuse a name (a question id, an option name) holding an invisible formatting character (Unicode category
+    Cf: zero-width spaces and joiners, bidi controls, the BOM, soft hyphens, tags; and U+034F): two names that
+    differ only by one look the same to a person."""
+    for i, ch in enumerate(name):
+        if unicodedata.category(ch) == "Cf" or ch == "\u034f":
+            raise InvalidRequest(f"{what} contains the invisible character U+{ord(ch):04X} at position {i}; names "
+                                 "must be visible text", field_path)
+
+
+def distinct(names: list, what: str, field_path: str | None) -> None:
+    """Refuse names that are equal after Unicode NFC normalisation (the same text to a reader, different bytes)."""
+    seen: dict = {}
+    for name in names:
+        key = unicodedata.normalize("NFC", name)
+        if key in seen and seen[key] != name:
+            raise InvalidRequest(f"{what} {seen[key]!r} and {name!r} are the same text after Unicode normalisation "
+                                 "(NFC); use names that differ", field_path)
+        seen[key] = name
 
 
 def check_utf8(text: str, what: str, field_path: str | None) -> None:
@@ -99,11 +121,13 @@ class Choice:
             if not isinstance(name, str):
                 raise InvalidRequest("option names must be strings", "criteria")
             key = _content(name, "an option name", "criteria")
+            check_visible(key, "an option name", "criteria")
             if key in clean:
                 raise InvalidRequest(f"option {key!r} appears twice; option names must be unique", "criteria")
             clean[key] = _content(desc, f"the description of option {key!r}", f"criteria.{key}", True)
         if len(clean) < 2:
             raise InvalidRequest(f"a choice needs at least 2 options, got {len(clean)}", "criteria")
+        distinct(list(clean), "options", "criteria")
         object.__setattr__(self, "criteria", clean)
 
     type = "choice"

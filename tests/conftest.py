@@ -25,6 +25,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers on two cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def serve_process(engine: Path, port: int, log: Path, *args: str, seconds: float = 180, **popen):
+    """``onepass serve`` of ``engine`` on ``port`` in a process of its own (output to ``log``), once ``/readyz``
+    says ready; returns (url, process). Fails with the log's tail when it dies or is not ready in ``seconds``."""
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "onepass", "serve", "--engine", str(engine), "--port", str(port),
+                                 *args], stdout=fh, stderr=fh, **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return url, proc
+        except (urllib.error.URLError, OSError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+
+
 def fuzz_cases(default: int) -> int:
     """A fuzz test's number of cases: ``default`` (what CI runs) times $ONEPASS_FUZZ (default 1; 0.1 for a quick
     local run, 10 for a long one), at least 50."""

@@ -210,7 +210,7 @@ def test_an_estimate_over_a_limit_counts_as_that_limit_and_a_request_that_cannot
     from types import SimpleNamespace
 
     from onepass.runtime.manifest import Limits
-    from onepass.runtime.server.dispatch import NeverFits
+    from onepass.runtime.server.dispatch import NeverFits, QueueFull
 
     engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096, max_state_tokens=7168)))
     dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
@@ -223,8 +223,10 @@ def test_an_estimate_over_a_limit_counts_as_that_limit_and_a_request_that_cannot
         assert dispatcher.estimate_tokens("state", spread) > 20000
         dispatcher.measured(0.1)
         dispatcher.calibrate(0.3, 300)  # 1 ms per estimated token
-        with pytest.raises(NeverFits, match="more than the"):
+        with pytest.raises(NeverFits, match="its deadline allows"):
             dispatcher.submit("word " * 5500, q, time.monotonic() + 2.0)  # ~7 s of work, 2 s to go
+        with pytest.raises(QueueFull, match="arrived slowly"):  # fits its 3 s budget, not the 0.1 s left of it
+            dispatcher.submit("word " * 400, q, time.monotonic() + 0.1, budget=3.0)
         assert dispatcher.depth == 0
     finally:
         dispatcher.close()

@@ -87,3 +87,25 @@ def test_wire_shapes_of_the_official_format_are_accepted():
     ids=lambda q: q.type)
 def test_to_wire_is_the_inverse_of_from_wire(question):
     assert from_wire("q", json.loads(json.dumps(to_wire(question)))) == question
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"a\u200bb": {"type": "noul", "instructions": "Is it?"}}, "invisible character U\\+200B"),
+    ({"\u00e9": {"type": "noul", "instructions": "Is it?"}, "e\u0301": {"type": "noul", "instructions": "Or?"}},
+     "same text after Unicode normalisation"),
+    ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"\u00e9": None, "e\u0301": None}}},
+     "same text after Unicode normalisation"),
+    ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"bill\u200bing": None, "billing": None}}},
+     "invisible character U\\+200B"),
+])
+def test_ids_and_option_names_that_look_the_same_are_refused(body, message):
+    """Two question ids or option names that differ only by a zero-width character, or only in Unicode
+    normalisation, would be different keys that look identical to a reader: refused with the reason. The
+    control: an accented name in its one form is accepted."""
+    from onepass.runtime.engine import parse_request
+
+    with pytest.raises(InvalidRequest, match=message):
+        parse_request({"state": "s", "questions": body})
+    _, questions = parse_request({"state": "s", "questions": {
+        "caf\u00e9": {"type": "choice", "instructions": "Which?", "criteria": {"caf\u00e9": None, "tea": None}}}})
+    assert list(questions["caf\u00e9"].criteria) == ["caf\u00e9", "tea"]

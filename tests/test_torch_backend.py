@@ -259,7 +259,8 @@ class _HostGraph:
 
     def replay(self):
         for dst, src in zip(self.out, self.run()):
-            dst.copy_(src)
+            if dst is not None:
+                dst.copy_(src)
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +317,8 @@ def test_200_distinct_states_capture_at_most_slots_x_buckets_graphs_and_answer_l
     assert stats["replays"] == 200 and stats["uncaptured"] == 0 and stats["slot_copies"] == 200
     assert worst <= 1e-4, f"a replay over a reused slot differs from ONNX Runtime by {worst}"
     m = eng.manifest
-    assert eng.backend.reserved_bytes == slots * m.limits.max_state_tokens * m.model.kv_bytes_per_token()
+    assert eng.backend.reserved_bytes == slots * eng.backend.slot_tokens * m.model.kv_bytes_per_token()
+    assert eng.backend.slot_tokens == min(2048, m.limits.max_state_tokens)
     assert eng.cache.max_bytes + eng.backend.reserved_bytes == cache
     assert eng.backend._slots.numel() * 4 == eng.backend.reserved_bytes
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 import gzip
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +30,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from conftest import serve_process  # noqa: E402
 from test_server import _free_port  # noqa: E402
 
 HEADER_TIMEOUT, BODY_TIMEOUT = 1.0, 2.0
@@ -43,21 +42,8 @@ def served(tiny_engine_dir, tmp_path_factory):
     """``onepass serve`` of the tiny engine with short read timeouts; yields (url, port, process, log path)."""
     port = _free_port()
     log = tmp_path_factory.mktemp("transport") / "serve.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "onepass", "serve", "--engine", str(tiny_engine_dir),
-                                 "--port", str(port), "--backend", "onnxruntime", "--header-timeout",
-                                 str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)], stdout=fh, stderr=fh)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, OSError):
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--header-timeout",
+                              str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))
     yield url, port, proc, log
     proc.terminate()
     proc.wait(timeout=30)
@@ -158,6 +144,20 @@ def test_a_stalled_body_is_closed_after_the_body_timeout_and_never_counted_as_a_
     assert _metric(url, "onepass_internal_errors_total") == before
     text = log.read_text()
     assert "Traceback" not in text and text.count('"client_closed"') >= 2
+
+
+def test_a_pipelined_request_that_stalls_behind_an_answered_one_is_timed_out_too(served):
+    """Request 1 whole and the head of request 2 in one write, then silence: request 1 is answered, and request
+    2's body timer runs once its turn comes (it was once left with no timer: a connection held forever)."""
+    _, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+              b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    t0 = time.monotonic()
+    answer = _read_all(s, HEADER_TIMEOUT + BODY_TIMEOUT + 5)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in answer, answer[:300]
+    assert time.monotonic() - t0 < HEADER_TIMEOUT + BODY_TIMEOUT + 5
 
 
 @pytest.mark.parametrize("name, raw", [

@@ -80,8 +80,10 @@ class Backend(ABC):
             yield
             return
         timer.start()
-        yield
-        self.spans.append(timer.stop())
+        try:
+            yield
+        finally:  # stopped (its events released) even when the pass fails
+            self.spans.append(timer.stop())
 
     def device_timer(self):
         """A new timer of the device work between its ``start()`` and ``stop() -> ms`` (CUDA events on the

@@ -35,6 +35,10 @@ log = logging.getLogger("onepass.graphs")
 
 MAX_GRAPHS = 64  # graphs kept per backend (least recently used evicted); each holds only its inputs' buffers
 SLOTS = 2  # device slots of state K/V per backend, by default
+# rows of state K/V per slot, by default (at most the engine's max_state_tokens): a longer state runs without a graph
+# (its pass is long enough that launch overheads do not matter). Two slots of SmolLM2 at fp32: 189 MB of the cache's
+# 512 MiB default; slots of the engine's 7,168 rows would take 630 MiB, more than the whole default budget.
+SLOT_TOKENS = 2048
 
 
 def bucketed(batch: PackedBatch, cap: int) -> PackedBatch:
@@ -74,6 +78,11 @@ class SlotTable:
         self._owners.move_to_end(index)
         self.copies += 1
         return index, True
+
+    def vacate(self, index: int) -> None:
+        """Slot ``index`` holds no state (its copy failed half-way: it must never count as a hit)."""
+        self._owners[index] = None
+        self._owners.move_to_end(index, last=False)
 
     def forget(self) -> None:
         """Every slot empty (e.g. after its memory was freed)."""

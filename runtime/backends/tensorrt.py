@@ -52,7 +52,7 @@ from ..errors import EngineFileError, OnepassError
 from ..manifest import Manifest
 from ..tree import PackedBatch, bucket, pad_batch
 from .base import Backend, StateKV
-from .graphs import MAX_GRAPHS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
+from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
 from .tensorrt_build import import_tensorrt
 
 log = logging.getLogger("onepass.tensorrt")
@@ -170,7 +170,7 @@ class TensorRTBackend(Backend):
 
     def __init__(self, root: Path, manifest: Manifest, *, device=None, tensorrt=None, ordinal: int = 0,
                  cuda_graphs: bool = True, pool_bytes: int = 1 << 30, slots: int = SLOTS, capture_after: int = 2,
-                 max_graphs: int = MAX_GRAPHS):
+                 slot_tokens: int = SLOT_TOKENS, max_graphs: int = MAX_GRAPHS):
         super().__init__(manifest.model)
         trt = tensorrt or import_tensorrt()
         if device is None:
@@ -211,7 +211,7 @@ class TensorRTBackend(Backend):
         self._scratch: tuple[int, int] | None = None  # (ptr, bytes): present K/V a score pass writes
         self._presents: dict[int, list] = {}  # packed bucket -> its 2L present tensors in the scratch
         self.max_packed = manifest.limits.max_packed_tokens
-        self.slot_tokens = manifest.limits.max_state_tokens
+        self.slot_tokens = min(slot_tokens, manifest.limits.max_state_tokens)  # longer states run without a graph
         self.slots = SlotTable(slots)
         self._slot_ptrs: list[int] = []  # allocated at the first graph pass, fixed for the backend's life
         self.reserved_bytes = slots * self._kv_bytes(self.slot_tokens) if cuda_graphs else 0
@@ -451,7 +451,11 @@ class TensorRTBackend(Backend):
         index, fresh = self.slots.place(kv)
         tensors = self._tensors(None, self._slot_ptrs[index], kv.length)
         if fresh:
-            self._copy_in(tensors, kv)
+            try:
+                self._copy_in(tensors, kv)
+            except BaseException:
+                self.slots.vacate(index)  # a half-filled slot must never be read as this state's
+                raise
         return self._state(tensors, kv.length)
 
     def _copy_in(self, slot: Sequence[DeviceTensor], kv: StateKV) -> None:
@@ -499,7 +503,8 @@ class TensorRTBackend(Backend):
 
 def factory(ordinal: int = 0, **options):
     """An ``Engine.load`` backend factory for the TensorRT backend on GPU ``ordinal``; ``options``: ``cuda_graphs``,
-    ``pool_bytes``, ``slots``, ``capture_after``, ``max_graphs`` (and ``device``/``tensorrt`` to substitute them)."""
+    ``pool_bytes``, ``slots``, ``slot_tokens``, ``capture_after``, ``max_graphs`` (and ``device``/``tensorrt`` to
+    substitute them)."""
     def make(root, manifest, threads=None):
         return TensorRTBackend(root, manifest, ordinal=ordinal, **options)
     return make

@@ -137,9 +137,13 @@ class Server:
         self.dispatcher.measured(time.monotonic() - start)
         # a state of some 300 tokens: the seconds per estimated token are known before the first request, so
         # admission refuses at once what cannot fit its deadline (a 5,500-word state with a 2 s deadline)
-        text = "A third warm-up, long enough to time the work per token of a state. " * 18
-        start = time.monotonic()
-        self.engine.run(text, questions)
+        # (timed on its second state, of the same length: a first pass of a shape may include a CUDA-graph capture;
+        # about 15 tokens a sentence, as many as the engine's state limit leaves room for, up to 18)
+        sentences = max(1, min(18, (self.engine.manifest.limits.max_state_tokens - 40) // 20))
+        for word in ("third", "fourth"):
+            text = f"A {word} warm-up, long enough to time the work per token of a state. " * sentences
+            start = time.monotonic()
+            self.engine.run(text, questions)
         self.dispatcher.calibrate(time.monotonic() - start, self.dispatcher.estimate_tokens(text, questions))
         self.ready = True
 
@@ -202,6 +206,7 @@ class Server:
             raise HTTPError(404, f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
         try:
             state, questions = parse_request(data)
+            self.engine.check_counts(questions)  # over a count limit: 413 now, not a retryable 429 at admission
         except OnepassError as err:
             raise _engine_error(err) from None
         return data, state, questions
@@ -216,7 +221,7 @@ class Server:
         data, state, questions = await run_in_threadpool(self.parse_body, raw, encoding)
         queued = time.monotonic()
         try:
-            future = self.dispatcher.submit(state, questions, deadline)
+            future = self.dispatcher.submit(state, questions, deadline, budget=deadline - arrived)
         except QueueFull as err:
             retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
             raise HTTPError(429, f"the server is busy: {err}; retry later", headers={"Retry-After": retry}) from None

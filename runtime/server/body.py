@@ -146,14 +146,14 @@ def nesting_depth(raw: bytes) -> int:
     if b.size == 0:
         return 0
     slash = b == 0x5C
-    count = np.cumsum(slash, dtype=np.int64)  # backslashes up to and including each byte
+    count = np.cumsum(slash, dtype=np.int32)  # backslashes up to and including each byte (bodies < 2 GiB)
     last_other = np.maximum.accumulate(np.where(slash, 0, count))  # ... up to the last byte that is not one
     run = count - last_other  # the backslash run ending at each byte
     before = np.concatenate(([0], run[:-1]))  # ... ending just before it
     quote = (b == 0x22) & (before % 2 == 0)
-    outside = np.cumsum(quote, dtype=np.int64) % 2 == 0  # quotes themselves are no brackets: either is fine
+    outside = (np.cumsum(quote, dtype=np.int32) & 1) == 0  # quotes themselves are no brackets: either is fine
     step = (np.isin(b, (0x5B, 0x7B)).astype(np.int32) - np.isin(b, (0x5D, 0x7D)).astype(np.int32)) * outside
-    return int(np.cumsum(step, dtype=np.int64).max(initial=0))
+    return int(np.cumsum(step, dtype=np.int32).max(initial=0))
 
 
 def parse_json(raw: bytes):

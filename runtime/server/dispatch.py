@@ -137,15 +137,21 @@ class Dispatcher:
         """Seconds for ``passes`` passes holding ``tokens`` estimated tokens (estimate)."""
         return max(passes * self.seconds_per_pass, tokens * self.seconds_per_token)
 
-    def submit(self, state, questions, deadline: float) -> asyncio.Future:
-        """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed."""
+    def submit(self, state, questions, deadline: float, budget: float | None = None) -> asyncio.Future:
+        """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed. ``budget``:
+        the request's whole time allowance (its deadline minus its arrival; default: the time left now). A request
+        whose own work exceeds its budget is NeverFits (no retry can help); one that exceeds only what is left (it
+        spent its time arriving) is QueueFull, retryable."""
         key = _state_key(state)
         with self._lock:
             tokens = self.estimate_tokens(key, questions)
             alone, left = self.pass_seconds(1, tokens), deadline - time.monotonic()
-            if alone > left:
+            if alone > (left if budget is None else budget):
                 raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.1f} s here, more "
-                                f"than the {max(0.0, left):.1f} s before its deadline")
+                                f"than the {max(0.0, left if budget is None else budget):.1f} s its deadline allows")
+            if alone > left:
+                raise QueueFull(f"about {alone:.1f} s of work and {max(0.0, left):.1f} s left before the request's "
+                                "deadline (it arrived slowly)", alone - left)
             passes, wait = self.wait_with(key, tokens)
             if self._depth >= self.max_queue:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)

@@ -54,7 +54,7 @@ class TransportLimits:
 
     def uvicorn_options(self) -> dict:
         """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits."""
-        return {"http": protocol(self), "timeout_keep_alive": self.keep_alive_s,
+        return {"http": protocol(self), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
                 "limit_concurrency": self.connections(), "h11_max_incomplete_event_size": self.max_header_bytes + 1}
 
 
@@ -93,12 +93,16 @@ class GuardedH11Protocol(H11Protocol):
         """Whether the head being received (up to its blank line; body bytes after it do not count) is over the
         limit. Looks at no more than the limit and one chunk."""
         buffered = self.conn.trailing_data[0] + data
-        end = buffered.find(b"\r\n\r\n", 0, self.limits.max_header_bytes + 4)
-        return end < 0 and len(buffered) > self.limits.max_header_bytes
+        if len(buffered) <= self.limits.max_header_bytes:
+            return False
+        limit = self.limits.max_header_bytes + 4
+        return buffered.find(b"\r\n\r\n", 0, limit) < 0 and buffered.find(b"\n\n", 0, limit) < 0  # h11 takes both
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # uvicorn's keep-alive timer covers the idle time until the next byte
         self._disarm()
+        super().on_response_complete()  # may start a pipelined request already buffered: follow it
+        if not self.transport.is_closing():
+            self._follow()  # uvicorn's keep-alive timer covers an idle connection; a buffered head or body is ours
 
     def _follow(self) -> None:
         """Which read is under way now: a head (bytes of it buffered), a body, or none (the app's turn)."""
@@ -134,7 +138,8 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         if self.transport.is_closing():
             return
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response byte sent yet (an app's early 413,
+            # complete or under way, is left as it is)
             self.transport.write(_raw_response(status, reason, message))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() now says the client is gone
