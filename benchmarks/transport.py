@@ -164,7 +164,7 @@ def run(args) -> dict:
         pkg = Path(tempfile.mkdtemp())
         (pkg / "onepass").symlink_to(Path(args.onepass).resolve())
         env["PYTHONPATH"] = str(pkg)
-    log = open(RESULTS / f"transport_{args.label}.log", "wb")
+    log = open(Path(tempfile.gettempdir()) / f"onepass-transport-{args.label}.log", "wb")  # the server's own log
     proc = subprocess.Popen([args.python, "-m", "onepass", "serve", "--engine", args.engine, "--port", str(port)],
                             stdout=log, stderr=log, env=env, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
