@@ -143,14 +143,8 @@ class TorchBackend(Backend):
     def _graph_pass(self, kv: StateKV, batch: PackedBatch):
         """``batch`` over ``kv`` copied into its slot, through the graph of (slot, state bucket, batch shape)."""
         slots = self._slot_storage()  # allocated before a slot is promised to the state
-        index, fresh = self.slots.place(kv)
+        index = self.slots.fill(kv, lambda i: self._copy_in(slots[i], kv))
         slot = slots[index]  # [2L, Hkv, slot_tokens, D]
-        if fresh:
-            try:
-                self._copy_in(slot, kv)
-            except BaseException:
-                self.slots.vacate(index)  # a half-filled slot must never be read as this state's
-                raise
         past = bucket(kv.length, self.slot_tokens)
         arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target,
                   np.asarray(kv.length, dtype=np.int64))

@@ -584,3 +584,24 @@ def test_device_spans_cover_the_passes_and_nothing_inside_a_capture(plan_dir, en
     other.join()
     assert len(spans) == 1  # another thread's pass is not this thread's span
     trt.backend.spans = None
+
+
+def test_a_slot_whose_copy_fails_is_vacated_never_read_as_a_hit():
+    """A copy into a slot that fails half-way (out of device memory, a CUDA error) must not leave the slot recorded
+    as holding that state: its next pass would read the half-filled slot as a hit."""
+    from onepass.runtime.backends.graphs import SlotTable
+
+    class State:  # a StateKV stand-in (slots hold their owners by weak reference)
+        pass
+
+    table, owner = SlotTable(2), State()
+
+    def broken(index):
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        table.fill(owner, broken)
+    copied = []
+    index = table.fill(owner, copied.append)  # copied again, not taken as a hit
+    assert copied == [index] and table.hits == 0
+    assert table.fill(owner, copied.append) == index and copied == [index] and table.hits == 1

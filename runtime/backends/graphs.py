@@ -79,6 +79,18 @@ class SlotTable:
         self.copies += 1
         return index, True
 
+    def fill(self, owner: object, copy_in: Callable[[int], None]) -> int:
+        """The slot holding ``owner``, after ``copy_in(index)`` when it must be copied in; a copy that fails leaves
+        the slot vacated (a half-filled slot must never be read as that owner's) and raises."""
+        index, fresh = self.place(owner)
+        if fresh:
+            try:
+                copy_in(index)
+            except BaseException:
+                self.vacate(index)
+                raise
+        return index
+
     def vacate(self, index: int) -> None:
         """Slot ``index`` holds no state (its copy failed half-way: it must never count as a hit)."""
         self._owners[index] = None

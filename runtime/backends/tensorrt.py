@@ -448,15 +448,8 @@ class TensorRTBackend(Backend):
         is still there from its last pass. Slots are allocated at the first use and never move."""
         if not self._slot_ptrs:
             self._slot_ptrs = [self.device.alloc(self._kv_bytes(self.slot_tokens)) for _ in range(self.slots.count)]
-        index, fresh = self.slots.place(kv)
-        tensors = self._tensors(None, self._slot_ptrs[index], kv.length)
-        if fresh:
-            try:
-                self._copy_in(tensors, kv)
-            except BaseException:
-                self.slots.vacate(index)  # a half-filled slot must never be read as this state's
-                raise
-        return self._state(tensors, kv.length)
+        index = self.slots.fill(kv, lambda i: self._copy_in(self._tensors(None, self._slot_ptrs[i], kv.length), kv))
+        return self._state(self._tensors(None, self._slot_ptrs[index], kv.length), kv.length)
 
     def _copy_in(self, slot: Sequence[DeviceTensor], kv: StateKV) -> None:
         """The state's 2L tensors into the slot's (the same aligned layout): one copy when they lie end to end in
