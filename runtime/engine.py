@@ -17,7 +17,7 @@ import numpy as np
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
 from .calibration import question_key
-from .errors import BackendUnavailable, InvalidRequest, LimitExceeded
+from .errors import BackendUnavailable, DeadlineExceeded, InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
 from .questions import Answer, Question, check_visible, distinct, from_wire
 from .readout import answer, option_scores, softmax
@@ -312,7 +312,7 @@ class Engine:
         return logprobs, heads
 
     def _score(self, state: State, encoded: list[QuestionTokens],
-               clock: dict | None = None) -> tuple[int, list, list | None]:
+               clock: dict | None = None, deadline: float | None = None) -> tuple[int, list, list | None]:
         """(packed tokens over all passes, per-question option log-likelihoods, head scores or None).
 
         ``clock`` gets ``pack`` (building the tree, its mask and positions; a long question's trunk
@@ -324,6 +324,9 @@ class Engine:
         heads: list | None = None
         packed = 0
         for parts, batch, over in plan:
+            if deadline is not None and time.monotonic() > deadline:  # nobody waits for the rest: stop here
+                raise DeadlineExceeded(f"every waiter's deadline passed after {packed} packed tokens of this request's "
+                                       "passes; the rest were not run")
             with self.backend.serial():
                 logprob, head = self.backend.score_all(over.kv, batch)
             packed += batch.num_tokens
@@ -373,13 +376,15 @@ class Engine:
         return Result(answers, state.num_tokens + packed, packed,
                       state.num_tokens if hit else 0, clock)
 
-    def run_many(self, requests: list, readout: str | None = None) -> list:
+    def run_many(self, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
 
         Each request's questions are separate subtrees of the packed tree, so every answer
         equals its request run alone. Returns, per request, a Result or the exception it
         raised (OnepassError for bad input): a bad or failing request never fails the others —
-        when a merged pass fails, its requests are run again one by one.
+        when a merged pass fails, its requests are run again one by one. ``deadline`` (monotonic
+        seconds, the latest of the waiters'): past it, no further pass of a group starts, and its
+        requests get ``DeadlineExceeded`` (a request split into blocks stops between blocks).
         """
         out: list = [None] * len(requests)
         groups: dict = {}
@@ -397,7 +402,12 @@ class Engine:
         for members in groups.values():
             state = members[0][1]
             shared: dict = {}  # the merged pass's pack and score, the same for every member
-            scored = self._score_merged(state, members, shared)
+            try:
+                scored = self._score_merged(state, members, shared, deadline)
+            except DeadlineExceeded as err:
+                for i, *_ in members:
+                    out[i] = err
+                continue
             if scored is None:  # the pass failed: each request alone, so that it can only fail itself
                 for i, _, questions, _, _ in members:
                     try:
@@ -422,10 +432,13 @@ class Engine:
                     out[i] = err
         return out
 
-    def _score_merged(self, state: State, members: list, clock: dict):
-        """(logprobs, heads) of the requests' questions in one pass, or None if that pass fails."""
+    def _score_merged(self, state: State, members: list, clock: dict, deadline: float | None = None):
+        """(logprobs, heads) of the requests' questions in one pass, or None if that pass fails; DeadlineExceeded
+        when the deadline passed between its passes (then nothing is retried)."""
         try:
-            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]], clock)
+            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]], clock, deadline)
+        except DeadlineExceeded:
+            raise
         except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
             return None
         return logprobs, heads

@@ -23,6 +23,10 @@ class LimitExceeded(InvalidRequest):
     """A state or request is larger than the engine's limits (maps to HTTP 413). Never truncated."""
 
 
+class DeadlineExceeded(OnepassError):
+    """Every waiter's deadline passed while a request's passes ran: the rest were not run (maps to HTTP 503)."""
+
+
 class EngineFileError(OnepassError):
     """An engine directory is missing, incomplete, tampered with or of an unknown version."""
 

@@ -51,9 +51,9 @@ class _Spy:
             self.passes += 1
             return real_score(kv, batch)
 
-        def run_many(requests, readout=None):
+        def run_many(requests, readout=None, **options):
             self.batches.append(len(requests))
-            return real_many(requests, readout)
+            return real_many(requests, readout, **options)
 
         monkeypatch.setattr(engine.backend, "score_all", score_all)
         monkeypatch.setattr(engine, "run_many", run_many)
@@ -107,7 +107,7 @@ class _FaultyEngine:
     def __init__(self):
         self.calls = 0
 
-    def run_many(self, requests, readout=None):
+    def run_many(self, requests, readout=None, deadline=None):
         self.calls += 1
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -133,7 +133,7 @@ class _HeldEngine:
     def __init__(self):
         self.release, self.calls = threading.Event(), []
 
-    def run_many(self, requests, readout=None):
+    def run_many(self, requests, readout=None, deadline=None):
         self.calls.append(len(requests))
         self.release.wait(30)
         return [RuntimeError("not answered: the test only checks admission")] * len(requests)
@@ -259,3 +259,30 @@ def test_stage_clocks_name_the_pack_apart_from_the_pass(engine, monkeypatch):
     clocks = [r.timings for r in merged]
     assert all(list(c) == ["tokenize", "prefill", "pack", "score", "readout"] for c in clocks)
     assert clocks[0]["score"] == clocks[1]["score"] >= 500  # one merged pass, counted for each request
+
+
+def test_a_request_split_into_blocks_stops_between_blocks_once_every_deadline_passed(tiny_engine_dir, monkeypatch):
+    """A pass already running when every waiter's deadline passes may not hold the engine for the rest: a request
+    split into many blocks stops before the next block, answers DeadlineExceeded (503), and nothing is re-run
+    request by request. The control: with no deadline every block runs."""
+    from onepass import Engine
+    from onepass.runtime.errors import DeadlineExceeded
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    monkeypatch.setattr(engine.backend, "block_tokens", 32, raising=False)  # a block of a question or two
+    many = {f"q{i}": Noul(f"Is point {i} about billing?") for i in range(12)}
+    passes, real = [], engine.backend.score_all
+
+    def slow(kv, batch):
+        passes.append(batch.num_tokens)
+        time.sleep(0.2)
+        return real(kv, batch)
+
+    monkeypatch.setattr(engine.backend, "score_all", slow)
+    (full,) = engine.run_many([(TICKET, many)])
+    blocks = len(passes)
+    assert not isinstance(full, Exception) and blocks >= 6
+    passes.clear()
+    (late,) = engine.run_many([(TICKET, many)], deadline=time.monotonic() + 0.3)
+    assert isinstance(late, DeadlineExceeded) and "were not run" in str(late)
+    assert 1 <= len(passes) <= 3 < blocks  # stopped between blocks, and not retried alone

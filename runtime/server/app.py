@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cascade import Gate
 from ..engine import Engine, parse_request, response_body
 from ..questions import MAX_LEVELS
-from ..errors import InvalidRequest, LimitExceeded, OnepassError
+from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
 from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
@@ -230,7 +230,7 @@ class Server:
                                  f"{TIMEOUT_HEADER} (at most {MAX_CLIENT_TIMEOUT_S:g} s)") from None
         result = await future
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
-        if isinstance(result, DeadlinePassed):
+        if isinstance(result, (DeadlinePassed, DeadlineExceeded)):
             raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
                             headers={"Retry-After": str(self.config.retry_after_s)})
         if isinstance(result, OnepassError):

@@ -206,7 +206,8 @@ class Dispatcher:
     def _run(self, group: list) -> None:
         start = time.monotonic()
         try:
-            results = self.engine.run_many([(item.state, item.questions) for item in group])
+            results = self.engine.run_many([(item.state, item.questions) for item in group],
+                                           deadline=max(item.deadline for item in group))
         except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
             results = [err] * len(group)
         self.measured(time.monotonic() - start, sum(item.tokens for item in group))
