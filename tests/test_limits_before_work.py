@@ -1,0 +1,134 @@
+"""Limits come before the work they guard: spies count the guarded work, at and around each limit.
+
+A mutation audit found four realistic bugs no test caught, because a limit that runs *after* its work (or a
+guard that is bypassed) still refuses the request: only the cost changes. Each test here counts the work a
+limit exists to prevent, on the tiny Llama's engine (SmolLM2's tokenizer and limits, 2 blocks):
+
+1. the position limit at its exact boundary (one position under is accepted, the boundary refused);
+2. the dispatcher drops a queued request whose pass would end after its deadline *before* running it;
+3. a question over its token bound is refused after tokenising a bounded prefix, never the whole text;
+4. the prior read-out's cache, partly filled, gives every question its own prior.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from onepass import Engine, Noul
+from onepass.runtime.errors import LimitExceeded
+from onepass.runtime.tree import PackedBatch
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine_dir):
+    with Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as engine:
+        yield engine
+
+
+def _batch_ending_at(position: int) -> PackedBatch:
+    return PackedBatch(np.array([5], np.int64), np.array([position], np.int64), np.ones((1, 1), bool),
+                       np.array([0], np.int64), np.array([5], np.int64))
+
+
+def test_the_position_limit_holds_exactly_at_its_boundary(tiny):
+    """The last packed token's position plus the position its read-out predicts must stay within the model's
+    positions: max_position - 2 is the last accepted, max_position - 1 the first refused (a `>` for `>=` or a
+    dropped +1 moves the boundary by one, and only a test at the boundary sees it)."""
+    limit = tiny.manifest.model.max_position
+    tiny._check_positions(_batch_ending_at(limit - 2), past=10)  # accepted
+    with pytest.raises(LimitExceeded, match=f"reach position {limit + 1}; the model allows {limit}"):
+        tiny._check_positions(_batch_ending_at(limit - 1), past=10)
+    with pytest.raises(LimitExceeded):
+        tiny._check_positions(_batch_ending_at(limit), past=10)
+
+
+class _Engine:
+    """Runs a batch when released; records every request it ran."""
+
+    def __init__(self, hold_s: float):
+        self.hold_s, self.ran = hold_s, []
+
+    def run_many(self, requests, readout=None, deadline=None):
+        self.ran.extend(state for state, _ in requests)
+        time.sleep(self.hold_s)
+        return [RuntimeError("answered")] * len(requests)
+
+
+def test_a_queued_request_whose_pass_would_end_after_its_deadline_is_dropped_without_a_pass():
+    """Passes take 1 s (measured). A is running (held 1.8 s); B, about another state with a 2.5 s deadline, was
+    admitted (2 passes = 2 s of work < 2.5 s). When B's turn comes at ~1.8 s its pass would end at ~2.8 s: B is
+    dropped (503) and never run. Ignoring the pass's own time, the worker would have run it (finishing too late)."""
+    from onepass.runtime.server.dispatch import DeadlinePassed, Dispatcher
+
+    engine = _Engine(hold_s=1.8)
+    dispatcher = Dispatcher(engine, max_queue=8, window_s=0.0, max_batch=4)
+    dispatcher.measured(1.0)
+
+    async def main():
+        a = dispatcher.submit("state A", {"q": Noul("a?")}, time.monotonic() + 60)
+        await asyncio.sleep(0.1)  # A is taken by the worker and runs
+        b = dispatcher.submit("state B", {"q": Noul("b?")}, time.monotonic() + 2.4)
+        return await a, await b
+
+    try:
+        _, b = asyncio.run(main())
+    finally:
+        dispatcher.close()
+    assert isinstance(b, DeadlinePassed)
+    assert engine.ran == ["state A"]  # B's pass never ran
+
+
+class _CountingTokenizer:
+    """A tokenizer stand-in that counts the characters it was asked to encode (the guarded work)."""
+
+    def __init__(self, real):
+        self.real, self.chars = real, 0
+        self.lock = threading.Lock()
+
+    def encode(self, text, *args, **kwargs):
+        with self.lock:
+            self.chars += len(text)
+        return self.real.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_question_over_its_token_bound_is_refused_after_tokenising_a_bounded_prefix(tiny, monkeypatch):
+    """A question whose text is ~3x its bound (min(max_state + max_packed, max_request) tokens) is refused having
+    tokenised about the bound's worth of it, not the whole text; one just under the bound is accepted (it may be
+    tokenised in full: that is the work it is allowed)."""
+    lim = tiny.manifest.limits
+    bound = min(lim.max_state_tokens + lim.max_packed_tokens, lim.max_request_tokens)
+    counter = _CountingTokenizer(tiny.encoder._untrusted)
+    monkeypatch.setattr(tiny.encoder, "_untrusted", counter)
+    word = " refund"  # one token each
+    over = "Is this about a" + word * (3 * bound)
+    with pytest.raises(LimitExceeded, match=f"more than {bound} tokens"):
+        tiny.encode_questions({"q": Noul(over)})
+    assert counter.chars < 0.6 * len(over), (counter.chars, len(over))  # a bounded prefix, not the whole text
+    under = "Is this about a" + word * (lim.max_state_tokens - 200)
+    counter.chars = 0
+    (encoded,) = tiny.encode_questions({"q": Noul(under)})
+    assert len(encoded.trunk) <= lim.max_state_tokens and counter.chars >= len(under)
+
+
+def test_priors_partly_cached_give_each_question_its_own(tiny_engine_dir):
+    """The prior read-out caches each question's content-free log-likelihoods. With one question's prior cached
+    and another's not, each must get its own: filling the cache against the wrong list gives the new question the
+    cached one's values (the path a request of several questions takes once any of them was asked before)."""
+    a, b = Noul("Is the customer asking for a refund?"), Noul("Is the app crashing on the reports page?")
+    with Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as warm, \
+            Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as fresh:
+        qa, qb = warm.encode_questions({"a": a, "b": b})
+        warm.prior_logprobs([qa])  # a's prior is cached
+        got_a, got_b = warm.prior_logprobs([qa, qb])  # a cached and first, b missing
+        want_a, want_b = fresh.prior_logprobs([qa])[0], fresh.prior_logprobs([qb])[0]
+    np.testing.assert_allclose(got_a, want_a, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_b, want_b, rtol=0, atol=1e-6)
+    assert np.abs(want_a - want_b).max() > 1e-3  # the two priors differ: a swap would show
