@@ -132,3 +132,57 @@ def test_priors_partly_cached_give_each_question_its_own(tiny_engine_dir):
     np.testing.assert_allclose(got_a, want_a, rtol=0, atol=1e-6)
     np.testing.assert_allclose(got_b, want_b, rtol=0, atol=1e-6)
     assert np.abs(want_a - want_b).max() > 1e-3  # the two priors differ: a swap would show
+
+
+def test_the_packed_token_limit_is_counted_before_the_tree_mask_is_built(monkeypatch):
+    """Over max_tokens, pack refuses with no N x N mask built (the quadratic work the count guards); exactly at
+    the limit it packs. (Built after the count, the mask of a huge request was caught only as a MemoryError.)"""
+    from onepass.runtime import tree
+    from onepass.runtime.prompt import QuestionTokens
+
+    built = []
+    real = tree.ancestor_mask
+    monkeypatch.setattr(tree, "ancestor_mask", lambda parent: built.append(len(parent)) or real(parent))
+    questions = [QuestionTokens(trunk=(1, 2, 3, 100 + i), options=((7, 2), (8, 2))) for i in range(10)]
+    size = tree.pack(questions, 5).num_tokens  # the packed size (no limit)
+    built.clear()
+    with pytest.raises(tree.TooManyTokens):
+        tree.pack(questions, 5, max_tokens=size - 1)
+    assert built == []
+    assert tree.pack(questions, 5, max_tokens=size).num_tokens == size and built == [size]
+
+
+@pytest.mark.parametrize("header", ["Bearer sekret-key", "Bearer sekret-key-123x", "Bearer SEKRET-KEY-123",
+                                    "Bearer ", "Bearer  sekret-key-123", "Bearer sekret-key-123 ", "sekret-key-123",
+                                    "Basic sekret-key-123", ""])
+def test_the_api_key_is_compared_exactly(tiny, header):
+    """A prefix, a suffix, another case, an empty key, whitespace around it, no scheme or another scheme: 401.
+    The control: the exact key (scheme in any case) passes."""
+    import types
+
+    from onepass.runtime.server.app import Server
+    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.config import ServerConfig
+
+    server = Server(tiny, ServerConfig(api_key="sekret-key-123"))
+    try:
+        request = types.SimpleNamespace(headers={"authorization": header} if header else {})
+        with pytest.raises(HTTPError) as err:
+            server.check_auth(request)
+        assert err.value.status == 401
+        for good in ("Bearer sekret-key-123", "bearer sekret-key-123"):
+            server.check_auth(types.SimpleNamespace(headers={"authorization": good}))
+    finally:
+        server.dispatcher.close()
+
+
+def test_two_states_of_equal_token_length_are_two_cache_entries_with_their_own_answers(tiny_engine_dir):
+    """The state cache is keyed by the state's token ids, not by anything coarser (its length): two tickets of
+    the same token length are two entries, and each is answered about itself."""
+    with Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as engine:
+        one, two = "Order 111 was charged twice.", "Order 999 arrived broken today."
+        assert engine.state(one).num_tokens == engine.state(two).num_tokens and len(engine.cache) == 2
+        encoded = engine.encode_questions({"q": Noul("Is the customer asking for a refund?")})
+        a = engine.option_logprobs(one, encoded)[0]
+        b = engine.option_logprobs(two, encoded)[0]
+        assert np.abs(a - b).max() > 1e-4 and len(engine.cache) == 2
