@@ -108,7 +108,7 @@ class TorchBackend(Backend):
         self.max_packed = manifest.limits.max_packed_tokens
         self.slot_tokens = min(slot_tokens, manifest.limits.max_state_tokens)
         self.slots = SlotTable(slots)
-        self._slots: torch.Tensor | None = None  # [slots, 2L, Hkv, max_state_tokens, D], allocated at first use
+        self._slots: torch.Tensor | None = None  # [slots, 2L, Hkv, slot_tokens, D], allocated at first use
         self.reserved_bytes = slots * self.slot_tokens * m.kv_bytes_per_token() if self.cuda_graphs else 0
         self.graphs = GraphCache(max_graphs)
         # One memory pool for every captured graph: a graph's temporaries live only during its replay and
@@ -119,12 +119,6 @@ class TorchBackend(Backend):
     def device_timer(self):
         """CUDA events on the current stream around a call (None on CPU): `onepass bench`'s device stage."""
         return CudaEvents() if self.device.type == "cuda" else None
-
-    def graph_stats(self) -> dict | None:
-        """The graph cache's counters and the slots' copies and hits (None without CUDA graphs)."""
-        if not self.cuda_graphs:
-            return None
-        return self.graphs.stats.as_dict() | {"slot_copies": self.slots.copies, "slot_hits": self.slots.hits}
 
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass, padded to a bucket (and replayed from a CUDA graph over a slot) when configured."""

@@ -41,6 +41,10 @@ class Backend(ABC):
     # device bytes of state K/V the backend holds beyond the engine's state cache (the GPU backends' graph slots):
     # the engine takes them out of the cache's budget, so the two together stay within it
     reserved_bytes = 0
+    # the GPU backends' CUDA-graph cache and slot table (runtime/backends/graphs.py), used when cuda_graphs is on
+    cuda_graphs = False
+    graphs = None
+    slots = None
 
     def __init__(self, model: ModelInfo):
         self.model = model
@@ -65,9 +69,11 @@ class Backend(ABC):
         """Release what the backend holds beyond Python memory (device buffers, graphs); idempotent."""
 
     def graph_stats(self) -> dict | None:
-        """What the backend's CUDA-graph cache did (captures, replays, uncaptured passes, failures, slot copies), or
-        None for a backend without graphs."""
-        return None
+        """What the backend's CUDA-graph cache did (captures, replays, uncaptured passes, failures) and its slots'
+        copies and hits, or None for a backend without graphs."""
+        if not self.cuda_graphs:
+            return None
+        return self.graphs.stats.as_dict() | {"slot_copies": self.slots.copies, "slot_hits": self.slots.hits}
 
     @contextlib.contextmanager
     def device_span(self):

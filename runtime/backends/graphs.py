@@ -41,10 +41,15 @@ SLOTS = 2  # device slots of state K/V per backend, by default
 SLOT_TOKENS = 2048
 
 
+def padded(n: int, cap: int) -> int:
+    """The size ``n`` tokens (or read-outs) pad to: its bucket, never above ``cap`` (``max_packed_tokens``); past the
+    cap, ``n`` itself (nothing there is worth padding to)."""
+    return bucket(n, max(cap, n))
+
+
 def bucketed(batch: PackedBatch, cap: int) -> PackedBatch:
     """``batch`` padded to its (packed, read-out) buckets, none above ``cap`` tokens (``max_packed_tokens``)."""
-    n, r = batch.num_tokens, batch.readout_index.shape[0]
-    return pad_batch(batch, bucket(n, max(cap, n)), bucket(r, max(cap, r)))
+    return pad_batch(batch, padded(batch.num_tokens, cap), padded(batch.readout_index.shape[0], cap))
 
 
 class CaptureFailed(Exception):

@@ -50,9 +50,9 @@ import numpy as np
 from .. import contract
 from ..errors import EngineFileError, OnepassError
 from ..manifest import Manifest
-from ..tree import PackedBatch, bucket, pad_batch
+from ..tree import PackedBatch, pad_batch
 from .base import Backend, StateKV
-from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
+from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from .tensorrt_build import import_tensorrt
 
 log = logging.getLogger("onepass.tensorrt")
@@ -306,7 +306,7 @@ class TensorRTBackend(Backend):
 
     def _buffers(self, packed: int, readout: int):
         """Device input/output buffers for passes of up to (packed, read-out) bucket sizes, allocated once."""
-        packed, readout = bucket(packed, max(self.max_packed, packed)), bucket(readout, max(self.max_packed, readout))
+        packed, readout = padded(packed, self.max_packed), padded(readout, self.max_packed)
         key = (packed, readout)
         if key not in self._io:
             sizes = {"input_ids": packed * 8, "position_ids": packed * 8, "tree_mask": packed * packed,
@@ -462,12 +462,6 @@ class TensorRTBackend(Backend):
         else:
             for dst, src in zip(slot, old):
                 self.device.copy_rows(dst.ptr, src.nbytes, src.ptr, src.nbytes, src.nbytes, 1, self.stream)
-
-    def graph_stats(self) -> dict | None:
-        """The graph cache's counters and the slots' copies and hits (None without CUDA graphs)."""
-        if not self.cuda_graphs:
-            return None
-        return self.graphs.stats.as_dict() | {"slot_copies": self.slots.copies, "slot_hits": self.slots.hits}
 
     def close(self) -> None:
         """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""

@@ -146,9 +146,10 @@ class Dispatcher:
         with self._lock:
             tokens = self.estimate_tokens(key, questions)
             alone, left = self.pass_seconds(1, tokens), deadline - time.monotonic()
-            if alone > (left if budget is None else budget):
+            allowance = left if budget is None else budget
+            if alone > allowance:
                 raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.1f} s here, more "
-                                f"than the {max(0.0, left if budget is None else budget):.1f} s its deadline allows")
+                                f"than the {max(0.0, allowance):.1f} s its deadline allows")
             if alone > left:
                 raise QueueFull(f"about {alone:.1f} s of work and {max(0.0, left):.1f} s left before the request's "
                                 "deadline (it arrived slowly)", alone - left)
