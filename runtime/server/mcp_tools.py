@@ -6,9 +6,16 @@ returns the typed answer with its probabilities.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+from typing import Any, BinaryIO
 
+import anyio
+import anyio.to_thread
+import mcp_types
 from mcp.server import MCPServer
+from mcp.server.stdio import stdio_server
+from pydantic import ValidationError
 
 from ..engine import Engine
 from ..errors import OnepassError
@@ -48,6 +55,106 @@ def build(engine: Engine) -> MCPServer:
     return server
 
 
+# -- the stdio wire ---------------------------------------------------------------------------------
+# The mcp SDK's own stdio transport hands a line it cannot parse to the session as an exception, which
+# logs it and answers nothing: a junk line, invalid UTF-8 or a string holding a lone surrogate (valid JSON,
+# not Unicode text) leaves the client waiting for an answer that never comes. Lines are screened here
+# first and every one the SDK could not take is answered with a JSON-RPC error; the rest reach the SDK's
+# session unchanged. Blank lines are not messages and are skipped.
+
+MAX_LINE_BYTES = 8 << 20  # one message; a longer line is answered with an error and skipped, never buffered
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def refusal(line: bytes) -> dict | None:
+    """The JSON-RPC error (a dict) that answers ``line``, or None when it is a message the SDK can take."""
+    def error(code: int, message: str, ident=None) -> dict:
+        return {"jsonrpc": "2.0", "id": ident, "error": {"code": code, "message": message}}
+
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return error(mcp_types.PARSE_ERROR, f"Parse error: the line is not UTF-8 (byte {err.start})")
+    try:
+        message = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as err:
+        return error(mcp_types.PARSE_ERROR, f"Parse error: {str(err)[:200]}")
+    ident = message.get("id") if isinstance(message, dict) else None
+    ident = ident if isinstance(ident, (str, int)) and not isinstance(ident, bool) else None
+    try:
+        json.dumps(message, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return error(mcp_types.INVALID_PARAMS, "Invalid params: a string holds a lone surrogate (\\ud800-\\udfff), "
+                     "which is not Unicode text", ident)
+    try:
+        mcp_types.jsonrpc_message_adapter.validate_python(message, by_name=False)
+    except ValidationError as err:
+        where = ".".join(str(p) for p in err.errors()[0]["loc"][1:]) or "the message"
+        return error(mcp_types.INVALID_REQUEST, f"Invalid Request: {where}: {err.errors()[0]['msg']} (a JSON-RPC 2.0 "
+                     "request, notification or response object is expected)", ident)
+    return None
+
+
+async def serve_lines(server: MCPServer, wire_in: BinaryIO, wire_out: BinaryIO) -> None:
+    """Serve ``server`` over newline-delimited JSON-RPC on two binary streams until ``wire_in`` ends, answering
+    every line the SDK cannot take with a JSON-RPC error (see :func:`refusal`)."""
+    lock = anyio.Lock()
+
+    def write(data: bytes) -> None:
+        wire_out.write(data)
+        wire_out.flush()
+
+    async def send(data: bytes) -> None:
+        async with lock:  # the SDK's answers and these errors share one wire: whole lines, never interleaved
+            await anyio.to_thread.run_sync(write, data)
+
+    class Lines:  # what the SDK's transport reads: the lines it can take
+        def __aiter__(self):
+            return self.lines()
+
+        async def lines(self):
+            while line := await anyio.to_thread.run_sync(wire_in.readline, MAX_LINE_BYTES + 1):
+                if len(line) > MAX_LINE_BYTES:
+                    while line and not line.endswith(b"\n"):  # the rest of the line, discarded as it comes
+                        line = await anyio.to_thread.run_sync(wire_in.readline, 1 << 20)
+                    answer = {"jsonrpc": "2.0", "id": None, "error": {"code": mcp_types.INVALID_REQUEST, "message":
+                              f"Invalid Request: a line is at most {MAX_LINE_BYTES} bytes"}}
+                elif not line.strip():
+                    continue
+                else:
+                    answer = refusal(line)
+                    if answer is None:
+                        yield line.decode("utf-8")
+                        continue
+                await send(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
+
+    class Out:  # where the SDK writes its answers
+        async def write(self, text: str) -> None:
+            await send(text.encode("utf-8"))
+
+        async def flush(self) -> None:
+            pass
+
+    async with stdio_server(Lines(), Out()) as (read_stream, write_stream):
+        low = server._lowlevel_server  # what MCPServer.run_stdio_async runs; no public hook takes other streams
+        await low.run(read_stream, write_stream, low.create_initialization_options())
+
+
 def serve_stdio(engine: Engine) -> None:
-    """Run the MCP server on stdin/stdout until the client closes it."""
-    build(engine).run("stdio")
+    """Run the MCP server on stdin/stdout until the client closes it. While it runs, fd 0 reads the null device
+    and fd 1 writes to stderr, so stray output from libraries never corrupts the wire (as the SDK does)."""
+    wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    saved = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(2, 1)
+    os.close(null)
+    try:
+        anyio.run(serve_lines, build(engine), wire_in, wire_out)
+    finally:
+        for fd, old in zip((0, 1), saved):
+            os.dup2(old, fd)
+            os.close(old)
