@@ -110,6 +110,14 @@ class Engine:
         with self.backend.serial():
             self.backend.close()
 
+    def release_memory(self) -> bool:
+        """Give back the backend's working memory grown by past large passes (a long state, hundreds of options);
+        cached states stay. Answers are unchanged; True if anything was released (OpenVINO, which rebuilds its
+        compiled model in about a second; a no-op elsewhere). ``onepass serve`` calls it when idle above 1.2x its
+        warm size."""
+        with self.backend.serial():
+            return self.backend.release_memory()
+
     def __enter__(self) -> "Engine":
         return self
 
@@ -268,30 +276,42 @@ class Engine:
             out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks],
                                                                         state.num_tokens), state)
                    for ks in blocks([encoded[i] for i in small], block)]
-            for i in sorted(set(range(len(encoded))) - set(small)):
+            long = sorted(set(range(len(encoded))) - set(small))
+            for i in long:  # packed against the longer state's length: every limit is checked before its prefill
                 q = encoded[i]
-                longer = self._extended(state, q.trunk[:-1])
+                self._check_state_length(state.num_tokens + len(q.trunk) - 1)
                 tail = QuestionTokens(q.trunk[-1:], q.options)
                 for group in option_groups(tail, block):
                     part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
-                    out.append(([(i, group)], pack([part], longer.num_tokens), longer))
+                    out.append(([(i, group)], pack([part], state.num_tokens + len(q.trunk) - 1), i))
         total = sum(batch.num_tokens for _, batch, _ in out)
         if total > limits.max_request_tokens:
             raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
                                 f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
                                 "questions")
         for _, batch, over in out:
-            self._check_positions(batch, over.num_tokens)
+            past = over.num_tokens if isinstance(over, State) else state.num_tokens + len(encoded[over].trunk) - 1
+            self._check_positions(batch, past)
+        longer = {}  # the prefills, once every limit passed
+        for k, (ids, batch, over) in enumerate(out):
+            if not isinstance(over, State):
+                if over not in longer:
+                    longer[over] = self._extended(state, encoded[over].trunk[:-1])
+                out[k] = (ids, batch, longer[over])
         return out
+
+    def _check_state_length(self, n: int) -> None:
+        """A state and a long question's trunk prefilled onto it must fit a state."""
+        if n > self.manifest.limits.max_state_tokens:
+            raise LimitExceeded(f"the state and a question's text are {n} tokens together; this engine allows at "
+                                f"most {self.manifest.limits.max_state_tokens}", "questions")
 
     def _extended(self, state: State, ids: tuple) -> State:
         """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
         prefilled onto ``state``'s K/V (which stays as it is)."""
         limits = self.manifest.limits
         joint = tuple(state.ids) + tuple(ids)
-        if len(joint) > limits.max_state_tokens:
-            raise LimitExceeded(f"the state and a question's text are {len(joint)} tokens together; this engine "
-                                f"allows at most {limits.max_state_tokens}", "questions")
+        self._check_state_length(len(joint))
         cached = self.cache.get(joint)
         if cached is not None:
             return cached

@@ -286,3 +286,52 @@ def test_a_request_split_into_blocks_stops_between_blocks_once_every_deadline_pa
     (late,) = engine.run_many([(TICKET, many)], deadline=time.monotonic() + 0.3)
     assert isinstance(late, DeadlineExceeded) and "were not run" in str(late)
     assert 1 <= len(passes) <= 3 < blocks  # stopped between blocks, and not retried alone
+
+
+class _AnsweringEngine:
+    """An engine that answers every request at once (the request's own state as its answer)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def run_many(self, requests, readout=None, deadline=None):
+        self.calls += 1
+        return [state for state, _ in requests]
+
+
+def test_idle_housekeeping_runs_after_the_answers_are_out_and_only_when_nobody_waits():
+    """``on_idle`` (where the server gives back a backend's working memory, about a second of CPU) runs on the
+    engine thread once a batch is answered and the queue is empty: a slow one delays no answer, and it does not
+    run between the groups of a batch that still has requests waiting."""
+    engine, idle, depths = _AnsweringEngine(), threading.Event(), []
+    release = threading.Event()
+
+    def on_idle():
+        depths.append(dispatcher.depth)
+        idle.set()
+        release.wait(30)  # held: the answers must already be out
+
+    dispatcher = Dispatcher(engine, max_queue=64, window_s=0.2, max_batch=16, on_idle=on_idle)
+    try:
+        results = _submit_all(dispatcher, [("state one", {"q": Noul("a?")}), ("state two", {"q": Noul("b?")})])
+        assert results == ["state one", "state two"] and idle.wait(30)
+        assert engine.calls == 2 and depths == [0]  # two groups (two states), one idle call after both
+        release.set()
+        _submit_all(dispatcher, [("state three", {"q": Noul("c?")})])
+        assert idle.wait(30) and len(depths) in (1, 2)
+    finally:
+        release.set()
+        dispatcher.close()
+
+
+def test_a_failing_idle_housekeeping_never_stops_the_engine_thread():
+    def on_idle():
+        raise RuntimeError("housekeeping fault")
+
+    dispatcher = Dispatcher(_AnsweringEngine(), max_queue=64, window_s=0.0, max_batch=16, on_idle=on_idle)
+    try:
+        assert _submit_all(dispatcher, [("state one", {"q": Noul("a?")})]) == ["state one"]
+        assert _submit_all(dispatcher, [("state two", {"q": Noul("b?")})]) == ["state two"]
+        assert dispatcher.alive
+    finally:
+        dispatcher.close()

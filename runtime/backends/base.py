@@ -68,6 +68,12 @@ class Backend(ABC):
     def close(self) -> None:
         """Release what the backend holds beyond Python memory (device buffers, graphs); idempotent."""
 
+    def release_memory(self) -> bool:
+        """Give back the working memory that past passes grew and kept (buffers sized to the largest pass seen),
+        leaving answers unchanged; True if anything was released. A backend that keeps none returns False (the
+        default); OpenVINO rebuilds its compiled model (about a second of CPU)."""
+        return False
+
     def graph_stats(self) -> dict | None:
         """What the backend's CUDA-graph cache did (captures, replays, uncaptured passes, failures) and its slots'
         copies and hits, or None for a backend without graphs."""

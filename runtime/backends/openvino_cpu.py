@@ -10,6 +10,11 @@ answer probabilities within 0.14 of fp32 (77 of 78 argmaxes kept). On a CPU with
 hint falls back to f32.
 
 State K/V are float32 numpy arrays. One infer request per thread, so passes may run concurrently.
+
+The CPU plugin sizes its working memory to the largest pass it has run (past length times packed tokens) and
+keeps it in the compiled model, not only in the infer request: after a 1000-option choice or a long state the
+process stays a gigabyte above its warm size. :meth:`release_memory` compiles the model again (1.3 s on two
+cores) and lets the old one go, which returns RSS to its warm size (``benchmarks/results/memory_options.md``).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ class OpenVinoCpuBackend(Backend):
         super().__init__(model)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        core = ov.Core()
-        config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
+        self.graph_path = graph_path
+        self.config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
         if threads:
-            config["INFERENCE_NUM_THREADS"] = int(threads)
-        self.compiled = core.compile_model(core.read_model(graph_path), "CPU", config)
+            self.config["INFERENCE_NUM_THREADS"] = int(threads)
+        self.compiled = self._compile()
         self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()  # f32 or bf16 in force
         dims = (model.num_layers, model.num_kv_heads, model.head_dim)
         self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
@@ -58,11 +63,24 @@ class OpenVinoCpuBackend(Backend):
         self._requests = threading.local()
         self._empty = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)
 
+    def _compile(self):
+        core = ov.Core()
+        return core.compile_model(core.read_model(self.graph_path), "CPU", self.config)
+
     def _request(self):
-        request = getattr(self._requests, "value", None)
-        if request is None:
-            request = self._requests.value = self.compiled.create_infer_request()
-        return request
+        """This thread's infer request of the current compiled model (made again after :meth:`release_memory`)."""
+        compiled = self.compiled
+        made = getattr(self._requests, "value", None)
+        if made is None or made[0] is not compiled:
+            made = self._requests.value = (compiled, compiled.create_infer_request())
+        return made[1]
+
+    def release_memory(self) -> bool:
+        """Compile the model again and drop the old one with its working memory: each thread's infer request is
+        made again on its next pass; a pass running meanwhile finishes on the old model, which it holds."""
+        self.compiled = self._compile()
+        self._requests = threading.local()  # this thread's old request goes now; other threads' at their next pass
+        return True
 
     def empty(self) -> StateKV:
         """A K/V of length 0 (one shared empty array for every layer)."""

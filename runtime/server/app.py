@@ -37,7 +37,7 @@ from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassErr
 from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
-from .memory import release_free_memory
+from .memory import MemoryFloor, release_free_memory
 from .metrics import Metrics
 
 access_log = logging.getLogger("onepass.access")
@@ -121,8 +121,10 @@ class Server:
         self.gate = Gate(min_confidence) if cascade is not None else None
         self.ready = False
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
+        self.memory = MemoryFloor(engine, on_release=self.metrics.memory_releases.inc)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
-                                     on_batch=self.on_batch, on_drop=self.metrics.deadline_drops.inc)
+                                     on_batch=self.on_batch, on_drop=self.metrics.deadline_drops.inc,
+                                     on_idle=self.memory.on_idle)
         self.names = {engine.name, *config.aliases}
 
     def warm_up(self) -> None:
@@ -145,6 +147,7 @@ class Server:
             start = time.monotonic()
             self.engine.run(text, questions)
         self.dispatcher.calibrate(time.monotonic() - start, self.dispatcher.estimate_tokens(text, questions))
+        self.memory.mark()  # the size the server returns to when idle after heavy requests
         self.ready = True
 
     def start_warm_up(self) -> threading.Thread:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and secon
 CHARS_PER_TOKEN = 4.0  # a rough BPE rate for English; its error cancels: seconds per *estimated* token are measured
 QUESTION_TOKENS, OPTION_TOKENS = 12, 2  # template tokens around a question and around each option
 RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
+
+log = logging.getLogger("onepass.dispatch")
 
 
 class QueueFull(Exception):
@@ -67,11 +70,12 @@ class Dispatcher:
     """Bounded queue + one inference thread. ``submit`` is called from the event loop."""
 
     def __init__(self, engine: Engine, max_queue: int, window_s: float, max_batch: int, on_batch=None,
-                 on_drop=None):
+                 on_drop=None, on_idle=None):
         self.engine = engine
         self.max_queue, self.window_s, self.max_batch = max_queue, window_s, max_batch
         self.on_batch = on_batch or (lambda size: None)
         self.on_drop = on_drop or (lambda: None)
+        self.on_idle = on_idle or (lambda: None)  # on the engine thread, once a batch is answered and none waits
         self.seconds_per_pass = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
         self.seconds_per_token = 0.0  # measured per estimated token; 0 until a pass of enough tokens
         self._tokens: collections.Counter = collections.Counter()  # queued estimated tokens per state key
@@ -234,6 +238,11 @@ class Dispatcher:
                         self._recent.move_to_end(group[0].key)
                         while len(self._recent) > RECENT_STATES:
                             self._recent.popitem(last=False)
+            if self._depth == 0:  # every answer is out and nobody waits: housekeeping delays no one
+                try:
+                    self.on_idle()
+                except Exception:  # noqa: BLE001 - housekeeping never stops the engine thread
+                    log.exception("the engine thread's idle housekeeping failed")
 
 
 def _chars(value) -> int:

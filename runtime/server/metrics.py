@@ -45,6 +45,8 @@ class Metrics:
                                registry=self.registry)
         self.deadline_drops = Counter("onepass_deadline_drops", "Requests dropped because their deadline passed "
                                       "before they could be answered", registry=self.registry)
+        self.memory_releases = Counter("onepass_memory_releases", "Times the idle engine gave back a backend's "
+                                       "working memory grown past 1.2x its warm size", registry=self.registry)
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
         if not os.environ.get(MULTIPROC_ENV):  # a function gauge is read at scrape time, in-process
