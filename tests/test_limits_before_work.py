@@ -8,6 +8,13 @@ limit exists to prevent, on the tiny Llama's engine (SmolLM2's tokenizer and lim
 2. the dispatcher drops a queued request whose pass would end after its deadline *before* running it;
 3. a question over its token bound is refused after tokenising a bounded prefix, never the whole text;
 4. the prior read-out's cache, partly filled, gives every question its own prior.
+
+And for every other limit, the work it guards counted at and around it: the request's packed tokens before any
+pass or trunk prefill (a refused request used to prefill its long question's trunk first), question and option
+counts before any tokenising (in the engine and in the server's parse, before admission), the body limit while
+reading and while decompressing, nesting before the JSON parser, the packed-token limit before the tree mask; the
+prior read-out against a hand-computed softmax(lp - null); the API key compared exactly; the state cache keyed by
+token ids. Each test was run against its mutation (the guard moved after its work) and fails there.
 """
 
 from __future__ import annotations
@@ -186,3 +193,194 @@ def test_two_states_of_equal_token_length_are_two_cache_entries_with_their_own_a
         a = engine.option_logprobs(one, encoded)[0]
         b = engine.option_logprobs(two, encoded)[0]
         assert np.abs(a - b).max() > 1e-4 and len(engine.cache) == 2
+
+
+# -- every limit before its work: spies on the backend's passes and the tokenizer ---------------------------------
+
+
+class _Passes:
+    """Counts the backend's forward passes (prefill chunks, trunk extensions and packed passes all run ``_run``)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.count = 0
+        real = engine.backend._run
+
+        def run(batch, kv):
+            self.count += 1
+            return real(batch, kv)
+
+        monkeypatch.setattr(engine.backend, "_run", run)
+
+
+def test_the_request_token_limit_refuses_before_any_pass_or_trunk_prefill(tiny, monkeypatch):
+    """A choice larger than a block has its trunk prefilled onto the state before its options are scored; the
+    request's packed-token total must be counted before that prefill (it was counted after it: a refused request
+    still ran a prefill of its whole trunk). One token over the total: refused with zero passes; at it: answered."""
+    from onepass import Choice
+
+    state = "I was charged twice for my subscription and want my money back."
+    questions = {"team": Choice("Which product line is this about?",
+                                {f"product line number {i}": None for i in range(120)}),
+                 "refund": Noul("Is a refund requested?")}
+    encoded = tiny.encode_questions(questions)
+    total = sum(batch.num_tokens for _, batch, _ in tiny.passes(tiny.state(state), encoded))
+    assert any(over.num_tokens > tiny.state(state).num_tokens for _, _, over in tiny.passes(tiny.state(state), encoded))
+    tiny.cache.clear()
+    tiny.state(state)  # the state itself is within its own limit: its prefill is allowed work
+    passes = _Passes(tiny, monkeypatch)
+    with pytest.raises(LimitExceeded, match=f"pack into {total} tokens; this engine allows at most {total - 1}"):
+        tiny.with_limits(max_request_tokens=total - 1).option_logprobs(state, encoded)
+    assert passes.count == 0 and len(tiny.cache) == 1  # no trunk prefill, no trunk state cached
+    tiny.with_limits(max_request_tokens=total).option_logprobs(state, encoded)
+    assert passes.count > 0
+
+
+@pytest.mark.parametrize("limit, field", [("max_questions", "questions"), ("max_options", "options")])
+def test_count_limits_refuse_with_nothing_tokenised_and_no_pass(tiny, monkeypatch, limit, field):
+    """Questions per request and options per question are counted before any tokenising or pass: one over the
+    limit is refused having encoded zero characters; exactly at the limit it is answered."""
+    from onepass import Choice
+
+    engine = tiny.with_limits(**{limit: 4})
+    counter = _CountingTokenizer(engine.encoder._untrusted)
+    monkeypatch.setattr(engine.encoder, "_untrusted", counter)
+    passes = _Passes(engine, monkeypatch)
+
+    def request(n):
+        if field == "questions":
+            return {f"q{i}": Noul(f"Is this about topic {i}?") for i in range(n)}
+        return {"q": Choice("Which one?", {f"option {i}": None for i in range(n)})}
+
+    with pytest.raises(LimitExceeded, match="at most 4"):
+        engine.ask("A short ticket about a refund.", request(5))
+    assert counter.chars == 0 and passes.count == 0
+    assert len(engine.ask("A short ticket about a refund.", request(4))) == (4 if field == "questions" else 1)
+    assert counter.chars > 0 and passes.count > 0
+
+
+def test_the_server_refuses_count_limits_while_parsing_before_the_dispatcher(tiny, monkeypatch):
+    """Over a count limit the server answers 413 from its parse step (off the event loop, before admission):
+    nothing is tokenised and nothing reaches the dispatcher's queue."""
+    import json
+
+    from onepass.runtime.server.app import Server
+    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.config import ServerConfig
+
+    server = Server(tiny.with_limits(max_questions=3), ServerConfig())
+    try:
+        counter = _CountingTokenizer(server.engine.encoder._untrusted)
+        monkeypatch.setattr(server.engine.encoder, "_untrusted", counter)
+        body = lambda n: json.dumps({"state": "A ticket.", "questions": {  # noqa: E731
+            f"q{i}": {"type": "noul", "instructions": f"Is it about {i}?"} for i in range(n)}}).encode()
+        with pytest.raises(HTTPError) as err:
+            server.parse(body(4))
+        assert err.value.status == 413 and counter.chars == 0 and server.dispatcher.depth == 0
+        _, _, questions = server.parse(body(3))
+        assert len(questions) == 3
+    finally:
+        server.dispatcher.close()
+
+
+class _Stream:
+    """A request whose body arrives in chunks; counts the chunks the server pulled."""
+
+    def __init__(self, size: int, chunk: int, declared: bool = False):
+        self.size, self.chunk, self.pulled = size, chunk, 0
+        self.headers = {"content-length": str(size)} if declared else {}
+
+    async def stream(self):
+        for start in range(0, self.size, self.chunk):
+            self.pulled += 1
+            yield b"x" * min(self.chunk, self.size - start)
+
+
+def test_the_body_limit_stops_reading_at_the_limit():
+    """A body 10x the limit is refused once the bytes read pass the limit (not after reading it all); a declared
+    Content-Length over the limit is refused before any read; a body of exactly the limit is read."""
+    from onepass.runtime.server.body import HTTPError, read_raw
+
+    limit, chunk = 64 * 1024, 4096
+    over = _Stream(10 * limit, chunk)
+    with pytest.raises(HTTPError) as err:
+        asyncio.run(read_raw(over, limit))
+    assert err.value.status == 413 and over.pulled == limit // chunk + 1
+    declared = _Stream(10 * limit, chunk, declared=True)
+    with pytest.raises(HTTPError):
+        asyncio.run(read_raw(declared, limit))
+    assert declared.pulled == 0
+    assert len(asyncio.run(read_raw(_Stream(limit, chunk), limit))) == limit
+
+
+def test_a_gzip_bomb_is_refused_having_decompressed_at_most_the_limit(monkeypatch):
+    """100 MiB of zeros gzipped (~100 KB) against a 1 MiB limit: refused with at most limit + 1 bytes produced;
+    a body that decompresses to exactly the limit is accepted."""
+    import gzip
+    import zlib
+
+    from onepass.runtime.server import body
+
+    produced = []
+    real = zlib.decompressobj
+
+    class Counting:
+        def __init__(self, *args):
+            self.d = real(*args)
+
+        def decompress(self, data, max_length=0):
+            out = self.d.decompress(data, max_length)
+            produced.append(len(out))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.d, name)
+
+    monkeypatch.setattr(body.zlib, "decompressobj", Counting)
+    limit = 1 << 20
+    with pytest.raises(body.HTTPError) as err:
+        body.decode(gzip.compress(bytes(100 << 20)), "gzip", limit)
+    assert err.value.status == 413 and sum(produced) <= limit + 1
+    assert len(body.decode(gzip.compress(bytes(limit)), "gzip", limit)) == limit
+
+
+def test_the_nesting_limit_refuses_before_the_json_parser_runs(monkeypatch):
+    """A body nested one deeper than MAX_DEPTH is refused by the linear scan with the parser never called (the
+    recursive parser is the work it guards); exactly MAX_DEPTH deep is parsed."""
+    from onepass.runtime.server import body
+
+    calls = []
+    real = body.json.loads
+    monkeypatch.setattr(body.json, "loads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    deep = lambda n: ("[" * n + "]" * n).encode()  # noqa: E731
+    with pytest.raises(body.HTTPError, match=f"more than {body.MAX_DEPTH} deep"):
+        body.parse_json(deep(body.MAX_DEPTH + 1))
+    assert calls == []
+    parsed = body.parse_json(deep(body.MAX_DEPTH))
+    assert calls == [1] and str(parsed).count("[") == body.MAX_DEPTH
+
+
+def test_the_prior_read_out_of_b_a_after_a_equals_softmax_of_likelihood_minus_the_null_states(tiny_engine_dir):
+    """{B, A} asked with the prior read-out after {A} alone (A's prior cached, B's not), then {A, C} (the cached
+    one first): each answer equals softmax(log-likelihood - content-free log-likelihood), computed here from
+    another engine's passes over the state and over the template's null state."""
+    from onepass import Choice
+
+    state = "My card was charged twice for the same order and the app crashed when I tried to cancel."
+    a = Choice("Which team should handle this?", {"billing": None, "technical": None, "sales": None})
+    b = Choice("How does the customer feel?", {"calm": None, "annoyed": None, "furious": None, "happy": None})
+    c = Choice("Which channel was used?", {"email": None, "phone": None, "chat": None, "letter": None})
+    with Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as engine, \
+            Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False) as reference:
+        engine.ask(state, {"a": a}, readout="prior")
+        got = engine.ask(state, {"b": b, "a": a}, readout="prior")
+        got.update(engine.ask(state, {"a": a, "c": c}, readout="prior"))
+        null = reference.state(reference.manifest.prompt.null_state)
+        for qid, q in (("a", a), ("b", b), ("c", c)):
+            (encoded,) = reference.encode_questions({qid: q})
+            lp = reference.option_logprobs(state, [encoded])[0]
+            prior = reference.option_logprobs(null, [encoded])[0]
+            scores = lp - prior
+            want = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+            np.testing.assert_allclose(list(got[qid].probabilities.values()), want, rtol=0, atol=1e-6)
+            plain = np.exp(lp - lp.max()) / np.exp(lp - lp.max()).sum()
+            assert np.abs(plain - want).max() > 1e-3  # the prior changes the answer: a test that could fail
