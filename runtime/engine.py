@@ -18,7 +18,7 @@ from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
 from .calibration import question_key
 from .errors import BackendUnavailable, DeadlineExceeded, InvalidRequest, LimitExceeded
-from .prompt import PromptEncoder, state_text
+from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
 from .questions import Answer, Question, check_visible, distinct, from_wire
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
@@ -44,6 +44,9 @@ class State:
         """Tokens of the state segment (template included)."""
         return len(self.ids)
 
+    def __repr__(self) -> str:  # never the ids or the arrays: a state is thousands of numbers
+        return f"State({self.num_tokens} tokens, K/V {self.kv.nbytes / 2**20:.1f} MiB)"
+
 
 @dataclass(frozen=True)
 class Result:
@@ -67,6 +70,11 @@ class Engine:
         self.manifest = manifest
         self.backend = backend
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
+        if manifest.prompt.option_line == OLD_OPTION_LINE:
+            log.warning("%s renders a described choice option as %r, which works against it (a choice with only some "
+                        "options described can answer an undescribed one); export the engine again for the new "
+                        "rendering (its answers change only for described options)", root,
+                        OLD_OPTION_LINE.strip())
         # the backend's own state K/V (graph slots) is counted in the budget
         reserved = getattr(backend, "reserved_bytes", 0)
         if reserved and reserved >= cache_bytes:

@@ -21,6 +21,9 @@ from .tree import QuestionTokens
 Piece = tuple  # (text, trusted)
 
 
+OLD_OPTION_LINE = "- {name}: {description}\n"  # engines exported before 2026-12-02: see option_line
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     """How the state, a question and an answer are written for the model."""
@@ -32,7 +35,10 @@ class PromptTemplate:
     answer: str = " {option}<|im_end|>"
     noul_hint: str = "Answer yes or no."
     choice_hint: str = "Options:\n{options}Answer with one option."
-    option_line: str = "- {name}: {description}\n"
+    # a described name stands alone on its line as an undescribed one does, its description indented under it: after
+    # "- billing: payments" the model expects the name to go on, so " billing<|im_end|>" lost to bare names and the
+    # README ticket answered sales when only billing was described (benchmarks/results/option_descriptions.md)
+    option_line: str = "- {name}\n  ({description})\n"
     option_line_bare: str = "- {name}\n"
     score_hint: str = "Answer in a few words."
     noul_yes_means: str = " Yes means: {text}."
