@@ -192,6 +192,15 @@ def from_wire(qid: str, body) -> Question:
         raise InvalidRequest(err.reason, f"{path}.{err.field}" if err.field else path) from None
 
 
+def _short(probabilities: dict, most: int = 5) -> str:
+    """Probabilities to 3 decimals, the ``most`` likeliest first when there are more (reprs stay one short line)."""
+    items = list(probabilities.items())
+    if len(items) > most:
+        top = sorted(items, key=lambda kv: -kv[1])[:most]
+        return "{" + ", ".join(f"{k!r}: {v:.3f}" for k, v in top) + f", ... {len(items) - most} more}}"
+    return "{" + ", ".join(f"{k!r}: {v:.3f}" for k, v in items) + "}"
+
+
 @dataclass(frozen=True)
 class NoulAnswer:
     """``noul`` is P(yes)."""
@@ -203,6 +212,9 @@ class NoulAnswer:
     def certainty(self) -> float:
         """(K * p_max - 1) / (K - 1) with K = 2, as for choice and score."""
         return abs(2.0 * self.noul - 1.0)
+
+    def __repr__(self) -> str:
+        return f"NoulAnswer(noul={self.noul:.3f}{', abstained' if self.abstained else ''})"
 
     def to_wire(self) -> dict:
         """The TypeSafe JSON form (``abstained`` only when set)."""
@@ -222,6 +234,10 @@ class ChoiceAnswer:
     def certainty(self) -> float:
         """The confidence."""
         return self.confidence
+
+    def __repr__(self) -> str:
+        return (f"ChoiceAnswer(choice={self.choice!r}, probabilities={_short(self.probabilities)}, "
+                f"confidence={self.confidence:.3f}{', abstained' if self.abstained else ''})")
 
     def to_wire(self) -> dict:
         """The TypeSafe JSON form (``abstained`` only when set)."""
@@ -243,6 +259,10 @@ class ScoreAnswer:
     def certainty(self) -> float:
         """The confidence."""
         return self.confidence
+
+    def __repr__(self) -> str:
+        return (f"ScoreAnswer(score={self.score:.3f}, probabilities={_short(self.probabilities)}, "
+                f"confidence={self.confidence:.3f}{', abstained' if self.abstained else ''})")
 
     def to_wire(self) -> dict:
         """The TypeSafe JSON form (``abstained`` only when set)."""

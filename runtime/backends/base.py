@@ -23,6 +23,9 @@ class StateKV:
     nbytes: int
     storage: Any = None  # the one buffer [2L, Hkv, S, D] the layers are views of, where the backend keeps one
 
+    def __repr__(self) -> str:
+        return f"StateKV({self.length} tokens, {len(self.layers)} layers, {self.nbytes / 2**20:.1f} MiB)"
+
 
 class Backend(ABC):
     """Runs the decoder graph. Subclasses implement ``_run``; callers use prefill/score.

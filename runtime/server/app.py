@@ -13,6 +13,7 @@ A request's deadline is the server's ``request_timeout_s`` or the client's ``X-R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -120,6 +121,7 @@ class Server:
         self.cascade = cascade  # questions the gate does not decide are asked again of it
         self.gate = Gate(min_confidence) if cascade is not None else None
         self.ready = False
+        self._warm_lock, self._warm_thread = threading.Lock(), None
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
         self.memory = MemoryFloor(engine, on_release=self.metrics.memory_releases.inc)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
@@ -152,16 +154,27 @@ class Server:
 
     def start_warm_up(self) -> threading.Thread:
         """Warm up in the background: the server accepts connections at once (``/healthz`` 200, ``/readyz``
-        503 until warm), as orchestrators' liveness and readiness probes expect."""
+        503 until warm), as orchestrators' liveness and readiness probes expect. Once: later calls return the same
+        thread."""
         def run():
             try:
                 self.warm_up()
             except Exception:  # noqa: BLE001 - never ready; the log says why
                 access_log.exception("warm-up failed: the server stays not ready")
 
-        thread = threading.Thread(target=run, name="onepass-warm-up", daemon=True)
-        thread.start()
-        return thread
+        with self._warm_lock:
+            if self._warm_thread is None:
+                self._warm_thread = threading.Thread(target=run, name="onepass-warm-up", daemon=True)
+                self._warm_thread.start()
+            return self._warm_thread
+
+    def warm_up_if_never_started(self) -> None:
+        """A request reached an app whose lifespan never ran (mounted in a host app that does not run it): warm up
+        now, so ``/readyz`` still turns ready; the log says how to run the lifespan (docs/embedding.md)."""
+        if self._warm_thread is None and not self.ready:
+            access_log.warning("onepass's lifespan did not run (an app mounted without it?): warming up on the first "
+                               "request; run it from the host's lifespan to warm up at start (docs/embedding.md)")
+            self.start_warm_up()
 
     def on_batch(self, size: int) -> None:
         """After each engine batch: metrics, and free memory handed back to the system."""
@@ -177,6 +190,13 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode("utf-8", "replace"),
                                                                  self.config.api_key.encode("utf-8")):
             raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    def deadline_source(self, request: Request) -> str:
+        """Which deadline a request has, for the errors that say it was too short."""
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is not None:  # a valid number by now: deadline() refused anything else
+            return f"the request's X-Request-Timeout: {float(raw):g} s"
+        return f"the server's request timeout, {self.config.request_timeout_s:g} s (onepass serve --request-timeout)"
 
     def deadline(self, request: Request, arrived: float) -> float:
         """Monotonic deadline: the client's X-Request-Timeout (seconds) or the server's request timeout."""
@@ -227,10 +247,12 @@ class Server:
             future = self.dispatcher.submit(state, questions, deadline, budget=deadline - arrived)
         except QueueFull as err:
             retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
-            raise HTTPError(429, f"the server is busy: {err}; retry later", headers={"Retry-After": retry}) from None
+            raise HTTPError(429, f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
+                            headers={"Retry-After": retry}) from None
         except NeverFits as err:  # no retry can help: the request itself is too slow for its deadline
-            raise HTTPError(413, f"{err}: shorten the state or the questions, or allow more time with "
-                                 f"{TIMEOUT_HEADER} (at most {MAX_CLIENT_TIMEOUT_S:g} s)") from None
+            raise HTTPError(413, f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
+                                 f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
+                                 f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
         result = await future
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
         if isinstance(result, (DeadlinePassed, DeadlineExceeded)):
@@ -294,17 +316,28 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     server = Server(engine, config or ServerConfig(), cascade, min_confidence)
     config = server.config
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
-    app = FastAPI(title="onepass", version="0.1.0",
+    if not warm:
+        server.ready = True
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        """Warm up in the background at start; stop the engine thread at the end. A host app that mounts this one
+        runs it from its own lifespan (``async with onepass_app.router.lifespan_context(onepass_app): yield``)."""
+        if warm:
+            server.start_warm_up()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(server.dispatcher.close)
+
+    app = FastAPI(title="onepass", version="0.1.0", lifespan=lifespan,
                   description="TypeSafe System One compatible decision engine", **docs)
     app.state.server = server
-    if warm:
-        app.router.on_startup.append(server.start_warm_up)
-    else:
-        server.ready = True
-    app.router.on_shutdown.append(server.dispatcher.close)
 
     @app.middleware("http")
     async def request_id_and_log(request: Request, call_next):
+        if warm:
+            server.warm_up_if_never_started()
         rid = uuid.uuid4().hex
         start = request.state.arrived = time.monotonic()
         request.state.timing = {}

@@ -1,0 +1,58 @@
+"""``AsyncEngine``: the engine for a user's asyncio service, with the server's request merging and deadlines.
+
+``Engine.ask`` is thread-safe, so an async service may call it through a thread pool; but each call is then its
+own pass, where ``onepass serve`` merges the requests about one state that arrive together into one packed pass
+(11.5 against 1.4 requests/s for 16 clients asking about one ticket, docs/serving.md). ``AsyncEngine`` is that
+merging without HTTP: the server's dispatcher (one engine thread, a bounded queue, deadline-aware admission),
+awaited from the caller's event loop::
+
+    async with AsyncEngine(Engine.load("engines/smollm2")) as engine:
+        answers = await engine.ask(ticket, {"team": Choice("Which team?", {"billing": None, "technical": None})})
+
+Errors are the engine's typed ones (``InvalidRequest``, ``LimitExceeded``), plus ``QueueFull`` (busy: retry
+after ``retry_after_s``), ``NeverFits`` (the request alone needs more time than its timeout) and
+``DeadlinePassed`` (its timeout passed before the engine could answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+from ..engine import Engine
+from ..questions import Answer, Question
+from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
+
+__all__ = ["AsyncEngine", "DeadlinePassed", "NeverFits", "QueueFull"]
+
+
+class AsyncEngine:
+    """``engine`` behind a merging dispatcher: ``await ask(...)`` from any coroutine of one or more event loops."""
+
+    def __init__(self, engine: Engine, *, window_ms: float = 2.0, max_queue: int = 256, max_batch: int = 64,
+                 timeout_s: float = 10.0):
+        if timeout_s <= 0 or window_ms < 0 or max_queue < 1 or max_batch < 1:
+            raise ValueError("timeout_s must be > 0, window_ms >= 0, max_queue and max_batch >= 1")
+        self.engine, self.timeout_s = engine, timeout_s
+        self.dispatcher = Dispatcher(engine, max_queue, window_ms / 1000.0, max_batch)
+
+    async def ask(self, state, questions: Mapping[str, Question], *, timeout_s: float | None = None) -> dict[str, Answer]:
+        """Typed answers by question id, as ``Engine.ask``; requests about the same state that arrive within the
+        window share one pass. ``timeout_s`` (default: the engine's) bounds the wait and the work."""
+        self.engine.check_counts(questions)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        result = await self.dispatcher.submit(state, questions, deadline)
+        if isinstance(result, BaseException):
+            raise result
+        return result.answers
+
+    def close(self) -> None:
+        """Answer what is queued, then stop the engine thread (the engine itself stays open)."""
+        self.dispatcher.close()
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.close)
