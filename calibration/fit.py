@@ -142,3 +142,13 @@ def fit(rows: list[dict], readout: str, source: dict | None = None) -> Calibrati
     groups = {key: _fit_members(key, members) for key, members in sorted(by_group.items())
               if len(members) >= MIN_ROWS}
     return Calibration(groups=groups, readout=readout, source=source or {})
+
+
+def too_small(rows: list[dict]) -> dict[str, int]:
+    """The groups :func:`fit` leaves uncalibrated (fewer than MIN_ROWS training rows), with their row counts."""
+    counts: dict = {}
+    for r in rows:
+        counts[group_key(r["type"], len(r["scores"]))] = counts.get(group_key(r["type"], len(r["scores"])), 0) + 1
+        if r.get("qkey"):
+            counts[r["qkey"]] = counts.get(r["qkey"], 0) + 1
+    return {key: n for key, n in sorted(counts.items()) if n < MIN_ROWS}

@@ -22,7 +22,7 @@ from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.questions import Noul, Score, as_text, from_wire
 from ..runtime.readout import softmax
 from . import metrics
-from .fit import fit
+from .fit import MIN_ROWS, fit, too_small
 
 
 def label_index(question, label) -> int:
@@ -114,6 +114,10 @@ def _majority(labels: np.ndarray) -> float:
     return float(np.bincount(labels).max() / len(labels))
 
 
+class NothingCalibrated(OnepassError):
+    """No group had enough training rows: nothing is written."""
+
+
 def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, seed: int = 0,
               report_dir: str | Path | None = None, scored: list[dict] | None = None) -> dict:
     """Fit on the training split, report on the held-out split, write the calibration into the manifest.
@@ -128,8 +132,15 @@ def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, se
     calibration = fit([scored[i] for i in train], engine.manifest.scoring.readout,
                       source={"data": str(data), "rows": len(scored), "train": len(train), "holdout": len(test),
                               "seed": seed})
+    skipped = too_small([scored[i] for i in train])
+    if not calibration.groups:
+        named = ", ".join(f"{k if len(k) <= 60 else k[:57] + '...'} ({n} rows)" for k, n in list(skipped.items())[:5])
+        raise NothingCalibrated(f"no group has the {MIN_ROWS} training rows a calibration needs ({len(train)} of "
+                                f"{len(scored)} rows train, --holdout {holdout} hold out): {named}; the manifest is "
+                                "unchanged. Give more labelled rows per question type (or per question)")
     held = [scored[i] for i in test]
-    report = {"before": evaluate(held), "after": evaluate(held, calibration), "calibration": calibration.to_dict()}
+    report = {"before": evaluate(held), "after": evaluate(held, calibration), "calibration": calibration.to_dict(),
+              "skipped": skipped, "min_rows": MIN_ROWS}
     mf.write(engine_dir, dataclasses.replace(engine.manifest, calibration=calibration))
     if report_dir:
         from .report import write_report

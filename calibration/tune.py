@@ -33,6 +33,10 @@ from ..runtime.tree import causal, pack
 from .rlcd import rlcd_loss
 from .tune_data import TuneRow
 
+class NothingLearned(OnepassError):
+    """Tuning never beat the base engine on the held-out rows: no engine is written unless asked (keep_base)."""
+
+
 METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/head.py)
 
 
@@ -58,6 +62,7 @@ class TuneConfig:
     patience: int = 2  # evaluations without held-out NLL improvement before stopping
     eval_every: int | None = None  # optimiser steps between held-out evaluations (None: each epoch)
     max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
+    keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 
@@ -79,6 +84,8 @@ class TuneConfig:
             raise ValueError("ce_weight and rlcd_weight must be >= 0 and not both 0")
         if not self.sigma > 0:
             raise ValueError(f"sigma must be > 0, got {self.sigma}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
 
     @property
     def learning_rate(self) -> float:
@@ -309,7 +316,8 @@ class Trainer:
             self.log(f"held-out before tuning: accuracy {before['accuracy']:.3f}  NLL {before['nll']:.4f} "
                      f"({before['questions']} questions)")
         per_epoch = len(self._batches(0))
-        bar = tqdm(total=c.epochs * per_epoch, initial=p.epoch * per_epoch, unit="step", dynamic_ncols=True)
+        total = c.epochs * per_epoch if c.max_steps is None else min(c.epochs * per_epoch, c.max_steps)
+        bar = tqdm(total=total, initial=min(p.step, total), unit="step", dynamic_ncols=True)
         started, stop = time.perf_counter(), False
         try:
             while p.epoch < c.epochs and not stop:

@@ -21,7 +21,7 @@ from ..runtime import manifest as mf
 from ..runtime.engine import Engine
 from ..runtime.errors import OnepassError
 from ..runtime.prompt import PromptEncoder
-from .tune import PackedScorer, TuneConfig, Trainer, encode_groups
+from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
 
@@ -125,6 +125,15 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     progress = trainer.run()
     model.eval()
     history = progress.history
+    if progress.best_nll >= history[0]["nll"]:  # the trainer never took a better snapshot than step 0's
+        message = (f"tuning never improved on the base engine: the held-out NLL before tuning, {history[0]['nll']:.4f}, "
+                   f"was not beaten in {progress.step} steps ({len(history) - 1} evaluations)")
+        if not config.keep_base:
+            shutil.rmtree(work, ignore_errors=True)
+            raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
+                                 "(--epochs, --max-steps), try another --lr, or pass --keep-base to write the base "
+                                 "weights anyway")
+        log(f"warning: {message}; the engine written is the base engine's weights (--keep-base)")
     tuning = mf.TuningInfo(
         method=config.method, base=f"{base.name} ({loaded.source.get('sha256', loaded.source.get('path'))})",
         adapters=[{"path": str(a), "sha256": p["sha256"]} for a, p in zip(adapters, loaded.source.get("adapters", []))],
@@ -181,9 +190,17 @@ def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups,
     head_config = hd.HeadConfig(width=16, rlcd_weight=config.rlcd_weight, lr=1e-3, seed=config.seed)
     model, history = hd.train(feats_train, feats_held, head_config, log=log)
     before = hd.mean_nll(feats_held.zero_shot_probabilities(), feats_held.label)
+    after = min((h["val_nll"] for h in history), default=before)
+    if after >= before - 1e-4:
+        message = (f"the decision head never improved on the zero-shot read-out: held-out NLL {before:.4f} before, "
+                   f"{after:.4f} at best")
+        if not config.keep_base:
+            raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows, or pass "
+                                 "--keep-base to write it anyway")
+        log(f"warning: {message} (--keep-base)")
     info = {"method": "tune --method head", "data": files, "rows": len(train), "holdout_rows": len(held),
             "config": dataclasses.asdict(head_config), "heldout_nll_before": before,
-            "heldout_nll_after": min((h["val_nll"] for h in history), default=before)}
+            "heldout_nll_after": after}
     head_info = mf.HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)
     export_engine(out, spec, name=name or f"{base.name}-head", limits=base.limits, prompt=base.prompt,
                   precision=base.precision, adapters=adapters, head=model.head, head_info=head_info)

@@ -370,3 +370,24 @@ def test_coverage_at_a_target_accuracy_matches_a_hand_count():
     # control: the wrong row made the most confident one: no prefix reaches 0.9
     worst = np.array([[0.99, 0.01], [0.8, 0.2], [0.6, 0.4], [0.55, 0.45]])
     assert metrics.coverage_at(worst, np.array([1, 0, 0, 0]), 0.9) == {"coverage": 0.0, "min_confidence": None}
+
+
+def test_calibrate_with_too_few_rows_names_the_groups_writes_nothing_and_exits_2(tiny_engine_dir, tmp_path):
+    """20 rows, 15 of them training: no group reaches MIN_ROWS. The command names each skipped group with its rows
+    and the minimum, leaves the manifest as it was and exits 2 (it used to write "groups": {} and say "written")."""
+    import subprocess
+    import sys
+
+    from test_engine import _copy_engine
+
+    from onepass.calibration.fit import MIN_ROWS
+
+    copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
+    manifest = (copy / "manifest.json").read_bytes()
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _review_rows(20, "Wonderful.", "Awful.", "toy")))
+    proc = subprocess.run([sys.executable, "-m", "onepass", "calibrate", "--engine", str(copy), "--data", str(data)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"no group has the {MIN_ROWS} training rows" in proc.stderr and "noul (" in proc.stderr
+    assert (copy / "manifest.json").read_bytes() == manifest

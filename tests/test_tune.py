@@ -243,3 +243,23 @@ def test_tune_cli_errors_are_one_line_and_write_nothing(tmp_path):
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "rows.jsonl:1" in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_tune_that_never_beats_step_0_writes_nothing_and_exits_2_unless_keep_base(tiny_engine_dir, tmp_path):
+    """A learning rate too small to move the held-out NLL: `onepass tune` says tuning never improved on the base,
+    writes no engine and exits 2 (it used to export the base weights as the "tuned" engine without a word); with
+    --keep-base it writes the engine and warns. The progress bar's total is the --max-steps budget."""
+    data = _fact_rows(tmp_path)
+    out = tmp_path / "tuned"
+    args = [sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data", str(data), "--out",
+            str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2", "--holdout", "0.25"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "never improved on the base engine" in error[0] and "--keep-base" in error[0]
+    assert not out.exists() and not (tmp_path / "tuned.tune").exists()
+    assert "/2 [" in proc.stderr  # the bar counts to the 2-step budget, not to the epochs' steps
+    kept = subprocess.run(args + ["--keep-base"], capture_output=True, text=True, timeout=600)
+    assert kept.returncode == 0, kept.stderr[-2000:]
+    assert "warning: tuning never improved" in kept.stderr + kept.stdout and (out / "manifest.json").exists()
