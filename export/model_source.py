@@ -126,6 +126,8 @@ def _load_base(spec) -> LoadedModel:
     if path.is_dir() and (path / "config.json").is_file():
         model, tokenizer = _from_pretrained(path)
         return LoadedModel(model, tokenizer, path.name.lower(), {"path": str(path.resolve()), "format": "hf"})
+    if not path.exists():
+        raise ModelSourceError(f"{path} not found: give a .gguf file or a Hugging Face model folder (with config.json)")
     raise ModelSourceError(f"{path} is neither a .gguf file nor a Hugging Face model folder with config.json")
 
 

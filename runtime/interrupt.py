@@ -34,3 +34,23 @@ def ctrl_c_sets(stop: threading.Event, then=None):
     finally:
         if installed:
             signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def stop_signals_set(stop: threading.Event):
+    """For a long-running service (``onepass cluster``): SIGINT and SIGTERM both set ``stop``, even where SIGINT was
+    inherited ignored (a background job of a script: ``onepass cluster ... & kill -INT $!``), so containers and
+    process managers (SIGTERM) and a script's ``kill -INT`` stop it cleanly. Main thread only; handlers restored."""
+    def interrupt(*_):
+        stop.set()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -57,6 +57,8 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
 def test_unknown_model_sources_are_refused(tmp_path):
     with pytest.raises(ModelSourceError, match="neither a .gguf file nor a Hugging Face model folder"):
         load_model(tmp_path)
+    with pytest.raises(ModelSourceError, match="x.gguf not found: give a .gguf file or a Hugging Face model folder"):
+        load_model(tmp_path / "x.gguf")
     with pytest.raises(ModelSourceError, match="model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
         DecoderDims.from_hf_config(transformers.GPT2Config())
     assert default_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"

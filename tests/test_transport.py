@@ -212,3 +212,32 @@ def test_the_api_docs_are_off_unless_asked_for(served):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(url + path, timeout=30)
         assert err.value.code == 404, path
+
+
+def test_serve_on_a_taken_port_is_one_line_and_exit_2_before_loading_the_engine(tiny_engine_dir):
+    """The port is bound before the engine loads: a taken one is a one-line error, exit 2 (it was a uvicorn
+    traceback, then "terminate called without an active exception", exit 134)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "onepass", "serve", "--engine", str(tiny_engine_dir), "--port",
+                               str(port), "--backend", "onnxruntime"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port (or --host), or stop "
+        "what holds it"]
+
+
+def test_a_deadline_too_short_is_named_in_the_refusal(served):
+    """A 1 ms X-Request-Timeout is refused at admission (413 or 429) with a message naming that deadline (it used to
+    say only "the server is busy: 0 requests queued")."""
+    url = served[0]
+    status, body = _post(url, json.dumps({"state": "A new ticket about a late parcel.", "questions": {"q": NOUL}}).encode(),
+                         {"X-Request-Timeout": "0.001"})
+    message = json.loads(body)["error"]["message"]
+    assert status in (413, 429) and "the request's X-Request-Timeout: 0.001 s" in message, message
+    assert "0 requests" not in message

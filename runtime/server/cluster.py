@@ -239,3 +239,37 @@ def build(config: dict):
     ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=1000,
                                                 ray_actor_options={"num_cpus": 0, **env})
     return ingress.bind(replicas, asdict(cfg))
+
+
+def serve_until_stopped(config: dict, host: str, port: int, stop, address: str | None = None,
+                        num_cpus: int | None = None, on_ready=None) -> None:
+    """Start Ray (or join ``address``), run :func:`build`'s application on ``host:port``, call ``on_ready()``, and
+    serve until ``stop`` (a threading.Event: ``onepass cluster`` sets it on SIGINT or SIGTERM) is set. Then Serve
+    and Ray are shut down and every process this one started is gone: what ``ray.shutdown()`` leaves running (its
+    dashboard and runtime-env agents) is ended (runtime/server/processes.py)."""
+    import ray
+
+    from ..interrupt import stop_signals_set
+    from .processes import descendants, end
+
+    ClusterConfig(**config)  # bad settings fail here, before Ray starts
+    started: dict = {}
+    try:
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False)
+        with stop_signals_set(stop):  # again: ray.init installed its own SIGTERM handler (which exits at once)
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(build(config), name="onepass", route_prefix="/")
+            if on_ready is not None and not stop.is_set():
+                on_ready()
+            while not stop.wait(0.5):
+                started.update(descendants())  # Ray starts workers and agents as it goes
+    finally:
+        started.update(descendants())
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        if not address:  # a cluster we joined is not ours to end
+            end(started)

@@ -22,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..errors import OnepassError
 
 
 @dataclass(frozen=True)
@@ -150,3 +153,19 @@ class GuardedH11Protocol(H11Protocol):
 def protocol(limits: TransportLimits) -> type:
     """A ``GuardedH11Protocol`` class bound to ``limits`` (uvicorn instantiates the class per connection)."""
     return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits})
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port already taken is one typed error before any engine is
+    loaded (uvicorn binding it later logged a traceback, and the process died with "terminate called without an
+    active exception", exit 134, while the backend's threads were up)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart while old sockets linger
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OnepassError(f"cannot listen on {host}:{port}: {err.strerror or err}; choose another --port (or "
+                           "--host), or stop what holds it") from None
+    return sock
