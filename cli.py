@@ -52,8 +52,9 @@ def cmd_ask(args) -> int:
     from .runtime.engine import Engine
 
     body = _request(args)
-    engine = Engine.load(args.engine, threads=args.threads)
+    engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
     response = engine.request(body)
+    print(f"answered on {engine.backend.name}", file=sys.stderr)  # stdout stays the response JSON alone
     print(json.dumps(response, indent=2, ensure_ascii=False))
     return 0
 
@@ -118,7 +119,7 @@ def cmd_check(args) -> int:
     tol = tolerances(engine)
     for name, diff in diffs.items():
         print(f"{name:20s} max |diff| {diff:.2e}  (tolerance {tol[name]:.0e})")
-    print(f"ok: {args.engine} verified")
+    print(f"ok: {args.engine} verified on {engine.backend.name}")
     return 0
 
 
@@ -164,6 +165,9 @@ def cmd_serve(args) -> int:
     if (args.cascade is None) != (args.min_confidence is None):  # refused before any export or engine load
         raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
                            "confidence are asked again of the cascade engine")
+    from .runtime.server.transport import listen
+
+    sock = listen(config.host, config.port)  # a taken port: one line, before any engine is loaded
     if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
         try:
             from .export.build import export_engine
@@ -183,8 +187,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
     app = create_app(engine, config, cascade=cascade, min_confidence=args.min_confidence)
-    uvicorn.run(app, host=config.host, port=config.port, access_log=False, log_level="info",
-                **_transport(args).uvicorn_options())
+    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **_transport(args).uvicorn_options()))
+    server.run(sockets=[sock])
     return 0
 
 
@@ -203,13 +207,13 @@ def cmd_cluster(args) -> int:
     import os
     import shutil
     import tempfile
+    import threading
+
+    from .runtime.interrupt import stop_signals_set
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        import ray
-        from ray import serve
-
-        from .runtime.server.cluster import ClusterConfig, build
+        from .runtime.server.cluster import serve_until_stopped
     except ImportError as err:
         raise OnepassError(f"the cluster needs the [cluster] extra ({err.name} is missing): "
                            "pip install 'onepass[cluster]'") from None
@@ -223,38 +227,21 @@ def cmd_cluster(args) -> int:
                   routing=args.routing, cpus_per_replica=args.cpus_per_replica, threads=args.threads,
                   cache_mib=args.cache_mib, retries=args.retries, metrics_dir=metrics_dir,
                   server=dataclasses.asdict(server))
-    try:
-        ClusterConfig(**config)  # bad settings fail here, before Ray starts
-        if args.address:
-            ray.init(address=args.address)
-        else:
-            ray.init(num_cpus=args.num_cpus, include_dashboard=False)
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build(config), name="onepass", route_prefix="/")
-        size = f"{args.autoscale} replicas (autoscaled)" if args.autoscale else f"{args.replicas} replicas"
+    size = f"{args.autoscale} replicas (autoscaled)" if args.autoscale else f"{args.replicas} replicas"
+
+    def ready():
         print(f"onepass cluster: {engine.name} on http://{args.host}:{args.port} with {size}, routing by "
-              f"{args.routing}; Ctrl-C stops it", flush=True)
-        _wait_for_ctrl_c()
-    except KeyboardInterrupt:  # during start-up
-        pass
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 0
-
-
-def _wait_for_ctrl_c() -> None:
-    """Block until SIGINT (a flag a garbage-collector callback cannot drop: runtime/interrupt.py)."""
-    import threading
-
-    from .runtime.interrupt import ctrl_c_sets
+              f"{args.routing}; Ctrl-C or SIGTERM stops it", flush=True)
 
     stop = threading.Event()
-    with ctrl_c_sets(stop):
-        while not stop.wait(0.2):
-            pass
+    try:
+        with stop_signals_set(stop):  # SIGINT (even inherited ignored, as in a script's background job) and SIGTERM
+            serve_until_stopped(config, args.host, args.port, stop, address=args.address, num_cpus=args.num_cpus,
+                                on_ready=ready)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    print("onepass cluster: stopped", flush=True)
+    return 0
 
 
 def cmd_mcp(args) -> int:
@@ -281,7 +268,10 @@ def cmd_calibrate(args) -> int:
         m = report[phase]["all"]
         print(f"{phase:6s} held-out rows {m['rows']}: accuracy {m['accuracy']:.3f}  NLL {m['nll']:.3f}  "
               f"Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
-    print(f"calibration written to {args.engine}/manifest.json" + (f"; report in {args.report}" if args.report else ""))
+    for key, n in report["skipped"].items():
+        print(f"skipped {key if len(key) <= 80 else key[:77] + '...'}: {n} training rows, {report['min_rows']} needed")
+    print(f"calibration of {len(report['calibration']['groups'])} groups written to {args.engine}/manifest.json"
+          + (f"; report in {args.report}" if args.report else ""))
     return 0
 
 
@@ -298,7 +288,7 @@ def cmd_eval(args) -> int:
                                             args.threads)
     for r in engine_reports(report):
         m = r["all"]
-        print(f"{r['name']}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} "
+        print(f"{r['name']} on {r.get('backend', '?')}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} "
               f"(majority {m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
         if "at_min_confidence" in m:
             at = m["at_min_confidence"]
@@ -325,7 +315,8 @@ def cmd_tune(args) -> int:
                         epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
                         batch_questions=args.batch_questions,
                         rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
-                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience)
+                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience,
+                        keep_base=args.keep_base)
     summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
                    report_dir=args.report or f"{args.out}-report", name=args.name, validation=args.validation)
     if "head" in summary:
@@ -443,7 +434,9 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("--state", help="file with the state text ('-' for stdin); or give state inside --questions")
     ask.add_argument("--json-state", action="store_true", help="the state file holds JSON (serialised canonically)")
     ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
-    ask.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    ask.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
+    ask.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                     help="as for serve (default auto: OpenVINO where it reproduces the golden file, else ONNX Runtime)")
     ask.set_defaults(func=cmd_ask)
     bench = sub.add_parser("bench", help="latency percentiles of an engine (in process) or a server (HTTP)")
     where = bench.add_mutually_exclusive_group(required=True)
@@ -476,14 +469,15 @@ def parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
     check.add_argument("--engine", required=True, help="engine directory")
-    check.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    check.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
     check.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
                        help="which backend runs the golden file (bf16 engines: tensorrt or torch-*)")
     check.set_defaults(func=cmd_check)
     cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
     cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
     cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
-    cal.add_argument("--holdout", type=float, default=0.3, help="share of rows kept out of the fit for the report")
+    cal.add_argument("--holdout", type=float, default=0.3, help="share of rows kept out of the fit for the report; "
+                     "each group (question type, or one question) needs 20 training rows to be fitted")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
@@ -509,6 +503,8 @@ def parser() -> argparse.ArgumentParser:
     tn.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
     tn.add_argument("--epochs", type=int, default=3)
     tn.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
+    tn.add_argument("--keep-base", action="store_true", help="write the engine even when tuning never beats the base "
+                                                              "on the held-out rows (by default: no engine, exit 2)")
     tn.add_argument("--max-steps", type=int, default=None,
                     help="stop after this many optimiser steps (reproducible, unlike --max-minutes)")
     tn.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
@@ -585,7 +581,7 @@ def parser() -> argparse.ArgumentParser:
                             "none (first start)")
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
-    serve.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    serve.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection has to send a request's headers (else 408 and closed)")
     serve.add_argument("--body-timeout", type=float, default=30.0,
@@ -612,7 +608,7 @@ def parser() -> argparse.ArgumentParser:
     cl.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: start one here")
     cl.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the Ray cluster started here")
     cl.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs reserved per replica")
-    cl.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads per replica")
+    cl.add_argument("--threads", type=int, default=1, help="inference threads per replica (the backend's intra-op threads)")
     cl.add_argument("--cache-mib", type=int, default=512, help="state cache size per replica in MiB")
     cl.add_argument("--retries", type=int, default=1, help="retries of a request whose replica died")
     cl.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
@@ -623,7 +619,7 @@ def parser() -> argparse.ArgumentParser:
     cl.set_defaults(func=cmd_cluster)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     mcp.add_argument("--engine", required=True, help="engine directory")
-    mcp.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    mcp.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
     mcp.add_argument("--backend", choices=("auto", *BACKENDS), default="auto", help="as for serve (default auto)")
     mcp.set_defaults(func=cmd_mcp)
     return p
@@ -640,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # limits and other validated settings
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (writers clean up after themselves)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def evaluate_engine(engine_dir, data, min_confidence: float | None = None, targe
     cal = engine.manifest.calibration
     cal = cal if cal is not None and cal.readout == engine.manifest.scoring.readout else None
     probs, labels, k = probabilities(scored, cal)
-    report = {"engine": str(engine_dir), "name": engine.name, "data": str(data), "rows": len(rows),
+    report = {"engine": str(engine_dir), "name": engine.name, "backend": engine.backend.name, "data": str(data),
+              "rows": len(rows),
               "rows_per_second": len(rows) / seconds, "calibrated": cal is not None,
               "all": {**_block(probs, labels, k, min_confidence, target_accuracy),
                       "reliability": metrics.reliability(probs, labels),

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import BackendUnavailable, OnepassError
-from .loadgen import Run, closed_loop, comparable, compare, open_loop
+from .loadgen import Run, closed_loop, comparable, compare, length_differs, open_loop
 from .prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
@@ -103,7 +103,7 @@ def engine_targets(engine_dir: str, backends: list[str], threads: int | None, bo
         try:
             engine = Engine.load(engine_dir, threads=threads, backend=factory(name))
         except (BackendUnavailable, OnepassError, ImportError, RuntimeError) as err:
-            skipped[name] = str(err).splitlines()[0][:200]
+            skipped[name] = " ".join(str(err).split())  # whole: a reason cut mid-sentence says nothing
             continue
         _, questions = parse_request({**body, "state": states[0]})  # bad questions fail here, once
         for state in states:
@@ -229,6 +229,27 @@ class Progress:
             bar.set_postfix_str(f"n={run.count} failed={sum(run.failures.values())}"
                                 + (f" p50={p50:.1f}ms p99={p99:.1f}ms" if p50 is not None else ""))
         bar.close()
+
+
+def planned(targets: list[Target], kinds: list[str], rates: list[float], concurrencies: list[int]) -> list[tuple]:
+    """(target, kind, mode, load) of every run :func:`measure` makes, in order."""
+    loads = [("open", r) for r in rates] + [("closed", c) for c in concurrencies]
+    return [(t, kind, mode, load) for t in targets for kind in kinds if kind in t.kinds
+            for mode, load in ([("closed", 1)] if kind == "prefill" else loads)]
+
+
+def expected_length(targets: list[Target], kinds: list[str], rates: list[float], concurrencies: list[int],
+                    duration: float, warmup: int, requests: int | None) -> str:
+    """What the user is about to wait for, said before it starts."""
+    runs = planned(targets, kinds, rates, concurrencies)
+    timed = sum(requests / load if mode == "open" and requests else duration
+                for _, _, mode, load in runs if not (mode == "closed" and requests))
+    counted = sum(1 for _, _, mode, _ in runs if mode == "closed" and requests)
+    text = f"about {timed:.0f} s of measuring" if timed else ""
+    if counted:
+        text += (" and " if text else "") + f"{counted} runs of {requests} requests each"
+    return f"{text} ({len(targets)} targets x {len(kinds)} kinds x loads), plus {warmup} warm-up requests per target " \
+           "and kind, and loading; Ctrl-C ends it early and keeps what was measured"
 
 
 def measure(targets: list[Target], kinds: list[str], rates: list[float], concurrencies: list[int], duration: float,
@@ -400,6 +421,10 @@ def run_bench(targets: list[Target], kinds: list[str], rates: list[float], concu
         why = comparable(old, {"machine": here, "workload": workload})
         if why:
             raise OnepassError(f"--compare refused: {'; '.join(why)} (add --force to compare anyway)")
+    if old is not None and (note := length_differs(old, {"workload": workload})):
+        echo(f"note: {note}")
+    echo(f"{len(planned(targets, kinds, rates, concurrencies))} runs planned: " + expected_length(
+        targets, kinds, rates, concurrencies, duration, warmup, requests))
     try:
         runs, interrupted = measure(targets, kinds, rates, concurrencies, duration, warmup, seed, echo, requests)
     finally:

@@ -277,13 +277,32 @@ def _record(run: Run, stop: threading.Event, seconds: float, stages) -> bool:
         return False
 
 
+RUN_LENGTH = ("duration_s", "requests", "warmup")  # how long a run measures, not what it measures
+
+
 def comparable(old: dict, new: dict) -> list[str]:
-    """Why two bench reports should not be compared (empty when they may): other workload, machine or target."""
+    """Why two bench reports should not be compared (empty when they may): another workload (questions, states,
+    cold share, request bodies) or machine. How long each run lasted is not the workload: see :func:`length_differs`."""
     why = []
     for key in ("workload", "machine"):
-        if old.get(key) != new.get(key):
-            why.append(f"the {key} differs ({old.get(key)} vs {new.get(key)})")
+        a, b = dict(old.get(key) or {}), dict(new.get(key) or {})
+        if key == "workload":
+            for name in RUN_LENGTH:
+                a.pop(name, None), b.pop(name, None)
+        if a != b:
+            changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            why.append(f"the {key} differs in {', '.join(changed)} ("
+                       + "; ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in changed) + ")")
     return why
+
+
+def length_differs(old: dict, new: dict) -> str | None:
+    """A warning when two comparable reports measured for different lengths (percentiles of short runs are noisier;
+    a p99 needs 100s of requests), else None."""
+    a, b = old.get("workload") or {}, new.get("workload") or {}
+    changed = [f"{k} {a.get(k)} vs {b.get(k)}" for k in RUN_LENGTH if a.get(k) != b.get(k)]
+    return f"the runs differ in length ({', '.join(changed)}): tail percentiles of the shorter are noisier" \
+        if changed else None
 
 
 def compare(old: dict, new: dict) -> list[dict]:

@@ -216,6 +216,8 @@ def test_the_command_interrupted_by_ctrl_c_still_writes_its_report(tiny_engine_d
                              "cold", "--concurrency", "1", "--duration", "600", "--report", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
+        plan = proc.stdout.readline()  # said before it starts: 2 runs of 600 s
+        assert plan.startswith("2 runs planned: about 1200 s of measuring"), plan
         line = proc.stdout.readline()
         assert "onnxruntime warm concurrency 1: measuring for 600 s" in line, line
         time.sleep(1.0)

@@ -164,7 +164,7 @@ def test_cli_check(engine_dir):
     done = subprocess.run([sys.executable, "-m", "onepass", "check", "--engine", str(engine_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "target_logprob" in done.stdout and done.stdout.strip().endswith("verified")
+    assert "target_logprob" in done.stdout and done.stdout.strip().endswith("verified on onnxruntime")
 
 
 def test_official_wire_shapes_are_answered(engine):

@@ -101,8 +101,22 @@ def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
                     {"mode": "open", "offered": 9.0, "requests": 10, "p50": 1.0, "p90": 1.0, "p99": 1.0, "p99.9": 1.0}]}
     assert compare(old, new) == [{"target": None, "kind": None, "mode": "open", "offered": 5.0, "p50": 0.5, "p90": 1.5, "p99": 1.0, "p99.9": 2.0}]
     assert comparable(old, new) == []
-    assert comparable(old, {**new, "workload": {"sha256": "b"}}) == ["the workload differs ({'sha256': 'a'} vs "
-                                                                      "{'sha256': 'b'})"]
+    assert comparable(old, {**new, "workload": {"sha256": "b"}}) == ["the workload differs in sha256 (sha256: a vs b)"]
+
+
+def test_runs_of_one_workload_that_differ_only_in_length_compare_with_a_note():
+    """Two bench runs of the same workload for 10 s and 30 s (or other request counts or warm-ups) are comparable:
+    the run length is not the workload. A note says the shorter's tails are noisier; the same length has none."""
+    from onepass.runtime.loadgen import comparable, length_differs
+
+    machine = {"cpu": "x"}
+    work = {"sha256": "a", "questions": 3, "states": 1, "cold_fraction": 0.0}
+    short = {"machine": machine, "workload": {**work, "duration_s": 10.0, "requests": None, "warmup": 3}}
+    long = {"machine": machine, "workload": {**work, "duration_s": 30.0, "requests": None, "warmup": 3}}
+    assert comparable(short, long) == []
+    assert "duration_s 10.0 vs 30.0" in length_differs(short, long) and length_differs(short, short) is None
+    other = {"machine": machine, "workload": {**work, "questions": 4, "duration_s": 30.0, "requests": None, "warmup": 3}}
+    assert comparable(short, other) == ["the workload differs in questions (questions: 3 vs 4)"]
 
 
 def test_a_send_that_returns_its_answers_is_a_clear_error_not_one_silent_sample():

@@ -152,8 +152,8 @@ class Dispatcher:
             alone, left = self.pass_seconds(1, tokens), deadline - time.monotonic()
             allowance = left if budget is None else budget
             if alone > allowance:
-                raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.1f} s here, more "
-                                f"than the {max(0.0, allowance):.1f} s its deadline allows")
+                raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.3g} s here, more "
+                                f"than the {max(0.0, allowance):.3g} s its deadline allows")
             if alone > left:
                 raise QueueFull(f"about {alone:.1f} s of work and {max(0.0, left):.1f} s left before the request's "
                                 "deadline (it arrived slowly)", alone - left)
@@ -162,9 +162,10 @@ class Dispatcher:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
             if wait > left:
                 queued = sum(self._tokens.values())
-                raise QueueFull(f"{self._depth} requests ({passes} passes and about {queued + tokens:.0f} tokens "
-                                f"with this one) are queued: about {wait:.2f} s of work, more than the "
-                                f"{max(0.0, left):.2f} s left before this request's deadline", wait - left)
+                ahead = (f"{self._depth} requests ({passes} passes and about {queued + tokens:.0f} tokens with this "
+                         "one) are queued: " if self._depth else "nothing else is queued, but this request needs ")
+                raise QueueFull(f"{ahead}about {wait:.2f} s of work, more than the {max(0.0, left):.2f} s left before "
+                                "this request's deadline", wait - left)
             self._depth += 1
             self._states[key] += 1
             self._tokens[key] += tokens
