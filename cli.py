@@ -403,7 +403,10 @@ def cmd_export(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="onepass", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"onepass {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="compile a model into an engine directory")
     ex.add_argument("--out", required=True, help="engine directory to write")
@@ -418,7 +421,7 @@ def parser() -> argparse.ArgumentParser:
                     help="packed tokens over all passes of one request (blocks of whole questions)")
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
                     help="how option log-likelihoods become probabilities (default: the read-out the adapter was "
-                         "trained for, else mean; see benchmarks/readout_eval.md)")
+                         "trained for, else mean; see benchmarks/results/readout_eval.md)")
     ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
                     help="fp16/bf16: block weights and GEMMs in fp16/bf16 (half the weight bytes; norms, softmax, "
                          "residual stream, read-out and K/V stay float32); bf16 engines run on TensorRT or "

@@ -54,7 +54,9 @@ def test_gpu_images_install_every_export_dependency():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["export"]
     names = {re.split(r"[=<>;\s\[]", req, maxsplit=1)[0].lower() for req in extra} - {"torch"}
     for name in ("Dockerfile.gpu", "Dockerfile.jetson"):
-        installed = {m.lower() for m in re.findall(r"([A-Za-z0-9_.-]+)==", (ROOT / "docker" / name).read_text())}
+        text = (ROOT / "docker" / name).read_text().replace("\\\n", " ")
+        installs = " ".join(line for line in text.splitlines() if "pip install" in line or "--also" in line)
+        installed = {re.split(r"[=<>\[]", word, maxsplit=1)[0].lower() for word in installs.split()}
         assert names <= installed, f"{name} lacks {sorted(names - installed)}"
 
 
@@ -68,34 +70,49 @@ def test_the_jetson_image_uses_its_python_and_the_package_allows_it():
 
 
 def test_ngc_requirements_leave_the_bases_constrained_packages_at_its_versions(tmp_path):
-    """Issue 16 item 7: NGC's PIP_CONSTRAINT pins every package of the image; the GPU image's requirements drop
-    the project's pin exactly for those (numpy, onnx here) and keep every other exact pin, markers evaluated."""
+    """NGC's PIP_CONSTRAINT pins every package of the image; the GPU image's requirements name those (numpy, onnx
+    here) without a version and give every other package the lock's exact version, markers evaluated."""
     import subprocess
     import sys
 
     constraint = tmp_path / "constraint.txt"
     constraint.write_text("numpy==1.26.4\n# a comment\nonnx==1.18.0  # pinned by the image\n"
                           "-r other.txt\nPackaging==25.0\n")
+    lock = tmp_path / "lock.txt"
+    lock.write_text("# a lock\nzstandard==0.25.0\ntokenizers==0.23.3\npeft==0.21.2\nfastapi==0.165.0\n")
     script = ROOT / "docker" / "constrained_requirements.py"
     out = subprocess.run([sys.executable, str(script), str(ROOT / "pyproject.toml"), "--extras", "serve",
-                          "--also", "onnx==1.23.2", "peft==0.21.2", "--constraint", str(constraint)],
+                          "--also", "onnx", "peft", "--constraint", str(constraint), "--lock", str(lock)],
                          capture_output=True, text=True, check=True)
     lines = out.stdout.split()
     assert "numpy" in lines and "onnx" in lines  # the base's versions, through its constraint
     assert "peft==0.21.2" in lines and "zstandard==0.25.0" in lines and "tokenizers==0.23.3" in lines
-    fastapi = [x for x in lines if x.startswith("fastapi")]
-    assert fastapi == ["fastapi==0.165.0" if sys.version_info >= (3, 11) else "fastapi==0.162.5"]  # one, by marker
+    assert [x for x in lines if x.startswith("fastapi")] == ["fastapi==0.165.0"]  # one line, the lock's version
+    assert "uvicorn<0.55,>=0.54.0" in lines  # not in the lock: the declared range
     assert not any(x.startswith("torch") for x in lines)
     assert "numpy, onnx" in out.stderr
     text = (ROOT / "docker" / "Dockerfile.gpu").read_text()
-    assert "constrained_requirements.py" in text and not re.search(r"pip install[^\n]*'\.\[serve\]'", text)
+    assert "constrained_requirements.py" in text and "--lock constraints/ci.txt" in text
+    assert not re.search(r"pip install[^\n]*'\.\[serve\]'", text)
 
 
-def test_without_a_constraint_file_every_pin_is_kept(tmp_path):
+def test_a_lock_outside_the_declared_range_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text("numpy==1.26.4\n")
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "constrained_requirements.py"),
+                          str(ROOT / "pyproject.toml"), "--constraint", str(tmp_path / "absent.txt"), "--lock", str(lock)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "numpy==1.26.4 is outside the declared" in out.stderr
+
+
+def test_without_a_constraint_file_or_a_lock_every_declared_range_is_kept(tmp_path):
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, str(ROOT / "docker" / "constrained_requirements.py"),
                           str(ROOT / "pyproject.toml"), "--constraint", str(tmp_path / "absent.txt")],
                          capture_output=True, text=True, check=True)
-    assert all("==" in line for line in out.stdout.split()) and any(x.startswith("numpy==") for x in out.stdout.split())
+    assert "numpy<3,>=2.2.6" in out.stdout.split()

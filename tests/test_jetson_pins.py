@@ -1,7 +1,7 @@
 """The Jetson image's pins resolve for its Python: CPython 3.10 on aarch64 (JetPack 6, Ubuntu 22.04, glibc 2.35).
 
-Every exact pin the image installs — the package's own dependencies and its ``serve`` extra evaluated with
-that interpreter's markers, and the pins written in ``docker/Dockerfile.jetson`` — must have a wheel PyPI serves
+Every exact pin the image installs — its lock ``constraints/jetson.txt`` (within pyproject's ranges) and the pins
+written in ``docker/Dockerfile.jetson`` — must have a wheel PyPI serves
 for cp310 aarch64 whose Requires-Python admits 3.10 (the image has no compiler for an sdist). Read from PyPI's
 JSON API; nothing is downloaded. ``filelock==4.3.1`` (Requires-Python >= 3.11) and ``hdrhistogram`` (no aarch64
 wheel) once broke the build. Skipped only when PyPI cannot be reached.
@@ -31,15 +31,26 @@ NOT_ON_PYPI = {"torch"}  # the Jetson AI Lab index's CUDA build (Dockerfile's TO
 
 
 def image_pins() -> list[Requirement]:
-    """The exact pins the Jetson image installs, markers evaluated for cp310 aarch64."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    texts = project["dependencies"] + project["optional-dependencies"]["serve"]
+    """The exact pins the Jetson image installs: its lock (constraints/jetson.txt) and the pins written in the
+    Dockerfile."""
+    texts = [line.split("#", 1)[0].strip() for line in (ROOT / "constraints" / "jetson.txt").read_text().splitlines()]
+    texts = [t for t in texts if t]
     docker = (ROOT / "docker" / "Dockerfile.jetson").read_text().replace("\\\n", " ")
     for line in docker.splitlines():
         if "pip install" in line:
             texts += [t.strip("'\"") for t in line.split() if re.fullmatch(r"['\"]?[A-Za-z0-9_.\-]+==[\w.]+['\"]?", t)]
-    pins = [Requirement(t) for t in texts]
-    return [r for r in pins if r.marker is None or r.marker.evaluate(MARKERS)]
+    return [Requirement(t) for t in texts]
+
+
+def declared() -> dict[str, list[Requirement]]:
+    """pyproject's requirements of the runtime and every extra that apply on cp310 aarch64, by canonical name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out: dict[str, list[Requirement]] = {}
+    for text in project["dependencies"] + [t for extra in project["optional-dependencies"].values() for t in extra]:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate(MARKERS):
+            out.setdefault(canonicalize_name(req.name), []).append(req)
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -66,9 +77,24 @@ def installable(name: str, version: str) -> str | None:
     return None
 
 
-def test_the_image_pins_are_read_from_pyproject_and_the_dockerfile():
+def test_the_image_pins_are_read_from_its_lock_and_the_dockerfile():
     names = {canonicalize_name(r.name) for r in image_pins()}
     assert {"numpy", "tokenizers", "onnxruntime", "fastapi", "transformers", "filelock", "cuda-bindings"} <= names
+
+
+def test_the_jetson_lock_covers_what_the_image_installs_within_pyprojects_ranges():
+    """Every requirement of the runtime and the serve extra that applies on cp310 aarch64 is pinned in the lock, and
+    every pin lies within the declared range (but JetPack's own: cuda-bindings 12.x for its CUDA, not the [trt]
+    extra's, and the Jetson AI Lab's torch build, not the [export] extra's)."""
+    pins = {canonicalize_name(r.name): next(iter(r.specifier)).version for r in image_pins()}
+    ranges = declared()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {canonicalize_name(Requirement(t).name) for t in project["dependencies"] + project["optional-dependencies"]["serve"]
+              if Requirement(t).marker is None or Requirement(t).marker.evaluate(MARKERS)}
+    assert needed <= set(pins), sorted(needed - set(pins))
+    outside = [f"{n}=={v} not in {r.specifier}" for n, v in pins.items() if n in ranges and n not in {"cuda-bindings", *NOT_ON_PYPI}
+               for r in ranges[n] if not r.specifier.contains(v)]
+    assert not outside, outside
 
 
 def test_every_jetson_pin_has_a_cp310_aarch64_wheel_that_admits_python_3_10():
