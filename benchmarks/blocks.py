@@ -1,5 +1,5 @@
 """Segment-blocked scoring: warm latency and ms per packed token against the number of questions and the block
-size, in one run (issue 14: cost linear in questions).
+size, in one run (the cost should be linear in questions).
 
 For each block size (``none`` = one pass of up to max_packed_tokens, the engine before blocking) and each
 workload (1, 13, 64, 500, 5000 questions; a choice of 255 and of 1000 options) over one cached state: the

@@ -5,7 +5,7 @@
 Starts the server as a subprocess (its RSS its own; address space capped, 6 GiB by default, so a runaway
 allocation fails instead of taking the machine down), then:
 
-1. each hostile request of issue 10 once, with 10 valid requests in flight beside it: status, seconds,
+1. each hostile request once, with 10 valid requests in flight beside it: status, seconds,
    server RSS after, and whether the valid requests got 200 with their answers unchanged;
 2. 100 hostile requests (the list, cycled): RSS after vs after warm-up;
 3. 1,000 GETs to unknown paths: /metrics series and page size;
@@ -72,7 +72,7 @@ def body(state=TICKET, questions=None, **extra) -> bytes:
 
 
 def hostile() -> dict:
-    """Issue 10's hostile requests: name -> (raw body, headers)."""
+    """The hostile requests: name -> (raw body, headers)."""
     nested = b'{"a": ' * 960 + b"1" + b"}" * 960  # written out: json.dumps itself would recurse too deeply
     deep = body(questions={"q": {"type": "noul", "instructions": "N"}}).replace(b'"N"', nested)
     gz = gzip.compress(body())

@@ -166,7 +166,7 @@ def main() -> None:
     for name, v in res["variants"].items():
         lines.append(f"| {name} | {v['quantized_gemms']} | {v['agreement']:.3f} ({v['questions']}) | "
                      f"{v['max_logprob_error']:.2f} | {v['warm_s'] * 1000:.0f} | {res['fp32_warm_s'] / v['warm_s']:.2f}x |")
-    lines += ["", "Targets (issue): agreement >= 0.99, error <= 0.1, >= 1.5x. No variant meets them. Rounding the "
+    lines += ["", "Targets: agreement >= 0.99, error <= 0.1, >= 1.5x. No variant meets them. Rounding the "
               "weights alone (`blockwise8_weight_only`, activations untouched) already moves option log-likelihoods "
               "by more than the 0.1 budget, and MatMulNBits is not faster than fp32 sgemm at these shapes; only "
               "MatMulInteger is faster, and it adds per-tensor activation error on top.", ""]

@@ -2,7 +2,7 @@
 
     python benchmarks/probe_ceiling.py --engines engines/smollm2-base engines/smollm2
 
-Issue 17 asks the tuned default, zero-shot on held-out data sets, to reach majority + 15 points on
+The target was the tuned default, zero-shot on held-out data sets, reaching majority + 15 points on
 average. This measures the same held-out rows (``heldout_rows(150, 1)``, the rows of
 ``benchmarks/tune_eval.py default``) with an advantage zero-shot never has: a supervised linear read-out
 fitted on labelled rows of each data set itself. Per data set, 5-fold cross-validation (each row is its own

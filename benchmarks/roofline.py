@@ -1,4 +1,4 @@
-"""How close the 13-question pass runs to what this CPU's GEMMs can do (issue 14's roofline line).
+"""How close the 13-question pass runs to what this CPU's GEMMs can do (a roofline: measured against the GEMM peak).
 
 The pass: the 13 questions of ``latency.py`` on a cached 511-token state, packed into one tree and scored in
 one dense pass (``backend.score_all``; the block-split request runs the same work in 256/512-token passes).

@@ -224,7 +224,7 @@ def write_user_md(results: dict) -> None:
                      f"{run['tuned_calibrated']['accuracy']:.3f} | {gain:+.3f} | {run['train_seconds']:.0f} | "
                      f"{run['rows_per_second']:.2f} |")
     lines += [f"\n{run['dataset']}/{run['rows']}: {run['note']}" for run in results["runs"].values() if run.get("note")]
-    lines += ["", "Coverage at a target accuracy (issue 12): the share of test rows answered when only the most "
+    lines += ["", "Coverage at a target accuracy: the share of test rows answered when only the most "
               "confident are kept, thresholds chosen on the test rows themselves (an upper bound for a threshold "
               "fitted elsewhere); cascade = the base engine, its doubtful rows re-asked of the tuned one.", "",
               "| data set | rows | target | base | tuned | cascade base -> tuned |", "|---" * 6 + "|"]
@@ -237,7 +237,7 @@ def write_user_md(results: dict) -> None:
 
 
 def cascade_eval(args) -> None:
-    """Issue 12's measure with the shipped default engine: coverage at 0.9 / 0.95 accuracy of the default engine
+    """Coverage at a target accuracy with the shipped default engine: coverage at 0.9 / 0.95 accuracy of the default engine
     (zero-shot), an engine tuned from the base on ``--rows`` rows, and the cascade default -> tuned."""
     out = {"machine": _machine(), "default": args.default, "base": args.base, "rows": args.rows, "runs": {}}
     for name in args.datasets:

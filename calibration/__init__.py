@@ -1,1 +1,1 @@
-"""Fit time: labelled data -> calibration stored in the engine manifest (see the calibration issue)."""
+"""Fit time: labelled data -> calibration stored in the engine manifest, and tuning (docs/tune.md)."""

@@ -1,4 +1,4 @@
-"""`onepass eval`: how good an engine is on labelled rows, before trusting it (issue 12 item 2).
+"""`onepass eval`: how good an engine is on labelled rows, before trusting it.
 
 Rows are the ``onepass calibrate`` rows. The engine answers them as it serves (its read-out and
 its calibration, if any). Reported overall, per data set and per question: accuracy against the

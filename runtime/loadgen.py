@@ -1,4 +1,4 @@
-"""Load generation and latency percentiles: the measurement core of ``onepass bench`` (issue 15).
+"""Load generation and latency percentiles: the measurement core of ``onepass bench``.
 
 Two ways to drive a ``send()`` callable (one request; raises on failure):
 

@@ -39,8 +39,14 @@ def _run(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ROOT)
+    """The wheel pip builds from a copy of the source tree (setuptools builds in place: build/ and *.egg-info would
+    land in the checkout)."""
+    import shutil
+
+    source, out = tmp_path_factory.mktemp("source") / "onepass", tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "engines", "build", "*.egg-info",
+                                                                "__pycache__", ".pytest_cache"))
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, source)
     (built,) = out.glob("onepass-*.whl")
     return built
 

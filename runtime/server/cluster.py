@@ -19,7 +19,7 @@ replica, over Ray Serve's consistent-hash router (experimental in Ray 2.60, henc
   histograms (the server's own metrics, summed), plus per-replica state-cache hits and misses.
 
 ``build`` is a Serve application builder: ``onepass cluster`` calls it, and so does ``serve deploy``
-with ``deploy/serve.yaml`` (the same file a KubeRay RayService embeds on Kubernetes).
+with ``docker/ray-serve.yaml`` (the same file a KubeRay RayService embeds on Kubernetes).
 """
 
 from __future__ import annotations
