@@ -27,6 +27,7 @@ from .tree import (PackedBatch, QuestionTokens, TooManyTokens, blocks, option_gr
 
 DEFAULT_CACHE_BYTES = 512 << 20
 log = logging.getLogger("onepass.engine")
+_WARNED: set = set()  # engine directories already warned about
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
 MAX_QUESTION_ID_CHARS = 256
 PRIOR_CACHE_ITEMS = 4096
@@ -70,7 +71,8 @@ class Engine:
         self.manifest = manifest
         self.backend = backend
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
-        if manifest.prompt.option_line == OLD_OPTION_LINE:
+        if manifest.prompt.option_line == OLD_OPTION_LINE and str(root) not in _WARNED:  # once, not per with_limits
+            _WARNED.add(str(root))
             log.warning("%s renders a described choice option as %r, which works against it (a choice with only some "
                         "options described can answer an undescribed one); export the engine again for the new "
                         "rendering (its answers change only for described options)", root,

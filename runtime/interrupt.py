@@ -53,4 +53,4 @@ def stop_signals_set(stop: threading.Event):
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a handler set from C

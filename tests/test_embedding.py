@@ -222,3 +222,15 @@ def test_reprs_are_one_short_line(tiny):
     answers = tiny.ask(TICKET, QUESTIONS)
     assert all(len(repr(a)) < 200 for a in answers.values())
     assert repr(answers["refund"]) == f"NoulAnswer(noul={answers['refund'].noul:.3f})"
+
+
+def test_async_engine_after_close_refuses_at_once(tiny):
+    from onepass.runtime.server.embed import AsyncEngine, EngineStopped
+
+    async def main():
+        engine = AsyncEngine(tiny)
+        engine.close()
+        with pytest.raises(EngineStopped, match="stopped"):
+            await asyncio.wait_for(engine.ask(TICKET, {"q": Noul("Is it urgent?")}, timeout_s=1.0), 10)
+
+    asyncio.run(main())

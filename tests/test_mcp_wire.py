@@ -33,9 +33,14 @@ JUNK = [
     (SURROGATE, 7, -32602),  # valid JSON, not Unicode text: the SDK's parser refuses it, the id is kept
     (b"NaN", None, -32700),
     (b"[1, 2]", None, -32600),
-    (b'{"jsonrpc": "2.0", "id": 8}', 8, -32600),  # neither request, notification nor response
+    (b'{"jsonrpc": "2.0", "id": 8}', None, -32600),  # no method: a (bad) response, whose id is the server's
     (b'{"jsonrpc": "1.0", "id": "a", "method": "ping"}', "a", -32600),
     (b"[" * 100_000, None, -32700),  # deeper than any parser recurses
+    (b'{"jsonrpc": "2.0", "id": true, "method": "ping"}', None, -32600),  # ids that are no id: the SDK took these
+    (b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', None, -32600),  # for notifications and answered nothing
+    (b'{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}', None, -32600),
+    (b'{"jsonrpc": "2.0", "id": 4, "result": "not an object"}', None, -32600),  # a response's id is the server's
+    (b'{"jsonrpc": "2.0", "id": 9, "method": "\\udc00"}', 9, -32600),
 ]
 
 
@@ -76,6 +81,15 @@ def test_every_junk_line_gets_a_jsonrpc_error_and_the_session_goes_on(mcp_server
     assert _read(mcp_server) == {"jsonrpc": "2.0", "id": 99, "result": {}}
 
 
+def test_notifications_and_responses_that_are_not_unicode_get_no_answer(mcp_server):
+    """JSON-RPC never answers a notification, and a response's id is the server's own: both are logged, not answered
+    (the ping's answer is the first line that comes back)."""
+    _send(mcp_server, b'{"jsonrpc": "2.0", "method": "notifications/progress", "params": {"x": "\\ud800"}}')
+    _send(mcp_server, b'{"jsonrpc": "2.0", "id": 3, "result": {"x": "\\udc00"}}')
+    _send(mcp_server, json.dumps(PING).encode())
+    assert _read(mcp_server) == {"jsonrpc": "2.0", "id": 99, "result": {}}
+
+
 def test_blank_lines_are_skipped_and_a_tool_call_still_answers(mcp_server):
     _send(mcp_server, b"   ")
     call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "noul", "arguments": {
@@ -85,8 +99,15 @@ def test_blank_lines_are_skipped_and_a_tool_call_still_answers(mcp_server):
     assert answer["id"] == 5 and 0.0 <= answer["result"]["structuredContent"]["noul"] <= 1.0
 
 
-def test_a_line_over_the_limit_is_refused_without_being_kept(mcp_server):
-    _send(mcp_server, b'{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":"' + b"a" * MAX_LINE_BYTES + b'"}}')
+def _ping_of(size: int) -> bytes:
+    head, tail = b'{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":"', b'"}}'
+    return head + b"a" * (size - len(head) - len(tail)) + tail
+
+
+def test_a_line_at_the_limit_is_read_and_one_byte_over_is_refused_without_being_kept(mcp_server):
+    _send(mcp_server, _ping_of(MAX_LINE_BYTES))
+    assert _read(mcp_server) == {"jsonrpc": "2.0", "id": 3, "result": {}}
+    _send(mcp_server, _ping_of(MAX_LINE_BYTES + 1))
     answer = _read(mcp_server)
     assert answer["id"] is None and answer["error"]["code"] == -32600
     assert str(MAX_LINE_BYTES) in answer["error"]["message"]

@@ -33,7 +33,7 @@ class _Engine:
 
 def _floor(engine, rss: list) -> MemoryFloor:
     counted = []
-    floor = MemoryFloor(engine, rss=lambda: rss[0], on_release=lambda: counted.append(1))
+    floor = MemoryFloor(engine, rss=lambda: rss[0], on_release=lambda: counted.append(1), background=False)
     floor.counted = counted
     return floor
 
@@ -49,14 +49,33 @@ def test_release_only_above_the_factor_of_the_warm_resident_size():
     assert floor.on_idle() and engine.asked == 1 and floor.releases == 1 and floor.counted == [1]
 
 
-def test_the_state_cache_is_not_counted_as_growth():
+def test_the_state_caches_are_not_counted_as_growth():
+    engine, cascade, rss = _Engine(), _Engine(), [1000 * MB]
+    floor = MemoryFloor([engine, cascade, None], rss=lambda: rss[0], background=False)
+    floor.mark()
+    rss[0], engine.cache.bytes, cascade.cache.bytes = 1500 * MB, 300 * MB, 100 * MB  # the caches grew, nothing else
+    assert not floor.on_idle() and engine.asked == 0
+    engine.cache.bytes = 100 * MB  # 1300 MB resident: both engines are asked
+    assert floor.on_idle() and engine.asked == 1 and cascade.asked == 1
+
+
+def test_a_release_that_cannot_reach_the_floor_is_not_repeated_on_every_idle_moment():
+    """Memory no backend can give back (here: nothing is freed) raises the limit to 1.2x what the release left:
+    the next release waits for that much more growth (it used to recompile on every idle moment)."""
     engine, rss = _Engine(), [1000 * MB]
     floor = _floor(engine, rss)
     floor.mark()
-    rss[0], engine.cache.bytes = 1500 * MB, 400 * MB  # 1100 MB resident: the cache grew, the backend did not
-    assert not floor.on_idle() and engine.asked == 0
-    engine.cache.bytes = 200 * MB  # 1300 MB resident
-    assert floor.on_idle() and engine.asked == 1
+    rss[0] = 1300 * MB
+    assert [floor.on_idle() for _ in range(5)] == [True, False, False, False, False] and engine.asked == 1
+    rss[0] = 1561 * MB  # past 1.2 x 1300
+    assert floor.on_idle() and engine.asked == 2
+
+
+def test_unknown_rss_releases_nothing():
+    engine = _Engine()
+    floor = _floor(engine, [0])  # no /proc: rss_bytes() is 0
+    floor.mark()
+    assert floor.floor is None and not floor.on_idle() and engine.asked == 0
 
 
 def test_a_backend_with_nothing_to_release_is_not_counted():
@@ -64,7 +83,28 @@ def test_a_backend_with_nothing_to_release_is_not_counted():
     floor = _floor(engine, rss)
     floor.mark()
     rss[0] = 3000 * MB
-    assert not floor.on_idle() and engine.asked == 1 and floor.releases == 0 and floor.counted == []
+    assert floor.on_idle() and engine.asked == 1 and floor.releases == 0 and floor.counted == []
+
+
+def test_the_release_runs_beside_the_engine_thread():
+    """In the server the release runs on a thread of its own: on_idle returns at once, one release at a time."""
+    import threading
+
+    gate = threading.Event()
+
+    class Slow(_Engine):
+        def release_memory(self):
+            gate.wait(30)
+            return super().release_memory()
+
+    engine, rss = Slow(), [1000 * MB]
+    floor = MemoryFloor(engine, rss=lambda: rss[0])
+    floor.mark()
+    rss[0] = 2000 * MB
+    assert floor.on_idle() and not floor.on_idle()  # started, and not twice while it runs
+    gate.set()
+    floor.wait(30)
+    assert engine.asked == 1 and floor.releases == 1
 
 
 def test_openvino_release_rebuilds_the_model_and_keeps_every_answer(tiny_engine_dir):

@@ -79,7 +79,7 @@ class OpenVinoCpuBackend(Backend):
         """Compile the model again and drop the old one with its working memory: each thread's infer request is
         made again on its next pass; a pass running meanwhile finishes on the old model, which it holds."""
         self.compiled = self._compile()
-        self._requests = threading.local()  # this thread's old request goes now; other threads' at their next pass
+        self._requests = threading.local()  # every thread's old request goes with it (one still running finishes)
         return True
 
     def empty(self) -> StateKV:

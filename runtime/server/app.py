@@ -123,7 +123,7 @@ class Server:
         self.ready = False
         self._warm_lock, self._warm_thread = threading.Lock(), None
         self.metrics = Metrics(engine, lambda: self.dispatcher.depth)
-        self.memory = MemoryFloor(engine, on_release=self.metrics.memory_releases.inc)
+        self.memory = MemoryFloor([engine, cascade], on_release=self.metrics.memory_releases.inc)
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
                                      on_batch=self.on_batch, on_drop=self.metrics.deadline_drops.inc,
                                      on_idle=self.memory.on_idle)

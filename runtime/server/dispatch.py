@@ -47,6 +47,10 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class EngineStopped(RuntimeError):
+    """The dispatcher was closed or its engine thread is gone: a request can no longer be queued."""
+
+
 class NeverFits(Exception):
     """The request alone needs more time than its deadline allows: no retry can help (answer 413)."""
 
@@ -84,6 +88,7 @@ class Dispatcher:
         self._depth = 0
         self._states: collections.Counter = collections.Counter()  # queued requests per state key
         self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._work, name="onepass-engine", daemon=True)
         self._thread.start()
 
@@ -146,6 +151,8 @@ class Dispatcher:
         the request's whole time allowance (its deadline minus its arrival; default: the time left now). A request
         whose own work exceeds its budget is NeverFits (no retry can help); one that exceeds only what is left (it
         spent its time arriving) is QueueFull, retryable."""
+        if self._closed or not self._thread.is_alive():
+            raise EngineStopped("the engine thread is stopped (closed, or it failed): nothing can be answered")
         key = _state_key(state)
         with self._lock:
             tokens = self.estimate_tokens(key, questions)
@@ -175,7 +182,8 @@ class Dispatcher:
         return future
 
     def close(self) -> None:
-        """Stop the worker after the work already queued."""
+        """Stop the worker after the work already queued; later submits raise EngineStopped."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=30)
 

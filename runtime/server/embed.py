@@ -11,7 +11,7 @@ awaited from the caller's event loop::
 
 Errors are the engine's typed ones (``InvalidRequest``, ``LimitExceeded``), plus ``QueueFull`` (busy: retry
 after ``retry_after_s``), ``NeverFits`` (the request alone needs more time than its timeout) and
-``DeadlinePassed`` (its timeout passed before the engine could answer).
+``DeadlinePassed`` (its timeout passed before the engine could answer), and ``EngineStopped`` after ``close()``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from collections.abc import Mapping
 
 from ..engine import Engine
 from ..questions import Answer, Question
-from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
+from .dispatch import DeadlinePassed, Dispatcher, EngineStopped, NeverFits, QueueFull
 
-__all__ = ["AsyncEngine", "DeadlinePassed", "NeverFits", "QueueFull"]
+__all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]
+STUCK_S = 5.0  # past its deadline a request is answered DeadlinePassed by the engine thread; past this, by ask()
 
 
 class AsyncEngine:
@@ -41,8 +42,13 @@ class AsyncEngine:
         """Typed answers by question id, as ``Engine.ask``; requests about the same state that arrive within the
         window share one pass. ``timeout_s`` (default: the engine's) bounds the wait and the work."""
         self.engine.check_counts(questions)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        result = await self.dispatcher.submit(state, questions, deadline)
+        seconds = self.timeout_s if timeout_s is None else timeout_s
+        future = self.dispatcher.submit(state, questions, time.monotonic() + seconds)
+        try:  # the dispatcher answers by the deadline; this bounds a wait on an engine thread that died meanwhile
+            result = await asyncio.wait_for(future, seconds + STUCK_S)
+        except asyncio.TimeoutError:
+            raise DeadlinePassed(f"no answer within {seconds:g} s (+{STUCK_S:g} s): is the engine thread alive?") \
+                from None
         if isinstance(result, BaseException):
             raise result
         return result.answers

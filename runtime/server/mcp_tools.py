@@ -7,6 +7,7 @@ returns the typed answer with its probabilities.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, BinaryIO
 
@@ -62,6 +63,7 @@ def build(engine: Engine) -> MCPServer:
 # first and every one the SDK could not take is answered with a JSON-RPC error; the rest reach the SDK's
 # session unchanged. Blank lines are not messages and are skipped.
 
+log = logging.getLogger("onepass.mcp")
 MAX_LINE_BYTES = 8 << 20  # one message; a longer line is answered with an error and skipped, never buffered
 
 
@@ -69,8 +71,23 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def refusal(line: bytes) -> dict | None:
-    """The JSON-RPC error (a dict) that answers ``line``, or None when it is a message the SDK can take."""
+DROP = "drop"  # a line that gets no answer by JSON-RPC's rules (a notification, or the client's own response)
+
+
+def _unicode(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def refusal(line: bytes) -> dict | str | None:
+    """What answers ``line``: None when it is a message the SDK can take; else the JSON-RPC error to send (a dict),
+    or DROP (logged) for a notification or a response that is not Unicode text, which JSON-RPC never answers.
+
+    An error carries the request's id only where the line is a request (a method and a string or integer id);
+    otherwise its id is null, so it can never be taken for the answer to another request."""
     def error(code: int, message: str, ident=None) -> dict:
         return {"jsonrpc": "2.0", "id": ident, "error": {"code": code, "message": message}}
 
@@ -82,19 +99,29 @@ def refusal(line: bytes) -> dict | None:
         message = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as err:
         return error(mcp_types.PARSE_ERROR, f"Parse error: {str(err)[:200]}")
-    ident = message.get("id") if isinstance(message, dict) else None
-    ident = ident if isinstance(ident, (str, int)) and not isinstance(ident, bool) else None
-    try:
-        json.dumps(message, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
+    if not isinstance(message, dict):
+        return error(mcp_types.INVALID_REQUEST, "Invalid Request: a JSON-RPC 2.0 object is expected (one per line)")
+    ident = message.get("id")
+    if "id" in message and (not isinstance(ident, (str, int)) or isinstance(ident, bool) or not _unicode(ident)):
+        return error(mcp_types.INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+    request = "method" in message and "id" in message
+    if not _unicode(message):
+        if not request:
+            log.warning("dropped a %s that is not Unicode text (a lone surrogate)",
+                        "notification" if "method" in message else "response")
+            return DROP
+        if not _unicode(message.get("method")):
+            return error(mcp_types.INVALID_REQUEST, "Invalid Request: the method is not Unicode text", ident)
         return error(mcp_types.INVALID_PARAMS, "Invalid params: a string holds a lone surrogate (\\ud800-\\udfff), "
                      "which is not Unicode text", ident)
     try:
         mcp_types.jsonrpc_message_adapter.validate_python(message, by_name=False)
     except ValidationError as err:
-        where = ".".join(str(p) for p in err.errors()[0]["loc"][1:]) or "the message"
-        return error(mcp_types.INVALID_REQUEST, f"Invalid Request: {where}: {err.errors()[0]['msg']} (a JSON-RPC 2.0 "
-                     "request, notification or response object is expected)", ident)
+        what = "request" if request else "notification" if "method" in message else "response"
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "the message"
+        return error(mcp_types.INVALID_REQUEST, f"Invalid Request: not a valid JSON-RPC 2.0 {what}: {where}: "
+                     f"{first['msg']}", ident if request else None)
     return None
 
 
@@ -116,8 +143,8 @@ async def serve_lines(server: MCPServer, wire_in: BinaryIO, wire_out: BinaryIO) 
             return self.lines()
 
         async def lines(self):
-            while line := await anyio.to_thread.run_sync(wire_in.readline, MAX_LINE_BYTES + 1):
-                if len(line) > MAX_LINE_BYTES:
+            while line := await anyio.to_thread.run_sync(wire_in.readline, MAX_LINE_BYTES + 2):
+                if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:  # a line ending exactly at the limit is kept
                     while line and not line.endswith(b"\n"):  # the rest of the line, discarded as it comes
                         line = await anyio.to_thread.run_sync(wire_in.readline, 1 << 20)
                     answer = {"jsonrpc": "2.0", "id": None, "error": {"code": mcp_types.INVALID_REQUEST, "message":
@@ -128,6 +155,8 @@ async def serve_lines(server: MCPServer, wire_in: BinaryIO, wire_out: BinaryIO) 
                     answer = refusal(line)
                     if answer is None:
                         yield line.decode("utf-8")
+                        continue
+                    if answer == DROP:
                         continue
                 await send(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
 
@@ -146,7 +175,7 @@ async def serve_lines(server: MCPServer, wire_in: BinaryIO, wire_out: BinaryIO) 
 def serve_stdio(engine: Engine) -> None:
     """Run the MCP server on stdin/stdout until the client closes it. While it runs, fd 0 reads the null device
     and fd 1 writes to stderr, so stray output from libraries never corrupts the wire (as the SDK does)."""
-    wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")  # closed on the way out
     saved = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -155,6 +184,8 @@ def serve_stdio(engine: Engine) -> None:
     try:
         anyio.run(serve_lines, build(engine), wire_in, wire_out)
     finally:
+        wire_in.close()
+        wire_out.close()
         for fd, old in zip((0, 1), saved):
             os.dup2(old, fd)
             os.close(old)

@@ -13,6 +13,7 @@ import ctypes.util
 import logging
 import os
 import sys
+import threading
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -46,38 +47,68 @@ RETURN_FACTOR = 1.2  # a server idle after heavy requests returns to at most thi
 class MemoryFloor:
     """The resident size a server returns to once idle: its size when warm (``mark``), times ``factor``.
 
-    Resident means RSS less the state cache's bytes: the cache is memory the operator sized (``--cache-mib``,
+    Resident means RSS less the state caches' bytes: a cache is memory the operator sized (``--cache-mib``,
     reported in ``/metrics``) and keeping recent states is its job. What grows past the floor is working memory a
     backend sized to its largest pass and kept (OpenVINO's compiled model keeps a gigabyte after a 1000-option
-    choice); when the engine thread goes idle above the floor, the backend is asked to release it
-    (:meth:`Backend.release_memory`), so the cost (about a second of CPU) delays no request.
+    choice); when the engine thread goes idle above the floor, each engine's backend is asked to release it
+    (:meth:`Backend.release_memory`) on a thread of its own, so its cost (a second or two of CPU: OpenVINO compiles
+    again) holds no request up. If a release leaves the process above the floor anyway (memory no backend can give
+    back), the next one waits for that much more growth: releases never repeat on every idle moment. Where RSS is
+    unknown (no /proc) nothing is released.
     """
 
-    def __init__(self, engine, factor: float = RETURN_FACTOR, rss=rss_bytes, on_release=None):
-        self.engine, self.factor, self._rss = engine, factor, rss
+    def __init__(self, engines, factor: float = RETURN_FACTOR, rss=rss_bytes, on_release=None,
+                 background: bool = True):
+        self.engines = [e for e in (engines if isinstance(engines, (list, tuple)) else [engines]) if e is not None]
+        self.factor, self._rss, self.background = factor, rss, background
         self.on_release = on_release or (lambda: None)
         self.floor: int | None = None  # bytes, once warm
+        self.limit: float | None = None  # release above this: factor x floor, raised when a release cannot reach it
         self.releases = 0
+        self._running: threading.Thread | None = None
 
-    def resident(self) -> int:
-        return self._rss() - self.engine.cache.bytes
+    def resident(self) -> int | None:
+        rss = self._rss()
+        return rss - sum(e.cache.bytes for e in self.engines) if rss > 0 else None
 
     def mark(self) -> None:
         """Take the current resident size (after a trim) as the warm floor."""
         release_free_memory()
-        self.floor = self.resident()
+        size = self.resident()
+        self.floor = size if size and size > 0 else None
+        self.limit = self.factor * self.floor if self.floor else None
 
     def on_idle(self) -> bool:
-        """Release the backend's working memory if the resident size is above ``factor`` times the floor; True if
-        it was released."""
-        if not self.floor:
+        """Start a release if the resident size is above the limit (and none is running); True if one started."""
+        size = self.resident()
+        if self.limit is None or size is None or size <= self.limit:
             return False
-        before = self.resident()
-        if before <= self.factor * self.floor or not self.engine.release_memory():
+        if self._running is not None and self._running.is_alive():
             return False
-        release_free_memory()
-        self.releases += 1
-        self.on_release()
-        log.info("released the backend's working memory when idle: resident %d MiB -> %d MiB (warm %d MiB)",
-                 before >> 20, self.resident() >> 20, self.floor >> 20)
+        if not self.background:
+            self._release(size)
+            return True
+        self._running = threading.Thread(target=self._release, args=(size,), name="onepass-memory", daemon=True)
+        self._running.start()
         return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until a running release ends (tests, shutdown)."""
+        if self._running is not None:
+            self._running.join(timeout)
+
+    def _release(self, before: int) -> None:
+        try:
+            released = [e.release_memory() for e in self.engines]
+        except Exception:  # noqa: BLE001 - the next pass will show a broken backend; housekeeping never raises
+            log.exception("releasing the backends' working memory failed")
+            return
+        release_free_memory()
+        after = self.resident() or before
+        # what a release could not give back becomes the new base: the next release waits for growth beyond it
+        self.limit = max(self.factor * self.floor, self.factor * after)
+        if any(released):
+            self.releases += 1
+            self.on_release()
+            log.info("released the backends' working memory when idle: resident %d MiB -> %d MiB (warm %d MiB)",
+                     before >> 20, after >> 20, self.floor >> 20)

@@ -155,17 +155,30 @@ def protocol(limits: TransportLimits) -> type:
     return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits})
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound now: a port already taken is one typed error before any engine is
+def listen(host: str, port: int) -> list[socket.socket]:
+    """The server's listening sockets, bound now: a port already taken is one typed error before any engine is
     loaded (uvicorn binding it later logged a traceback, and the process died with "terminate called without an
-    active exception", exit 134, while the backend's threads were up)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart while old sockets linger
+    active exception", exit 134, while the backend's threads were up). One socket per address ``host`` resolves to,
+    IPv6 ones IPv6-only, as asyncio's ``create_server(host=...)`` (what uvicorn did) binds them."""
+    def refused(why) -> OnepassError:
+        return OnepassError(f"cannot listen on {host}:{port}: {why}; choose another --port (or --host), or stop what "
+                            "holds it")
+
     try:
-        sock.bind((host, port))
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise refused(err.strerror) from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart while old connections linger
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
     except OSError as err:
-        sock.close()
-        raise OnepassError(f"cannot listen on {host}:{port}: {err.strerror or err}; choose another --port (or "
-                           "--host), or stop what holds it") from None
-    return sock
+        for sock in socks:
+            sock.close()
+        raise refused(err.strerror or err) from None
+    return socks
