@@ -7,240 +7,106 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
 from .runtime.backends import BACKENDS
 from .runtime.errors import OnepassError
+from .runtime.plan import DEVICES
 
 
-def _read_text(path: str, what: str) -> str:
-    raw = sys.stdin.buffer.read() if path == "-" else _read_bytes(path, what)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise OnepassError(f"{what} {path} is not valid UTF-8 (byte {err.start}); save it as UTF-8") from None
+def _extra(name: str, err: ImportError, install: str) -> OnepassError:
+    return OnepassError(f"{name} needs the {install} ({err.name} is missing)")
 
 
-def _read_bytes(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as err:
-        raise OnepassError(f"cannot read {what} {path}: {err.strerror}") from None
-
-
-def _request(args) -> dict:
-    try:
-        questions = json.loads(_read_text(args.questions, "questions file"))
-    except json.JSONDecodeError as err:
-        raise OnepassError(f"questions file {args.questions} is not valid JSON: {err}") from None
-    body = questions if isinstance(questions, dict) and "questions" in questions else {"questions": questions}
-    if args.state is not None:
-        text = _read_text(args.state, "state file")
-        if args.json_state:
-            try:
-                text = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise OnepassError(f"state file {args.state} is not valid JSON: {err}") from None
-        body = {**body, "state": text}
-    return body
+def _limits(args) -> dict:
+    keys = ("max_state_tokens", "max_packed_tokens", "max_questions", "max_options", "max_request_tokens")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def cmd_ask(args) -> int:
-    """Answer a TypeSafe request and print the response JSON."""
+    """Answer a TypeSafe request and print the response JSON (stdout: the JSON alone; the backend on stderr)."""
     from .runtime.engine import Engine
+    from .runtime.request_files import request_body
 
-    body = _request(args)
+    body = request_body(args.questions, args.state, args.json_state)
     engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
     response = engine.request(body)
-    print(f"answered on {engine.backend.name}", file=sys.stderr)  # stdout stays the response JSON alone
+    print(f"answered on {engine.backend.name}", file=sys.stderr)
     print(json.dumps(response, indent=2, ensure_ascii=False))
     return 0
 
 
 def cmd_bench(args) -> int:
     """Latency percentiles of an engine in process (per backend) or of a server over HTTP, open or closed loop."""
-    from .runtime import bench
+    from .runtime.bench import bench
+    from .runtime.request_files import request_body, states
 
-    body = _request(args)
-    states = _states(args, body)
-    body = {k: v for k, v in body.items() if k != "state"}
-    rates, concurrencies = args.rate or [], args.concurrency or ([] if args.rate else [1])
-    bench.check_loads(rates, concurrencies, args.duration, args.cold_fraction, args.requests)
-    old = None
-    if args.compare:
-        try:
-            old = json.loads(Path(args.compare).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise OnepassError(f"--compare {args.compare}: not a readable bench.json ({err})") from None
-    skipped = {}
-    if args.engine:
-        backends = args.backend or list(BACKENDS)
-        targets, skipped = bench.engine_targets(args.engine, backends, args.threads, body, states,
-                                                args.cold_fraction, args.seed)
-        for name, why in skipped.items():
-            print(f"{name}: skipped ({why})")
-        if not targets:
-            raise OnepassError(f"no backend could load {args.engine}: " + "; ".join(f"{k}: {v}" for k, v in
-                                                                                   skipped.items()))
-        kinds = args.kind or ["warm", "cold", "prefill"]
-    else:
-        targets = [bench.url_target(args.url, args.api_key, args.model, body, states, args.cold_fraction, args.seed)]
-        kinds = args.kind or ["warm"]
-    report = bench.run_bench(targets, kinds, rates, concurrencies, args.duration, args.warmup, args.seed, body,
-                             states, args.cold_fraction, skipped=skipped, old=old, force=args.force,
-                             report_dir=args.report, requests=args.requests)
+    body = request_body(args.questions, args.state, args.json_state)
+    report = bench(body, states(args.states, body), engine=args.engine, url=args.url, backends=args.backend,
+                   threads=args.threads, api_key=args.api_key, model=args.model, kinds=args.kind, rates=args.rate,
+                   concurrencies=args.concurrency, duration=args.duration, warmup=args.warmup, seed=args.seed,
+                   cold_fraction=args.cold_fraction, requests=args.requests, compare_with=args.compare,
+                   force=args.force, report_dir=args.report)
     return 130 if report["interrupted"] and not args.report else 0
-
-
-def _states(args, body: dict) -> list:
-    """The workload's states: --states DIR (one state per file, sorted by name), else the request's one state."""
-    if args.states is None:
-        if "state" not in body:
-            raise OnepassError("give the state: --state FILE, --states DIR, or a full request in --questions")
-        return [body["state"]]
-    folder = Path(args.states)
-    if not folder.is_dir():
-        raise OnepassError(f"--states {args.states} is not a directory of state files")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not files:
-        raise OnepassError(f"--states {args.states} holds no state file")
-    return [_read_text(str(p), "state file") for p in files]
 
 
 def cmd_check(args) -> int:
     """Verify an engine's files (sha256) and run its golden file through the graph."""
     from .runtime.engine import Engine
-    from .runtime.selfcheck import check_golden, tolerances
+    from .runtime.selfcheck import report_lines
 
     engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
-    diffs = check_golden(engine)
-    tol = tolerances(engine)
-    for name, diff in diffs.items():
-        print(f"{name:20s} max |diff| {diff:.2e}  (tolerance {tol[name]:.0e})")
-    print(f"ok: {args.engine} verified on {engine.backend.name}")
+    print("\n".join(report_lines(engine) + [f"ok: {args.engine} verified on {engine.backend.name}"]))
     return 0
-
-
-def _serve_extra(err: ImportError) -> OnepassError:
-    return OnepassError(f"serving needs the [serve] extra ({err.name} is missing): pip install 'onepass[serve]'")
 
 
 def _server_config(args):
     """The HTTP settings `onepass serve` and `onepass cluster` share, ONEPASS_API_KEY as the key's default."""
-    try:
-        from .runtime.server.config import ServerConfig
-    except ImportError as err:
-        raise _serve_extra(err) from None
+    from .runtime.server.config import ServerConfig
+
     return ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                  max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                                  batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout,
                                  docs=getattr(args, "docs", None))
 
 
-def _transport(args):
-    """The connection limits of `onepass serve` (header and body read timeouts, keep-alive, header size, cap)."""
-    from .runtime.server.transport import TransportLimits
-
-    try:
-        return TransportLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                               keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
-                               max_connections=args.max_connections)
-    except ValueError as err:
-        raise OnepassError(str(err)) from None
-
-
 def cmd_serve(args) -> int:
     """Run the TypeSafe System One HTTP server."""
     try:
-        import uvicorn
-
-        from .runtime.server.app import create_app, server_engine
+        from .runtime.server.run import serve
+        from .runtime.server.transport import TransportLimits
     except ImportError as err:
-        raise _serve_extra(err) from None
-    from .runtime.engine import Engine
-
-    config = _server_config(args)
-    if (args.cascade is None) != (args.min_confidence is None):  # refused before any export or engine load
-        raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
-                           "confidence are asked again of the cascade engine")
-    from .runtime.server.transport import listen
-
-    sock = listen(config.host, config.port)  # a taken port: one line, before any engine is loaded
-    if args.export_if_missing and not (Path(args.engine) / "manifest.json").exists():
+        raise _extra("serving", err, "[serve] extra: pip install 'onepass[serve]'") from None
+    exporter = None
+    if args.export_if_missing:
         try:
-            from .export.build import export_engine
+            from .export.build import export_engine as exporter
         except ImportError as err:
-            raise OnepassError(f"--export-if-missing needs the export dependencies ({err.name} is missing)") from None
-        export_engine(args.engine)  # first start on this device: the default model, cached in the volume
-    if args.build_trt_if_missing and args.backend == "tensorrt":  # the images' default; moot for other backends
-        from .runtime.backends.tensorrt_build import build_native_plan_if_missing
-
-        build_native_plan_if_missing(Path(args.engine))
-    engine = Engine.load(args.engine, threads=args.threads, cache_bytes=args.cache_mib << 20,
-                         backend=args.backend)
-    engine = engine.with_limits(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
-                                max_questions=args.max_questions, max_options=args.max_options)
-    engine = server_engine(engine, args.max_request_tokens)
-    cascade = Engine.load(args.cascade, threads=args.threads) if args.cascade else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
-    app = create_app(engine, config, cascade=cascade, min_confidence=args.min_confidence)
-    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **_transport(args).uvicorn_options()))
-    server.run(sockets=[sock])
+            raise _extra("--export-if-missing", err, "export dependencies") from None
+    transport = TransportLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
+                                max_connections=args.max_connections)
+    limits = {k: v for k, v in _limits(args).items() if k != "max_request_tokens"}
+    serve(args.engine, _server_config(args), transport, backend=args.backend, threads=args.threads,
+          cache_mib=args.cache_mib, limits=limits, max_request_tokens=args.max_request_tokens, cascade=args.cascade,
+          min_confidence=args.min_confidence, exporter=exporter, build_trt_if_missing=args.build_trt_if_missing)
     return 0
-
-
-def _autoscale(text: str | None) -> tuple | None:
-    if text is None:
-        return None
-    low, sep, high = text.partition(":")
-    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
-        raise OnepassError(f"--autoscale must be MIN:MAX replicas (e.g. 1:4), got {text!r}")
-    return int(low), int(high)
 
 
 def cmd_cluster(args) -> int:
     """Serve the same HTTP API from replicas on Ray Serve, requests about one state kept on one replica."""
-    import dataclasses
     import os
-    import shutil
-    import tempfile
-    import threading
-
-    from .runtime.interrupt import stop_signals_set
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        from .runtime.server.cluster import serve_until_stopped
+        from .runtime.server import cluster
     except ImportError as err:
-        raise OnepassError(f"the cluster needs the [cluster] extra ({err.name} is missing): "
-                           "pip install 'onepass[cluster]'") from None
-    engine = Path(args.engine).resolve()
-    if not (engine / "manifest.json").is_file():
-        raise OnepassError(f"{args.engine} holds no engine (no manifest.json); run `onepass export --out "
-                           f"{args.engine}` first")
-    server = _server_config(args)
-    metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
-    config = dict(engine=str(engine), replicas=args.replicas, autoscale=_autoscale(args.autoscale),
-                  routing=args.routing, cpus_per_replica=args.cpus_per_replica, threads=args.threads,
-                  cache_mib=args.cache_mib, retries=args.retries, metrics_dir=metrics_dir,
-                  server=dataclasses.asdict(server))
-    size = f"{args.autoscale} replicas (autoscaled)" if args.autoscale else f"{args.replicas} replicas"
-
-    def ready():
-        print(f"onepass cluster: {engine.name} on http://{args.host}:{args.port} with {size}, routing by "
-              f"{args.routing}; Ctrl-C or SIGTERM stops it", flush=True)
-
-    stop = threading.Event()
-    try:
-        with stop_signals_set(stop):  # SIGINT (even inherited ignored, as in a script's background job) and SIGTERM
-            serve_until_stopped(config, args.host, args.port, stop, address=args.address, num_cpus=args.num_cpus,
-                                on_ready=ready)
-    finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-    print("onepass cluster: stopped", flush=True)
+        raise _extra("the cluster", err, "[cluster] extra: pip install 'onepass[cluster]'") from None
+    cluster.run(args.engine, _server_config(args), replicas=args.replicas, autoscale=args.autoscale,
+                routing=args.routing, address=args.address, num_cpus=args.num_cpus,
+                cpus_per_replica=args.cpus_per_replica, threads=args.threads, cache_mib=args.cache_mib,
+                retries=args.retries)
     return 0
 
 
@@ -249,7 +115,7 @@ def cmd_mcp(args) -> int:
     try:
         from .runtime.server.mcp_tools import serve_stdio
     except ImportError as err:
-        raise _serve_extra(err) from None
+        raise _extra("serving", err, "[serve] extra: pip install 'onepass[serve]'") from None
     from .runtime.engine import Engine
 
     serve_stdio(Engine.load(args.engine, threads=args.threads, backend=args.backend))
@@ -259,44 +125,25 @@ def cmd_mcp(args) -> int:
 def cmd_calibrate(args) -> int:
     """Fit calibration on labelled rows and store it in the engine manifest."""
     try:
-        from .calibration.run import calibrate
+        from .calibration.run import calibrate, summary
     except ImportError as err:
-        raise OnepassError(f"calibration needs the [calibrate] extra ({err.name} is missing): "
-                           "pip install 'onepass[calibrate]'") from None
+        raise _extra("calibration", err, "[calibrate] extra: pip install 'onepass[calibrate]'") from None
     report = calibrate(args.engine, args.data, holdout=args.holdout, seed=args.seed, report_dir=args.report)
-    for phase in ("before", "after"):
-        m = report[phase]["all"]
-        print(f"{phase:6s} held-out rows {m['rows']}: accuracy {m['accuracy']:.3f}  NLL {m['nll']:.3f}  "
-              f"Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
-    for key, n in report["skipped"].items():
-        print(f"skipped {key if len(key) <= 80 else key[:77] + '...'}: {n} training rows, {report['min_rows']} needed")
-    print(f"calibration of {len(report['calibration']['groups'])} groups written to {args.engine}/manifest.json"
-          + (f"; report in {args.report}" if args.report else ""))
+    print("\n".join(summary(report, args.engine, args.report)))
     return 0
 
 
 def cmd_eval(args) -> int:
     """Accuracy vs majority, NLL, Brier, ECE, coverage and confusion of an engine on labelled rows."""
     try:
-        from .calibration.evaluate import engine_reports, evaluate_engine, write
+        from .calibration.evaluate import evaluate_engine, summary, write
     except ImportError as err:
-        raise OnepassError(f"eval needs the [calibrate] extra ({err.name} is missing): "
-                           "pip install 'onepass[calibrate]'") from None
+        raise _extra("eval", err, "[calibrate] extra: pip install 'onepass[calibrate]'") from None
     report = evaluate_engine(args.engine, args.data, args.min_confidence, args.target_accuracy, args.threads)
     if args.compare:
         report["compare"] = evaluate_engine(args.compare, args.data, args.min_confidence, args.target_accuracy,
                                             args.threads)
-    for r in engine_reports(report):
-        m = r["all"]
-        print(f"{r['name']} on {r.get('backend', '?')}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): accuracy {m['accuracy']:.3f} "
-              f"(majority {m['majority']:.3f})  NLL {m['nll']:.3f}  Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
-        if "at_min_confidence" in m:
-            at = m["at_min_confidence"]
-            acc = f"{at['accuracy']:.3f}" if at["accuracy"] is not None else "-"
-            print(f"  confidence >= {at['min_confidence']}: coverage {at['coverage']:.3f}, accuracy {acc}")
-        if "for_target_accuracy" in m:
-            t = m["for_target_accuracy"]
-            print(f"  accuracy >= {t['target']}: coverage {t['coverage']:.3f} at confidence >= {t['min_confidence']}")
+    print("\n".join(summary(report)))
     if args.report:
         write(report, Path(args.report))
         print(f"report written to {args.report}")
@@ -307,35 +154,20 @@ def cmd_tune(args) -> int:
     """Fine-tune an engine's decoder on labelled rows and export the tuned engine."""
     try:
         from .calibration.tune import TuneConfig
-        from .calibration.tune_engine import tune
+        from .calibration.tune_engine import summary_lines, tune
     except ImportError as err:
-        raise OnepassError(f"tune needs the [export,calibrate] extras ({err.name} is missing): "
-                           "pip install torch==2.13.0 && pip install 'onepass[export,calibrate]'") from None
+        raise _extra("tune", err, "[export,calibrate] extras: pip install torch==2.13.0 && pip install "
+                                  "'onepass[export,calibrate]'") from None
     config = TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
                         epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
-                        batch_questions=args.batch_questions,
-                        rlcd_weight=args.rlcd_weight, holdout=args.holdout, seed=args.seed,
-                        max_state_tokens=args.max_state_tokens, eval_every=args.eval_every, patience=args.patience,
-                        keep_base=args.keep_base)
-    summary = tune(args.engine, args.data, args.out, config, resume=args.resume,
-                   report_dir=args.report or f"{args.out}-report", name=args.name, validation=args.validation)
-    if "head" in summary:
-        h = summary["head"]
-        print(f"decision head: held-out NLL {h['heldout_nll_before']:.4f} (zero-shot) -> {h['heldout_nll_after']:.4f}")
-    else:
-        _print_tuning(summary["tuning"])
-    for phase, r in summary.get("report", {}).items():
-        print(f"{phase:6s} (ONNX Runtime, held-out rows {r['rows']}): accuracy {r['accuracy']:.3f}  NLL {r['nll']:.3f}  "
-              f"Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")
-    print(f"tuned engine written to {args.out}; report in {args.report or f'{args.out}-report'}")
+                        batch_questions=args.batch_questions, rlcd_weight=args.rlcd_weight, holdout=args.holdout,
+                        seed=args.seed, max_state_tokens=args.max_state_tokens, eval_every=args.eval_every,
+                        patience=args.patience, keep_base=args.keep_base)
+    report_dir = args.report or f"{args.out}-report"
+    summary = tune(args.engine, args.data, args.out, config, resume=args.resume, report_dir=report_dir,
+                   name=args.name, validation=args.validation)
+    print("\n".join(summary_lines(summary, args.out, report_dir)))
     return 0
-
-
-def _print_tuning(tuning: dict) -> None:
-    m = tuning["metrics"]
-    print(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL {m['heldout_before']['nll']:.4f}; "
-          f"best: accuracy {m['heldout_best']['accuracy']:.3f} NLL {m['heldout_best']['nll']:.4f} "
-          f"({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
 
 
 def cmd_plan(args) -> int:
@@ -357,48 +189,58 @@ def cmd_build_trt(args) -> int:
     return 0
 
 
-def _device_names() -> list:
-    from .runtime.plan import DEVICES
-
-    return list(DEVICES)
-
-
 def cmd_quantize(args) -> int:
     """Build an INT8 engine that keeps its answers on labelled rows, or refuse."""
     try:
         from .calibration.quantize import quantize_engine
     except ImportError as err:
-        raise OnepassError(f"quantize needs the [export] extra ({err.name} is missing)") from None
-    record = quantize_engine(args.engine, args.out, args.data, min_agreement=args.min_agreement,
-                             max_error=args.max_error)
-    print(f"INT8 engine written to {args.out}: agreement {record['agreement']:.1%} on {record['rows']} rows, "
-          f"max log-prob error {record['max_logprob_error']:.3f}, {record['speedup']:.2f}x")
+        raise _extra("quantize", err, "[export] extra") from None
+    r = quantize_engine(args.engine, args.out, args.data, min_agreement=args.min_agreement, max_error=args.max_error)
+    print(f"INT8 engine written to {args.out}: agreement {r['agreement']:.1%} on {r['rows']} rows, "
+          f"max log-prob error {r['max_logprob_error']:.3f}, {r['speedup']:.2f}x")
     return 0
 
 
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     try:
-        from .export.build import export_engine
+        from .export.build import export_from_options
     except ImportError as err:
-        raise OnepassError(f"export needs the [export] extra ({err.name} is missing): "
-                           "pip install torch==2.13.0 && pip install 'onepass[export]'") from None
-    from .runtime.manifest import Scoring
-
-    limits = dict(max_state_tokens=args.max_state_tokens, max_packed_tokens=args.max_packed_tokens,
-                  max_questions=args.max_questions, max_options=args.max_options,
-                  max_request_tokens=args.max_request_tokens)  # over the limits derived from the model
-    head = head_info = None
-    if args.head:
-        from .calibration.head import load_head_info
-
-        head, head_info = load_head_info(args.head)
-    from .export.adapter import resolve
-
-    scoring = Scoring(args.readout) if args.readout else None
-    export_engine(args.out, args.model, name=args.name, limits=limits, scoring=scoring,
-                  head=head, head_info=head_info, precision=args.precision, adapters=resolve(args.adapter, args.model))
+        raise _extra("export", err, "[export] extra: pip install torch==2.13.0 && pip install 'onepass[export]'") \
+            from None
+    export_from_options(args.out, args.model, name=args.name, limits=_limits(args), readout=args.readout,
+                        precision=args.precision, adapter=args.adapter, head=args.head)
     return 0
+
+
+THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
+
+
+def _engine(p, backend: str | None = "auto", help: str = "engine directory") -> None:
+    """--engine, --threads and (unless None) --backend: what every command that loads an engine takes."""
+    p.add_argument("--engine", required=True, help=help)
+    p.add_argument("--threads", type=int, default=None, help=THREADS)
+    if backend is not None:
+        p.add_argument("--backend", choices=("auto", *BACKENDS), default=backend,
+                       help="auto: OpenVINO's CPU plugin where it reproduces the golden file here, else ONNX Runtime")
+
+
+def _http(p) -> None:
+    """The HTTP settings serve and cluster share."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests (per replica) before answering 429")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="seconds a request may take, queue included, unless it sends X-Request-Timeout")
+    p.add_argument("--batch-window-ms", type=float, default=2.0,
+                   help="requests about one state arriving within this window share a pass (0: off)")
+    p.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB (per replica)")
+
+
+def _rows(p) -> None:
+    p.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -433,13 +275,10 @@ def parser() -> argparse.ArgumentParser:
                                    "the graph; the engine then answers with the 'head' read-out")
     ex.set_defaults(func=cmd_export)
     ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
-    ask.add_argument("--engine", required=True, help="engine directory")
+    _engine(ask)
     ask.add_argument("--state", help="file with the state text ('-' for stdin); or give state inside --questions")
     ask.add_argument("--json-state", action="store_true", help="the state file holds JSON (serialised canonically)")
     ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
-    ask.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
-    ask.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
-                     help="as for serve (default auto: OpenVINO where it reproduces the golden file, else ONNX Runtime)")
     ask.set_defaults(func=cmd_ask)
     bench = sub.add_parser("bench", help="latency percentiles of an engine (in process) or a server (HTTP)")
     where = bench.add_mutually_exclusive_group(required=True)
@@ -471,27 +310,23 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--force", action="store_true", help="compare even when the workload or machine differ")
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
-    check.add_argument("--engine", required=True, help="engine directory")
-    check.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
-    check.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
-                       help="which backend runs the golden file (bf16 engines: tensorrt or torch-*)")
+    _engine(check, backend="onnxruntime")  # the reference; bf16 engines: tensorrt or torch-*
     check.set_defaults(func=cmd_check)
     cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
     cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
-    cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    _rows(cal)
     cal.add_argument("--holdout", type=float, default=0.3, help="share of rows kept out of the fit for the report; "
                      "each group (question type, or one question) needs 20 training rows to be fitted")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
     ev = sub.add_parser("eval", help="how good an engine is on labelled JSONL rows (accuracy, NLL, ECE, coverage)")
-    ev.add_argument("--engine", required=True, help="engine directory")
-    ev.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    _engine(ev, backend=None)
+    _rows(ev)
     ev.add_argument("--min-confidence", type=float, default=None, help="report coverage and accuracy above it")
     ev.add_argument("--target-accuracy", type=float, default=None, help="find the confidence that reaches it")
     ev.add_argument("--compare", default=None, metavar="DIR2",
                     help="a second engine directory evaluated on the same rows, side by side (e.g. base vs tuned)")
-    ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--report", default=None, help="folder for eval.json/.md and plots")
     ev.set_defaults(func=cmd_eval)
     tn = sub.add_parser("tune", help="fine-tune the decoder (LoRA or all weights) on labelled rows; writes a tuned engine")
@@ -540,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
                           "this machine's GPU (standard TensorRT on NGC/JetPack builds on the device)")
     trt.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "fp8", "int8"],
                      help="the graph's precision (the default); plans are built at it")
-    trt.add_argument("--device", default=None, choices=sorted(_device_names()),
+    trt.add_argument("--device", default=None, choices=sorted(DEVICES),
                      help="limit the builder's workspace to this device's budget (see `onepass plan`)")
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
                      help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
@@ -553,38 +388,18 @@ def parser() -> argparse.ArgumentParser:
     qz.add_argument("--max-error", type=float, default=0.1, help="largest allowed option log-prob error")
     qz.set_defaults(func=cmd_quantize)
     serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
-    serve.add_argument("--engine", required=True, help="engine directory")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
-    serve.add_argument("--request-timeout", type=float, default=10.0,
-                       help="seconds a request may take, queue included, unless the client sends X-Request-Timeout; "
-                            "requests that cannot be answered in time get 429 (on arrival) or 503 (queued)")
-    serve.add_argument("--batch-window-ms", type=float, default=2.0,
-                       help="requests about one state arriving within this window share a pass (0: off)")
-    serve.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB")
-    serve.add_argument("--max-state-tokens", type=int, default=None, help="lower the engine's state limit")
-    serve.add_argument("--max-packed-tokens", type=int, default=None, help="lower the engine's packed-token limit")
-    serve.add_argument("--max-questions", type=int, default=None, help="lower the engine's questions per request")
-    serve.add_argument("--max-options", type=int, default=None, help="lower the engine's options per choice")
+    _engine(serve)
+    _http(serve)
+    for flag, what in (("state-tokens", "state limit"), ("packed-tokens", "packed-token limit"),
+                       ("questions", "questions per request"), ("options", "options per choice")):
+        serve.add_argument(f"--max-{flag}", type=int, default=None, help=f"lower the engine's {what}")
     serve.add_argument("--max-request-tokens", type=int, default=None,
                        help="packed tokens per request over all its passes (default: one pass's, max_packed_tokens; "
                             "up to the engine's max_request_tokens)")
-    serve.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
-                       help="auto (default: openvino-cpu where it is installed and reproduces the engine's golden "
-                            "file here, else onnxruntime), onnxruntime (CPU, the reference), onnxruntime-gpu (its CUDA provider: no build step; needs "
-                            "the onnxruntime-gpu package), tensorrt (the engine's plan for this GPU), "
-                            "the PyTorch backend on CPU or CUDA, or OpenVINO's CPU plugin at f32 or in the CPU's "
-                            "native bf16: openvino-cpu is as exact as onnxruntime and 1.3x faster on the measured AMX Xeon, "
-                            "openvino-cpu-bf16 2.9x faster with answer probabilities within 0.14)")
     serve.add_argument("--build-trt-if-missing", action="store_true",
-                       help="with --backend tensorrt: build this GPU's TensorRT plan into --engine first if it has "
-                            "none (first start)")
+                       help="with --backend tensorrt: first build this GPU's TensorRT plan if --engine has none")
     serve.add_argument("--export-if-missing", action="store_true",
                        help="export the default model into --engine first if it holds no engine (first start)")
-    serve.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection has to send a request's headers (else 408 and closed)")
     serve.add_argument("--body-timeout", type=float, default=30.0,
@@ -604,26 +419,16 @@ def parser() -> argparse.ArgumentParser:
     cl.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                     help="let Serve's autoscaler keep MIN..MAX replicas instead of a fixed --replicas")
     cl.add_argument("--routing", choices=("state", "default"), default="state",
-                    help="state: requests about one state go to one replica (its cached K/V); default: Serve's "
-                         "own load balancing")
-    cl.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    cl.add_argument("--port", type=int, default=8000)
+                    help="state: requests about one state go to one replica (its cached K/V); default: Serve's own")
+    _http(cl)
     cl.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: start one here")
     cl.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the Ray cluster started here")
     cl.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs reserved per replica")
-    cl.add_argument("--threads", type=int, default=1, help="inference threads per replica (the backend's intra-op threads)")
-    cl.add_argument("--cache-mib", type=int, default=512, help="state cache size per replica in MiB")
+    cl.add_argument("--threads", type=int, default=1, help=THREADS)
     cl.add_argument("--retries", type=int, default=1, help="retries of a request whose replica died")
-    cl.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
-    cl.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    cl.add_argument("--max-queue", type=int, default=64, help="waiting requests per replica before 429")
-    cl.add_argument("--request-timeout", type=float, default=10.0, help="seconds a request may take by default")
-    cl.add_argument("--batch-window-ms", type=float, default=2.0)
     cl.set_defaults(func=cmd_cluster)
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
-    mcp.add_argument("--engine", required=True, help="engine directory")
-    mcp.add_argument("--threads", type=int, default=None, help="inference threads (the backend's intra-op threads; default: its own choice)")
-    mcp.add_argument("--backend", choices=("auto", *BACKENDS), default="auto", help="as for serve (default auto)")
+    _engine(mcp)
     mcp.set_defaults(func=cmd_mcp)
     return p
 

@@ -139,3 +139,22 @@ def write(report: dict, out: Path) -> None:
             cells.append(" / ".join(f"{m['for_target_accuracy']['coverage']:.3f}" for m in blocks))
         lines.append(f"| {name} | {first['rows']} | {first['majority']:.3f} | " + " | ".join(cells) + " |")
     (out / "eval.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def summary(report: dict) -> list[str]:
+    """What `onepass eval` prints: per engine, accuracy against the majority, NLL, Brier, ECE and the coverages."""
+    lines = []
+    for r in engine_reports(report):
+        m = r["all"]
+        lines.append(f"{r['name']} on {r.get('backend', '?')}: {r['rows']} rows ({r['rows_per_second']:.1f}/s): "
+                     f"accuracy {m['accuracy']:.3f} (majority {m['majority']:.3f})  NLL {m['nll']:.3f}  "
+                     f"Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
+        if "at_min_confidence" in m:
+            at = m["at_min_confidence"]
+            acc = f"{at['accuracy']:.3f}" if at["accuracy"] is not None else "-"
+            lines.append(f"  confidence >= {at['min_confidence']}: coverage {at['coverage']:.3f}, accuracy {acc}")
+        if "for_target_accuracy" in m:
+            t = m["for_target_accuracy"]
+            lines.append(f"  accuracy >= {t['target']}: coverage {t['coverage']:.3f} at confidence >= "
+                         f"{t['min_confidence']}")
+    return lines

@@ -167,3 +167,21 @@ def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
         labels = np.array([scored[i]["label"] for i in idx])
         out[name] = {"rows": len(idx), **metrics.summary(probs, labels), "ece_floor": metrics.ece_floor(probs)}
     return out
+
+
+def summary(report: dict, engine_dir, report_dir=None) -> list[str]:
+    """What `onepass calibrate` prints: before/after on the held-out rows, the groups skipped, where it wrote."""
+    lines = []
+    for phase in ("before", "after"):
+        m = report[phase]["all"]
+        lines.append(f"{phase:6s} held-out rows {m['rows']}: accuracy {m['accuracy']:.3f}  NLL {m['nll']:.3f}  "
+                     f"Brier {m['brier']:.3f}  ECE {m['ece']:.3f}")
+    skipped = list(report["skipped"].items())
+    for key, n in skipped[:5]:
+        lines.append(f"skipped {key if len(key) <= 80 else key[:77] + '...'}: {n} training rows, "
+                     f"{report['min_rows']} needed")
+    if len(skipped) > 5:
+        lines.append(f"... and {len(skipped) - 5} more groups under {report['min_rows']} rows (report.json lists them)")
+    lines.append(f"calibration of {len(report['calibration']['groups'])} groups written to {engine_dir}/manifest.json"
+                 + (f"; report in {report_dir}" if report_dir else ""))
+    return lines

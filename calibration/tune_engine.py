@@ -227,3 +227,23 @@ def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out:
     write_report(report, out)
     return {k: {m: report[k]["all"][m] for m in ("accuracy", "nll", "brier", "ece", "rows")}
             for k in ("before", "after")}
+
+
+def summary_lines(summary: dict, out, report_dir) -> list[str]:
+    """What `onepass tune` prints: held-out before and best (or the head's NLL), the report's before/after."""
+    lines = []
+    if "head" in summary:
+        h = summary["head"]
+        lines.append(f"decision head: held-out NLL {h['heldout_nll_before']:.4f} (zero-shot) -> "
+                     f"{h['heldout_nll_after']:.4f}")
+    else:
+        tuning = summary["tuning"]
+        m = tuning["metrics"]
+        lines.append(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL "
+                     f"{m['heldout_before']['nll']:.4f}; best: accuracy {m['heldout_best']['accuracy']:.3f} NLL "
+                     f"{m['heldout_best']['nll']:.4f} ({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
+    for phase, r in summary.get("report", {}).items():
+        lines.append(f"{phase:6s} (ONNX Runtime, held-out rows {r['rows']}): accuracy {r['accuracy']:.3f}  "
+                     f"NLL {r['nll']:.3f}  Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")
+    lines.append(f"tuned engine written to {out}; report in {report_dir}")
+    return lines

@@ -131,3 +131,19 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     tmp.rename(out)
     step(f"engine written to {out}")
     return out
+
+
+def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,
+                        readout: str | None = None, precision: str = "fp32", adapter: str = "default",
+                        head: str | None = None) -> Path:
+    """`onepass export`: ``limits`` (None values: derived from the model), ``readout`` (None: the adapter's), the
+    ``adapter`` as the command names it ('default', 'none' or a folder) and a trained decision ``head`` (.pt)."""
+    from .adapter import resolve
+
+    head_module = head_info = None
+    if head:
+        from ..calibration.head import load_head_info
+
+        head_module, head_info = load_head_info(head)
+    return export_engine(out, model, name=name, limits=limits, scoring=mf.Scoring(readout) if readout else None,
+                         head=head_module, head_info=head_info, precision=precision, adapters=resolve(adapter, model))

@@ -441,3 +441,41 @@ def run_bench(targets: list[Target], kinds: list[str], rates: list[float], concu
         files = write_report(report, Path(report_dir))
         echo(f"report written to {report_dir}: {', '.join(files)}")
     return report
+
+
+def bench(body: dict, states: list, *, engine: str | None = None, url: str | None = None,
+          backends: list[str] | None = None, threads: int | None = None, api_key: str | None = None,
+          model: str | None = None, kinds: list[str] | None = None, rates: list[float] | None = None,
+          concurrencies: list[int] | None = None, duration: float = 10.0, warmup: int = 3, seed: int = 0,
+          cold_fraction: float = 0.0, requests: int | None = None, compare_with: str | None = None,
+          force: bool = False, report_dir: str | None = None, echo=_say) -> dict:
+    """`onepass bench`: an engine in process (each of ``backends`` that loads here; the others reported as skipped)
+    or a server at ``url``; closed loops of ``concurrencies`` (default one client) and open loops of ``rates``;
+    compared with the bench.json at ``compare_with``; the report written to ``report_dir``."""
+    from .backends import BACKENDS
+
+    body = {k: v for k, v in body.items() if k != "state"}
+    rates = rates or []
+    concurrencies = concurrencies or ([] if rates else [1])
+    check_loads(rates, concurrencies, duration, cold_fraction, requests)
+    old = None
+    if compare_with:
+        try:
+            old = json.loads(Path(compare_with).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise OnepassError(f"--compare {compare_with}: not a readable bench.json ({err})") from None
+    skipped: dict = {}
+    if engine:
+        targets, skipped = engine_targets(engine, backends or list(BACKENDS), threads, body, states, cold_fraction,
+                                          seed)
+        for name, why in skipped.items():
+            echo(f"{name}: skipped ({why})")
+        if not targets:
+            raise OnepassError(f"no backend could load {engine}: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                              skipped.items()))
+        kinds = kinds or ["warm", "cold", "prefill"]
+    else:
+        targets = [url_target(url, api_key, model, body, states, cold_fraction, seed)]
+        kinds = kinds or ["warm"]
+    return run_bench(targets, kinds, rates, concurrencies, duration, warmup, seed, body, states, cold_fraction,
+                     skipped=skipped, old=old, force=force, report_dir=report_dir, echo=echo, requests=requests)

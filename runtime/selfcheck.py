@@ -60,3 +60,10 @@ def check_golden(engine) -> dict:
     if bad:
         raise EngineFileError(f"the graph does not reproduce its golden file: {bad} (tolerances {tol})")
     return diffs
+
+
+def report_lines(engine) -> list[str]:
+    """What `onepass check` prints: each golden output's largest difference beside its tolerance (raises as
+    :func:`check_golden` when one is over)."""
+    diffs, tol = check_golden(engine), tolerances(engine)
+    return [f"{name:20s} max |diff| {diff:.2e}  (tolerance {tol[name]:.0e})" for name, diff in diffs.items()]

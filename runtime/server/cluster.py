@@ -29,6 +29,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -253,6 +254,7 @@ def serve_until_stopped(config: dict, host: str, port: int, stop, address: str |
     from .processes import descendants, end
 
     ClusterConfig(**config)  # bad settings fail here, before Ray starts
+    before = descendants()  # a caller's own children are not ours to end
     started: dict = {}
     try:
         if address:
@@ -267,9 +269,54 @@ def serve_until_stopped(config: dict, host: str, port: int, stop, address: str |
             while not stop.wait(0.5):
                 started.update(descendants())  # Ray starts workers and agents as it goes
     finally:
-        started.update(descendants())
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        if not address:  # a cluster we joined is not ours to end
-            end(started)
+        import threading
+
+        with stop_signals_set(threading.Event()):  # a second SIGINT or SIGTERM cannot cut the clean-up short
+            started.update(descendants())
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
+            if not address:  # a cluster we joined is not ours to end
+                end({pid: t for pid, t in started.items() if before.get(pid) != t})
+
+
+def autoscale_range(text: str | None) -> tuple | None:
+    """``MIN:MAX`` replicas as a tuple (None stays None)."""
+    if text is None:
+        return None
+    low, sep, high = text.partition(":")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+        raise OnepassError(f"--autoscale must be MIN:MAX replicas (e.g. 1:4), got {text!r}")
+    return int(low), int(high)
+
+
+def run(engine_dir: str, server: ServerConfig, *, replicas: int = 2, autoscale: str | None = None,
+        routing: str = "state", address: str | None = None, num_cpus: int | None = None,
+        cpus_per_replica: float = 1.0, threads: int | None = 1, cache_mib: int = 512, retries: int = 1,
+        echo=print) -> None:
+    """`onepass cluster`: serve ``engine_dir`` from replicas on Ray Serve until SIGINT or SIGTERM (SIGINT also when
+    inherited ignored, as in a script's background job), then stop Serve and Ray and every process started here."""
+    import shutil
+    import threading
+
+    from ..interrupt import stop_signals_set
+
+    engine = Path(engine_dir).resolve()
+    if not (engine / "manifest.json").is_file():
+        raise OnepassError(f"{engine_dir} holds no engine (no manifest.json); run `onepass export --out "
+                           f"{engine_dir}` first")
+    metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
+    config = dict(engine=str(engine), replicas=replicas, autoscale=autoscale_range(autoscale), routing=routing,
+                  cpus_per_replica=cpus_per_replica, threads=threads, cache_mib=cache_mib, retries=retries,
+                  metrics_dir=metrics_dir, server=asdict(server))
+    size = f"{autoscale} replicas (autoscaled)" if autoscale else f"{replicas} replicas"
+    stop = threading.Event()
+    try:
+        with stop_signals_set(stop):
+            serve_until_stopped(config, server.host, server.port, stop, address=address, num_cpus=num_cpus,
+                                on_ready=lambda: echo(f"onepass cluster: {engine.name} on http://{server.host}:"
+                                                      f"{server.port} with {size}, routing by {routing}; Ctrl-C or "
+                                                      "SIGTERM stops it", flush=True))
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    echo("onepass cluster: stopped", flush=True)
