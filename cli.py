@@ -15,8 +15,9 @@ from .runtime.errors import OnepassError
 from .runtime.plan import DEVICES
 
 
-def _extra(name: str, err: ImportError, install: str) -> OnepassError:
-    return OnepassError(f"{name} needs the {install} ({err.name} is missing)")
+# what each command needs beyond the runtime: a missing import is one line naming the extra to install
+EXTRAS = {"serve": "serve", "mcp": "serve", "cluster": "cluster", "calibrate": "calibrate", "eval": "calibrate",
+          "tune": "export,calibrate", "export": "export", "quantize": "export", "build-trt": "trt-build"}
 
 
 def _limits(args) -> dict:
@@ -73,17 +74,11 @@ def _server_config(args):
 
 def cmd_serve(args) -> int:
     """Run the TypeSafe System One HTTP server."""
-    try:
-        from .runtime.server.run import serve
-        from .runtime.server.transport import TransportLimits
-    except ImportError as err:
-        raise _extra("serving", err, "[serve] extra: pip install 'onepass[serve]'") from None
+    from .runtime.server.run import serve
+    from .runtime.server.transport import TransportLimits
     exporter = None
     if args.export_if_missing:
-        try:
-            from .export.build import export_engine as exporter
-        except ImportError as err:
-            raise _extra("--export-if-missing", err, "export dependencies") from None
+        from .export.build import export_engine as exporter
     transport = TransportLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                 keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
                                 max_connections=args.max_connections)
@@ -99,10 +94,7 @@ def cmd_cluster(args) -> int:
     import os
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        from .runtime.server import cluster
-    except ImportError as err:
-        raise _extra("the cluster", err, "[cluster] extra: pip install 'onepass[cluster]'") from None
+    from .runtime.server import cluster
     cluster.run(args.engine, _server_config(args), replicas=args.replicas, autoscale=args.autoscale,
                 routing=args.routing, address=args.address, num_cpus=args.num_cpus,
                 cpus_per_replica=args.cpus_per_replica, threads=args.threads, cache_mib=args.cache_mib,
@@ -112,10 +104,7 @@ def cmd_cluster(args) -> int:
 
 def cmd_mcp(args) -> int:
     """Run the MCP tool server on stdio."""
-    try:
-        from .runtime.server.mcp_tools import serve_stdio
-    except ImportError as err:
-        raise _extra("serving", err, "[serve] extra: pip install 'onepass[serve]'") from None
+    from .runtime.server.mcp_tools import serve_stdio
     from .runtime.engine import Engine
 
     serve_stdio(Engine.load(args.engine, threads=args.threads, backend=args.backend))
@@ -124,10 +113,7 @@ def cmd_mcp(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Fit calibration on labelled rows and store it in the engine manifest."""
-    try:
-        from .calibration.run import calibrate, summary
-    except ImportError as err:
-        raise _extra("calibration", err, "[calibrate] extra: pip install 'onepass[calibrate]'") from None
+    from .calibration.run import calibrate, summary
     report = calibrate(args.engine, args.data, holdout=args.holdout, seed=args.seed, report_dir=args.report)
     print("\n".join(summary(report, args.engine, args.report)))
     return 0
@@ -135,10 +121,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_eval(args) -> int:
     """Accuracy vs majority, NLL, Brier, ECE, coverage and confusion of an engine on labelled rows."""
-    try:
-        from .calibration.evaluate import evaluate_engine, summary, write
-    except ImportError as err:
-        raise _extra("eval", err, "[calibrate] extra: pip install 'onepass[calibrate]'") from None
+    from .calibration.evaluate import evaluate_engine, summary, write
     report = evaluate_engine(args.engine, args.data, args.min_confidence, args.target_accuracy, args.threads)
     if args.compare:
         report["compare"] = evaluate_engine(args.compare, args.data, args.min_confidence, args.target_accuracy,
@@ -152,12 +135,8 @@ def cmd_eval(args) -> int:
 
 def cmd_tune(args) -> int:
     """Fine-tune an engine's decoder on labelled rows and export the tuned engine."""
-    try:
-        from .calibration.tune import TuneConfig
-        from .calibration.tune_engine import summary_lines, tune
-    except ImportError as err:
-        raise _extra("tune", err, "[export,calibrate] extras: pip install torch==2.13.0 && pip install "
-                                  "'onepass[export,calibrate]'") from None
+    from .calibration.tune import TuneConfig
+    from .calibration.tune_engine import summary_lines, tune
     config = TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
                         epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
                         batch_questions=args.batch_questions, rlcd_weight=args.rlcd_weight, holdout=args.holdout,
@@ -191,10 +170,7 @@ def cmd_build_trt(args) -> int:
 
 def cmd_quantize(args) -> int:
     """Build an INT8 engine that keeps its answers on labelled rows, or refuse."""
-    try:
-        from .calibration.quantize import quantize_engine
-    except ImportError as err:
-        raise _extra("quantize", err, "[export] extra") from None
+    from .calibration.quantize import quantize_engine
     r = quantize_engine(args.engine, args.out, args.data, min_agreement=args.min_agreement, max_error=args.max_error)
     print(f"INT8 engine written to {args.out}: agreement {r['agreement']:.1%} on {r['rows']} rows, "
           f"max log-prob error {r['max_logprob_error']:.3f}, {r['speedup']:.2f}x")
@@ -203,11 +179,7 @@ def cmd_quantize(args) -> int:
 
 def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
-    try:
-        from .export.build import export_from_options
-    except ImportError as err:
-        raise _extra("export", err, "[export] extra: pip install torch==2.13.0 && pip install 'onepass[export]'") \
-            from None
+    from .export.build import export_from_options
     export_from_options(args.out, args.model, name=args.name, limits=_limits(args), readout=args.readout,
                         precision=args.precision, adapter=args.adapter, head=args.head)
     return 0
@@ -232,15 +204,9 @@ def _http(p) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests (per replica) before answering 429")
-    p.add_argument("--request-timeout", type=float, default=10.0,
-                   help="seconds a request may take, queue included, unless it sends X-Request-Timeout")
-    p.add_argument("--batch-window-ms", type=float, default=2.0,
-                   help="requests about one state arriving within this window share a pass (0: off)")
+    p.add_argument("--request-timeout", type=float, default=10.0, help="seconds, unless it sends X-Request-Timeout")
+    p.add_argument("--batch-window-ms", type=float, default=2.0, help="requests about one state within it share a pass")
     p.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB (per replica)")
-
-
-def _rows(p) -> None:
-    p.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -254,25 +220,19 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="engine directory to write")
     ex.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     ex.add_argument("--name", help="engine name (default: from the model)")
-    ex.add_argument("--max-state-tokens", type=int, default=None,
-                    help="default: the model's context window minus 1024 positions for the questions")
-    ex.add_argument("--max-packed-tokens", type=int, default=4096, help="tokens of one packed pass")
+    for flag, default, what in (("state", None, "state tokens (default: the context window minus 1024)"),
+                                ("packed", 4096, "tokens of one packed pass"), ("request", 262144, "packed tokens "
+                                "over all passes of one request")):
+        ex.add_argument(f"--max-{flag}-tokens", type=int, default=default, help=what)
     ex.add_argument("--max-questions", type=int, default=5000)
     ex.add_argument("--max-options", type=int, default=1000)
-    ex.add_argument("--max-request-tokens", type=int, default=262144,
-                    help="packed tokens over all passes of one request (blocks of whole questions)")
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
-                    help="how option log-likelihoods become probabilities (default: the read-out the adapter was "
-                         "trained for, else mean; see benchmarks/results/readout_eval.md)")
+                    help="option log-likelihoods to probabilities (default: the adapter's, else mean)")
     ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
-                    help="fp16/bf16: block weights and GEMMs in fp16/bf16 (half the weight bytes; norms, softmax, "
-                         "residual stream, read-out and K/V stay float32); bf16 engines run on TensorRT or "
-                         "the PyTorch backend")
-    ex.add_argument("--adapter", default="default",
-                    help="LoRA adapter merged into the weights: 'default' (the tuned adapter shipped for the default "
-                         "model; none for other models), 'none' (the plain base model), or a folder from `onepass tune`")
-    ex.add_argument("--head", help="a trained decision head (.pt from benchmarks/decision_head.py) to export into "
-                                   "the graph; the engine then answers with the 'head' read-out")
+                    help="of the block weights and GEMMs (the rest stays fp32); bf16: TensorRT or PyTorch only")
+    ex.add_argument("--adapter", default="default", help="LoRA merged into the weights: 'default' (shipped for the "
+                                                          "default model), 'none', or a folder from `onepass tune`")
+    ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
     ex.set_defaults(func=cmd_export)
     ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
     _engine(ask)
@@ -288,15 +248,11 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--states", help="a directory of state files: each request takes one at random (seeded)")
     bench.add_argument("--json-state", action="store_true", help="the state file holds JSON")
     bench.add_argument("--questions", required=True, help="JSON questions or a full request")
-    bench.add_argument("--backend", choices=BACKENDS, nargs="+", default=None,
-                       help="in process: the backends to measure side by side (default: every one that loads here)")
-    bench.add_argument("--kind", choices=("warm", "cold", "prefill"), nargs="+", default=None,
-                       help="warm: cached state; cold: a fresh state per request (prefill included); prefill: "
-                            "prefill alone (default: all three in process, warm over HTTP)")
-    bench.add_argument("--cold-fraction", type=float, default=0.0,
-                       help="share of fresh (uncached) states mixed into warm runs, 0..1")
-    bench.add_argument("--requests", type=int, default=None,
-                       help="requests per run instead of --duration (open loop: requests / rate seconds)")
+    bench.add_argument("--backend", choices=BACKENDS, nargs="+", help="in process: backends side by side (default all)")
+    bench.add_argument("--kind", choices=("warm", "cold", "prefill"), nargs="+", help="cached state, fresh state, "
+                       "prefill alone (default: all three in process, warm over HTTP)")
+    bench.add_argument("--cold-fraction", type=float, default=0.0, help="share of fresh states in warm runs, 0..1")
+    bench.add_argument("--requests", type=int, default=None, help="requests per run instead of --duration")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--model", default="jev-latest", help="model name sent over HTTP")
     bench.add_argument("--api-key", default=None)
@@ -314,46 +270,38 @@ def parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
     cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
     cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
-    _rows(cal)
-    cal.add_argument("--holdout", type=float, default=0.3, help="share of rows kept out of the fit for the report; "
-                     "each group (question type, or one question) needs 20 training rows to be fitted")
+    cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    cal.add_argument("--holdout", type=float, default=0.3, help="rows kept out of the fit; a group needs 20 to fit")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
     cal.set_defaults(func=cmd_calibrate)
     ev = sub.add_parser("eval", help="how good an engine is on labelled JSONL rows (accuracy, NLL, ECE, coverage)")
     _engine(ev, backend=None)
-    _rows(ev)
+    ev.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
     ev.add_argument("--min-confidence", type=float, default=None, help="report coverage and accuracy above it")
     ev.add_argument("--target-accuracy", type=float, default=None, help="find the confidence that reaches it")
-    ev.add_argument("--compare", default=None, metavar="DIR2",
-                    help="a second engine directory evaluated on the same rows, side by side (e.g. base vs tuned)")
+    ev.add_argument("--compare", default=None, metavar="DIR2", help="a second engine, side by side on the same rows")
     ev.add_argument("--report", default=None, help="folder for eval.json/.md and plots")
     ev.set_defaults(func=cmd_eval)
-    tn = sub.add_parser("tune", help="fine-tune the decoder (LoRA or all weights) on labelled rows; writes a tuned engine")
+    tn = sub.add_parser("tune", help="fine-tune the decoder on labelled rows; writes a tuned engine")
     tn.add_argument("--engine", required=True, help="the base engine directory")
     tn.add_argument("--data", required=True, nargs="+", help="JSONL rows: state, question, label (or probabilities)")
     tn.add_argument("--out", required=True, help="tuned engine directory to write (only when the run succeeds)")
     tn.add_argument("--method", choices=["lora", "full", "head"], default="lora",
-                    help="lora: LoRA adapters (peft), merged on export; full: every weight; head: a decision head "
-                         "(MLP width 16, CE + RLCD, early stopping) over the frozen decoder, exported into the graph")
+                    help="LoRA adapters merged on export, every weight, or a decision head over the frozen decoder")
     tn.add_argument("--rank", type=int, default=16, help="LoRA rank")
     tn.add_argument("--train-blocks", type=int, default=None, help="train only the top N decoder blocks (default all)")
     tn.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
     tn.add_argument("--epochs", type=int, default=3)
     tn.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
-    tn.add_argument("--keep-base", action="store_true", help="write the engine even when tuning never beats the base "
-                                                              "on the held-out rows (by default: no engine, exit 2)")
-    tn.add_argument("--max-steps", type=int, default=None,
-                    help="stop after this many optimiser steps (reproducible, unlike --max-minutes)")
+    tn.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
+    tn.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
     tn.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     tn.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
     tn.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, report)")
-    tn.add_argument("--validation", nargs="+", default=None,
-                    help="JSONL rows held out instead of a --holdout split of --data (early stopping and the report "
-                         "run on them): e.g. tasks not in the training data, to keep the weights that transfer")
+    tn.add_argument("--validation", nargs="+", default=None, help="held-out JSONL rows instead of a --holdout split")
     tn.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
-    tn.add_argument("--patience", type=int, default=2, help="held-out evaluations without NLL improvement before "
-                                                             "stopping (the best weights are kept)")
+    tn.add_argument("--patience", type=int, default=2, help="held-out evaluations without improvement, then stop")
     tn.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
     tn.add_argument("--seed", type=int, default=0)
     tn.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")
@@ -370,15 +318,11 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     trt = sub.add_parser("build-trt", help="build TensorRT plans from the engine's ONNX graph (ahead of time)")
     trt.add_argument("--engine", required=True, help="engine directory (plans are added and recorded)")
-    trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"],
-                     help="compute capabilities (TensorRT for RTX: sm75 sm80 sm86 sm89 sm120 sm121), or native: "
-                          "this machine's GPU (standard TensorRT on NGC/JetPack builds on the device)")
+    trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"], help="sm75..sm121, or native: this GPU")
     trt.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "fp8", "int8"],
-                     help="the graph's precision (the default); plans are built at it")
-    trt.add_argument("--device", default=None, choices=sorted(DEVICES),
-                     help="limit the builder's workspace to this device's budget (see `onepass plan`)")
-    trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None,
-                     help="which TensorRT to use (default: tensorrt if installed, else tensorrt_rtx)")
+                     help="(default: the graph's)")
+    trt.add_argument("--device", default=None, choices=sorted(DEVICES), help="the builder's workspace budget")
+    trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None, help="default: tensorrt if any")
     trt.set_defaults(func=cmd_build_trt)
     qz = sub.add_parser("quantize", help="INT8 engine that must keep its answers on labelled rows (else refused)")
     qz.add_argument("--engine", required=True, help="fp32 engine directory")
@@ -393,24 +337,16 @@ def parser() -> argparse.ArgumentParser:
     for flag, what in (("state-tokens", "state limit"), ("packed-tokens", "packed-token limit"),
                        ("questions", "questions per request"), ("options", "options per choice")):
         serve.add_argument(f"--max-{flag}", type=int, default=None, help=f"lower the engine's {what}")
-    serve.add_argument("--max-request-tokens", type=int, default=None,
-                       help="packed tokens per request over all its passes (default: one pass's, max_packed_tokens; "
-                            "up to the engine's max_request_tokens)")
-    serve.add_argument("--build-trt-if-missing", action="store_true",
-                       help="with --backend tensorrt: first build this GPU's TensorRT plan if --engine has none")
-    serve.add_argument("--export-if-missing", action="store_true",
-                       help="export the default model into --engine first if it holds no engine (first start)")
-    serve.add_argument("--header-timeout", type=float, default=10.0,
-                       help="seconds a connection has to send a request's headers (else 408 and closed)")
-    serve.add_argument("--body-timeout", type=float, default=30.0,
-                       help="seconds a request has to send its whole body once its headers are in (else 408)")
+    serve.add_argument("--max-request-tokens", type=int, default=None, help="packed tokens per request")
+    serve.add_argument("--build-trt-if-missing", action="store_true", help="build this GPU's plan first if missing")
+    serve.add_argument("--export-if-missing", action="store_true", help="export the default model first if missing")
+    serve.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send the headers, else 408")
+    serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send the body, else 408")
     serve.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept")
     serve.add_argument("--max-header-bytes", type=int, default=16384, help="larger request heads get 431")
-    serve.add_argument("--max-connections", type=int, default=None,
-                       help="connections at once, 503 beyond (default 1000, below the open-files limit)")
+    serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000)")
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
-    serve.add_argument("--cascade", default=None, help="a second (stronger) engine directory: questions answered "
-                                                        "below --min-confidence are asked again of it")
+    serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
     serve.add_argument("--min-confidence", type=float, default=None, help="the cascade's threshold (0..1)")
     serve.set_defaults(func=cmd_serve)
     cl = sub.add_parser("cluster", help="serve the same HTTP API from replicas on Ray Serve, routed by state")
@@ -443,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValueError as err:  # limits and other validated settings
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an extra not installed
+        extra = EXTRAS.get(args.command)
+        if extra is None:
+            raise
+        torch = "pip install torch==2.13.0 && " if "export" in extra else ""
+        print(f"error: onepass {args.command} needs the [{extra}] extra ({err.name} is missing): {torch}pip install "
+              f"'onepass[{extra}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (writers clean up after themselves)
         print("interrupted", file=sys.stderr)
