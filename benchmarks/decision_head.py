@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     if cache.exists():
         feats = OptionFeatures.load(cache)
     else:
-        from onepass.export.decoder import PackedDecoder
+        from onepass.runtime.backends.torch_decoder import PackedDecoder
         from onepass.export.model_source import engine_source, load_model
 
         encoder = PromptEncoder(str(engine_dir / manifest.tokenizer), manifest.prompt)

@@ -126,7 +126,7 @@ class Timer:
 
 def backends(device: str, engine: Path) -> tuple[dict, dict]:
     """(name -> (engine directory, Engine.load backend factory, precision), name -> why it cannot run here)."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     ok, skipped = {}, {}
     if device.startswith("cuda") and not torch.cuda.is_available():

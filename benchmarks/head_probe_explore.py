@@ -27,7 +27,7 @@ from onepass.calibration import bigbench as bb
 from onepass.calibration import head as hd
 from onepass.calibration.head_features import OptionFeatures, example_pass, extract, last_readouts
 from onepass.export.model_source import cache_root
-from onepass.export.torch_backend import decoder_from_engine
+from onepass.runtime.backends.torch_backend import decoder_from_engine
 from onepass.runtime import manifest as mf
 from onepass.runtime.prompt import PromptEncoder
 

@@ -36,7 +36,7 @@ from int8_explore import TEXTS  # noqa: E402
 from latency import QUESTIONS, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.export.torch_backend import factory  # noqa: E402
+from onepass.runtime.backends.torch_backend import factory  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 CALIBRATION = ["Hello, I would like to change the address on my account, I moved last month.",

@@ -27,7 +27,7 @@ from int8_explore import TEXTS, margins  # noqa: E402
 from latency import QUESTIONS, cpu_name, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.export.torch_backend import factory  # noqa: E402
+from onepass.runtime.backends.torch_backend import factory  # noqa: E402
 from onepass.runtime import manifest as mf  # noqa: E402
 from onepass.runtime.errors import BackendUnavailable  # noqa: E402
 

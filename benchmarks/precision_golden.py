@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 
 from onepass import Engine
-from onepass.export.torch_backend import factory
+from onepass.runtime.backends.torch_backend import factory
 from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden
 
 OUT = Path(__file__).parent / "results" / "gpu"

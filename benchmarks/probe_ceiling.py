@@ -31,7 +31,7 @@ from onepass.calibration.bigbench import Example
 from onepass.calibration.head_features import OptionFeatures, extract
 from onepass.calibration.mixture import heldout_rows, write_jsonl
 from onepass.calibration.run import load_rows
-from onepass.export.torch_backend import decoder_from_engine
+from onepass.runtime.backends.torch_backend import decoder_from_engine
 from onepass.runtime import manifest as mf
 from onepass.runtime.prompt import PromptEncoder
 

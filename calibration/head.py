@@ -2,7 +2,7 @@
 
 An option's score is ``beta * zero_shot + head(h)``: the zero-shot read-out (per-token
 mean log-likelihood) plus a small MLP over the hidden state after the option (see
-:class:`onepass.export.decoder.DecisionHead`). ``beta`` lives in the manifest; the MLP is
+:class:`onepass.runtime.backends.torch_decoder.DecisionHead`). ``beta`` lives in the manifest; the MLP is
 exported into the score graph, so answering stays one pass.
 
 The loss is cross-entropy plus RLCD (:mod:`onepass.calibration.rlcd`, the same term
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from ..export.decoder import DecisionHead
+from ..runtime.backends.torch_decoder import DecisionHead
 from .head_features import OptionFeatures
 from .rlcd import rlcd_loss
 

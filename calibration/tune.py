@@ -2,7 +2,7 @@
 
 What is trained is what is served: a state is prefilled once, all the questions of the rows
 that share it (with all their options) go through one tree-masked pass of the export decoder
-(:class:`onepass.export.decoder.PackedDecoder`, built by :func:`onepass.runtime.tree.pack` from
+(:class:`onepass.runtime.backends.torch_decoder.PackedDecoder`, built by :func:`onepass.runtime.tree.pack` from
 the engine's own prompt encoder), and an option's score is the same exact chain-rule
 log-likelihood and read-out (``mean`` or ``sum``) the runtime soft-maxes. The loss is
 cross-entropy over each question's options (or against a teacher distribution) plus the RLCD

@@ -85,7 +85,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     """
     from ..export.adapter import CARD, CONFIG, WEIGHTS, save
     from ..export.build import export_engine
-    from ..export.decoder import PackedDecoder
+    from ..runtime.backends.torch_decoder import PackedDecoder
     from ..export.model_source import engine_source, load_model
 
     t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups,
                log) -> dict:
     """``method="head"``: the RLCD decision head over the frozen decoder's features, exported into the graph."""
     from ..export.build import export_engine
-    from ..export.decoder import PackedDecoder
+    from ..runtime.backends.torch_decoder import PackedDecoder
     from . import head as hd
     from .head_features import extract
 

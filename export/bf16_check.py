@@ -30,7 +30,7 @@ from ..runtime import manifest as mf
 from ..runtime.engine import Engine
 from ..runtime.prompt import PromptEncoder
 from ..runtime.selfcheck import check_golden
-from .decoder import PackedDecoder
+from ..runtime.backends.torch_decoder import PackedDecoder
 from .golden import write_golden
 
 BLOCK_GEMMS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -69,7 +69,7 @@ def bf16_weights_fp32_math(decoder: PackedDecoder) -> PackedDecoder:
 def check_bf16_engine(root: Path, reference: PackedDecoder, work: Path) -> dict:
     """Both checks for the bf16 engine at ``root``; ``reference`` is the fp32 decoder it was lowered from
     (changed in place). Raises EngineFileError when either fails; returns the differences."""
-    from .torch_backend import factory
+    from ..runtime.backends.torch_backend import factory
 
     manifest = mf.load(root, verify=False)
     shutil.rmtree(work, ignore_errors=True)

@@ -17,7 +17,7 @@ from ..runtime import manifest as mf
 from ..runtime.engine import Engine
 from ..runtime.prompt import PromptEncoder, PromptTemplate
 from ..runtime.selfcheck import check_golden
-from .decoder import PackedDecoder, lower_precision
+from ..runtime.backends.torch_decoder import PackedDecoder, lower_precision
 from .adapter import card, resolve
 from .golden import write_golden
 from .model_source import load_model

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .torch_backend import decoder_from_engine
+from ..runtime.backends.torch_backend import decoder_from_engine
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -10,7 +10,7 @@ import torch
 from torch.export import Dim
 
 from ..runtime import contract
-from .decoder import PackedDecoder
+from ..runtime.backends.torch_decoder import PackedDecoder
 
 log = logging.getLogger("onepass.export")
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "torchvision missing"

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from onepass.export.decoder import PackedDecoder  # noqa: E402
+from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
 from onepass.runtime.tree import QuestionTokens, causal, option_logprobs, pack  # noqa: E402
 from reference import option_logprobs_alone  # noqa: E402
 

@@ -135,7 +135,7 @@ def head_engine(tmp_path_factory, tiny_llama_dir):
 @pytest.mark.slow
 def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     from onepass.calibration.head_features import extract
-    from onepass.export.decoder import PackedDecoder
+    from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.export.model_source import load_model
 
     engine, model = head_engine
@@ -158,7 +158,7 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     off = hd.probabilities(broken, feats)
     assert max(np.abs(a - b).max() for a, b in zip(off, want)) > 1e-2
     # the PyTorch backend rebuilds the head from the graph's initializers and answers the same
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     rebuilt = Engine.load(engine.root, backend=factory("cpu"), verify=False)
     ex = examples[0]

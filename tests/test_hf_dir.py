@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from onepass import Choice, Engine, Noul  # noqa: E402
 from onepass.export.build import export_engine  # noqa: E402
-from onepass.export.decoder import DecoderDims  # noqa: E402
+from onepass.runtime.backends.torch_decoder import DecoderDims  # noqa: E402
 from onepass.export.model_source import default_gguf, default_tokenizer, load_model  # noqa: E402
 from onepass.runtime.errors import ModelSourceError  # noqa: E402
 from reference import option_logprobs_alone  # noqa: E402
@@ -47,7 +47,7 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
     # a fresh model's norms are all ones: the ONNX optimizer merged them into one initializer, so the PyTorch
     # backend (which rebuilds the decoder from the graph's initializers by name) refuses clearly, not with a
     # NoneType error deep inside (found by the one-call GPU check's random-weight model)
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
     from onepass.runtime.errors import EngineFileError
 
     with pytest.raises(EngineFileError, match="identical weights were merged at export"):

@@ -39,7 +39,7 @@ def _errors(reference, other) -> list:
 
 def _torch_gemm_errors(engine, precision: str) -> list:
     """The fp32 engine against the PyTorch backend running it with ``precision`` block GEMMs."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     lowered = Engine.load(engine.root, verify=False, backend=factory("cpu", precision))
     assert lowered.backend.precision == precision
@@ -75,7 +75,7 @@ def test_fp16_graph_holds_fp16_block_weights_and_reproduces_its_golden_file(tiny
 
 def test_torch_backend_runs_an_fp16_engine_at_its_precision(tiny_fp16_dir):
     """ONNX Runtime's fp16 graph and the PyTorch backend's fp16 GEMMs (rebuilt from the graph's weights) agree."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     ort_engine = Engine.load(tiny_fp16_dir, verify=False)
     torch_engine = Engine.load(tiny_fp16_dir, verify=False, backend=factory("cpu"))
@@ -107,7 +107,7 @@ def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(
                                                                                 tmp_path, monkeypatch):
     """The twin check's wiring, on the tiny Llama (a structure question; SmolLM2's bf16 closeness is the next test)."""
     import onepass.export.bf16_check as bf16
-    from onepass.export.decoder import PackedDecoder
+    from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.export.model_source import load_model
     from onepass.runtime.errors import EngineFileError
     from onepass.runtime.selfcheck import BF16_TOLERANCES, TOLERANCES
@@ -124,7 +124,7 @@ def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(
 def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(tiny_bf16_dir, capsys):
     """What a bf16 engine is refused and run by, on the tiny Llama's bf16 engine (a structure question)."""
     from onepass.cli import main
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
     from onepass.runtime.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="bf16.*ONNX Runtime.*--backend tensorrt"):

@@ -16,13 +16,13 @@ STATE = "I was charged twice for one order and support never answered. Refund th
 
 @pytest.fixture(scope="module")
 def torch_engine(engine_dir):
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     return Engine.load(engine_dir, backend=factory("cpu"), verify=False)
 
 
 def test_decoder_rebuilt_from_the_graph_has_the_exported_weights(torch_engine, hf_model):
-    from onepass.export.decoder import PackedDecoder
+    from onepass.runtime.backends.torch_decoder import PackedDecoder
 
     want = PackedDecoder(hf_model).state_dict()
     got = torch_engine.backend.decoder.state_dict()
@@ -63,7 +63,7 @@ def test_chunked_prefill_into_preallocated_buffers_equals_one_chunk(torch_engine
 def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
     """Negative control: one altered weight in the rebuilt decoder fails the golden comparison (on the tiny Llama:
     the check is the same code whatever the weights)."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     assert check_golden(Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False))["target_logprob"] <= 2e-4
     broken = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
@@ -74,7 +74,7 @@ def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
 
 def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
     """On the tiny Llama: padding is the tree mask's and the backend's logic, not the weights'."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
     from onepass.runtime.tree import bucket, pad_batch
 
     torch_engine = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
@@ -103,7 +103,7 @@ def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
 def test_cuda_graph_replays_equal_eager_passes(engine_dir):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: run benchmarks/gpu_check.sh on a GPU machine")
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     graphs = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=True), verify=False)
     eager = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=False, buckets=True), verify=False)
@@ -126,7 +126,7 @@ def test_cuda_graph_replays_equal_eager_passes(engine_dir):
 def test_torch_backend_on_cuda_answers_like_cpu(engine_dir, torch_engine):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: run benchmarks/gpu_check.sh on a GPU machine")
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     gpu = Engine.load(engine_dir, backend=factory("cuda"), verify=False)
     encoded = gpu.encode_questions(QUESTIONS)
@@ -172,7 +172,7 @@ def _factories_without_device(path) -> list:
 def test_the_decoder_forward_creates_no_tensor_without_a_device():
     from pathlib import Path
 
-    import onepass.export.decoder as decoder
+    import onepass.runtime.backends.torch_decoder as decoder
 
     assert _factories_without_device(Path(decoder.__file__)) == []
 
@@ -190,7 +190,7 @@ def test_prefill_and_score_propagate_on_the_meta_device(tiny_engine_dir):
     weight and activation on torch's ``meta`` device: any tensor created on another device fails here, as it
     would on CUDA (no data is computed, so the answers are uniform). The tiny Llama runs the same decoder code as
     SmolLM2."""
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     for buckets in (False, True):
         meta = Engine.load(tiny_engine_dir, backend=factory("meta", buckets=buckets), verify=False)
@@ -223,7 +223,7 @@ def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(tiny_eng
     """Thread safety is a question of structure: asked on the tiny Llama (SmolLM2's graph at 2 blocks)."""
     from test_engine import asked_from_threads_equals_asked_alone
 
-    from onepass.export.torch_backend import factory
+    from onepass.runtime.backends.torch_backend import factory
 
     asked_from_threads_equals_asked_alone(Engine.load(tiny_engine_dir, backend=factory("cpu", buckets=True),
                                                       verify=False))
@@ -232,7 +232,7 @@ def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(tiny_eng
 def test_the_backend_table_opens_each_cpu_backend_by_name(tiny_engine_dir):
     """One table (runtime/backends): Engine.load(backend=<name>) opens the backend by name, the PyTorch one
     imported only then; an unknown name is a typed error listing the known ones."""
-    from onepass.export.torch_backend import TorchBackend
+    from onepass.runtime.backends.torch_backend import TorchBackend
     from onepass.runtime.backends import BACKENDS, factory
     from onepass.runtime.backends.ort import OrtBackend
     from onepass.runtime.errors import BackendUnavailable
@@ -272,7 +272,7 @@ def engine_tiny(tiny_engine_dir):
 
 def _host_graph_backend(slots: int = 2):
     """The torch backend with graphs captured as ``_HostGraph``s on CPU: its slot and graph-cache logic is real."""
-    from onepass.export.torch_backend import TorchBackend
+    from onepass.runtime.backends.torch_backend import TorchBackend
 
     class HostGraphs(TorchBackend):
         graph_devices = ("cuda", "cpu")

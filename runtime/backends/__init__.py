@@ -1,9 +1,9 @@
 """Inference backends: one table from a backend's name to its factory, each module imported only when asked for.
 
 ``factory(name, **options)`` gives the ``Engine.load(backend=...)`` factory ``(root, manifest, threads) ->
-Backend``; ``Engine.load(backend="torch-cuda")`` takes the name directly. The PyTorch backend lives in
-``onepass.export`` (it needs torch, which the runtime never imports at import time): the table names it as
-a module path, imported on first use.
+Backend``; ``Engine.load(backend="torch-cuda")`` takes the name directly. Every backend module is imported on
+first use only: the PyTorch backend (``torch_backend``, with its packed decoder ``torch_decoder``, which export
+also builds its graphs from) imports torch, which the rest of the runtime never does.
 
 ``default`` (the name ``auto``, what ``Engine.load`` uses when given no backend) picks the fastest CPU path that
 keeps the answers: OpenVINO's CPU plugin at f32 (1.32x ONNX Runtime on a 511-token state, log-likelihoods within
@@ -30,8 +30,8 @@ TABLE = {
     "onnxruntime": ("onepass.runtime.backends.ort", "factory", {"device": "cpu"}),
     "onnxruntime-gpu": ("onepass.runtime.backends.ort", "factory", {"device": "cuda"}),
     "tensorrt": ("onepass.runtime.backends.tensorrt", "factory", {}),
-    "torch-cpu": ("onepass.export.torch_backend", "factory", {"device": "cpu"}),
-    "torch-cuda": ("onepass.export.torch_backend", "factory", {"device": "cuda"}),
+    "torch-cpu": ("onepass.runtime.backends.torch_backend", "factory", {"device": "cpu"}),
+    "torch-cuda": ("onepass.runtime.backends.torch_backend", "factory", {"device": "cuda"}),
     "openvino-cpu": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "f32"}),
     "openvino-cpu-bf16": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "bf16"}),
 }
@@ -49,8 +49,8 @@ def factory(name: str, **options):
         make = getattr(importlib.import_module(module), attr)
     except ImportError as err:
         extra = "openvino" if "openvino" in module else "trt"
-        need = "PyTorch and onnx: pip install torch==2.13.0 'onepass[export]'" if module.startswith(
-            "onepass.export") else f"its extra: pip install 'onepass[{extra}]'"
+        need = "PyTorch and onnx: pip install torch==2.13.0 'onepass[export]'" if module.endswith(
+            "torch_backend") else f"its extra: pip install 'onepass[{extra}]'"
         raise BackendUnavailable(f"the {name} backend needs {need} ({err.name} is missing)") from None
     made = make(**fixed, **options)
 

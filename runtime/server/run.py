@@ -21,7 +21,7 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
     """Serve ``engine_dir`` until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). ``limits`` lowers the
     engine's (max_state_tokens, max_packed_tokens, max_questions, max_options); ``max_request_tokens`` is the
     packed tokens one request may take over its passes (default: one pass's). With ``cascade``, questions answered
-    below ``min_confidence`` are asked again of that engine. ``exporter`` (onepass.export.build.export_engine; the
+    below ``min_confidence`` are asked again of that engine. ``exporter`` (the export package's export_engine; the
     runtime never imports export) writes the default model into ``engine_dir`` on a first start where it holds no
     engine. The port is bound first: a taken one is an error before any engine loads."""
     import uvicorn

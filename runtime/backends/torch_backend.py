@@ -22,11 +22,11 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from ..runtime.backends.base import Backend, StateKV
-from ..runtime.backends.graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
-from ..runtime.errors import EngineFileError
-from ..runtime.tree import PackedBatch, bucket, causal
-from .decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
+from .base import Backend, StateKV
+from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
+from ..errors import EngineFileError
+from ..tree import PackedBatch, bucket, causal
+from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 
 def decoder_from_engine(root: Path, manifest) -> PackedDecoder:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..runtime.errors import ModelSourceError
+from ..errors import ModelSourceError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
