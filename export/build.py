@@ -102,8 +102,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
         write_golden(decoder, PromptEncoder(str(tmp / TOKENIZER), prompt), tmp / GOLDEN)
         step("hashing files and writing the manifest")
         files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir())}
-        info = mf.ModelInfo(dims.architecture, dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads,
-                            dims.head_dim, dims.vocab_size, dims.max_position)
+        info = dims.model_info()
         if not isinstance(limits, mf.Limits):
             limits = mf.Limits.for_model(dims.max_position, **(limits or {}))
         manifest = mf.Manifest(name=name or loaded.name, model=info, tokenizer=TOKENIZER, graph=GRAPH, golden=GOLDEN,

@@ -39,7 +39,7 @@ class ModelInfo:
     max_position: int
 
     def __post_init__(self):
-        for f in fields(self):
+        for f in fields(ModelInfo):  # a subclass (the PyTorch decoder's DecoderDims) adds floats and flags
             if f.name != "architecture" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0):
                 raise ValueError(f"model.{f.name} must be a positive integer")
 

@@ -8,34 +8,32 @@ stays the independent reference the tests compare against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ..errors import ModelSourceError
+from ..manifest import ModelInfo
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
-class DecoderDims:
-    """Dimensions of a decoder, read from a Hugging Face config."""
+class DecoderDims(ModelInfo):
+    """Dimensions of a decoder, read from a Hugging Face config: the manifest's ``ModelInfo`` (what the runtime
+    needs of any backend) and what only the PyTorch decoder needs to compute."""
 
-    architecture: str
-    num_layers: int
-    hidden_size: int
     intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
     rope_theta: float
     rms_norm_eps: float
-    max_position: int
     qkv_bias: bool
     qk_norm: bool
+
+    def model_info(self) -> ModelInfo:
+        """The manifest's part."""
+        return ModelInfo(**{f.name: getattr(self, f.name) for f in fields(ModelInfo)})
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderDims":
