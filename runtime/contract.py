@@ -77,3 +77,12 @@ def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool =
     if head:
         specs.append(TensorSpec("head_score", "float32", (READOUT,)))
     return specs
+
+
+def io_names(model, graph_outputs) -> tuple[list[str], list[str], bool]:
+    """(past K/V input names in order, output names in order, whether the graph has a decision head) of an engine's
+    graph whose outputs are ``graph_outputs``: what every ONNX-running backend needs to feed and read it."""
+    dims = (model.num_layers, model.num_kv_heads, model.head_dim)
+    past = [s.name for s in input_specs(*dims) if s.name.startswith("past_")]
+    head = "head_score" in set(graph_outputs)
+    return past, [s.name for s in output_specs(*dims, head=head)], head

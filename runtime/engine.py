@@ -17,7 +17,7 @@ import numpy as np
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
 from .calibration import question_key
-from .errors import BackendUnavailable, DeadlineExceeded, InvalidRequest, LimitExceeded
+from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded
 from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
 from .questions import Answer, Question, check_visible, distinct, from_wire
 from .readout import answer, option_scores, softmax
@@ -103,10 +103,6 @@ class Engine:
 
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
-        if backend in (None, backends.AUTO, "onnxruntime") and manifest.precision == "bf16":
-            raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "
-                                     "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
-                                     "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
         if backend in (None, backends.AUTO):
             backend = backends.default
         elif isinstance(backend, str):

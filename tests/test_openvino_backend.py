@@ -104,9 +104,9 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     for a, b in zip(reference.option_logprobs(STATE, encoded), default.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
     checks = []
-    import onepass.runtime.selfcheck as selfcheck  # default() imports run_golden from it when it checks
+    import onepass.runtime.selfcheck as selfcheck  # default() imports run_golden_on from it when it checks
 
-    monkeypatch.setattr(selfcheck, "run_golden", lambda engine: checks.append(1) or {"target_logprob": 0.1})
+    monkeypatch.setattr(selfcheck, "run_golden_on", lambda *args: checks.append(1) or {"target_logprob": 0.1})
     assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OpenVinoCpuBackend) and not checks
     monkeypatch.setattr(backends, "_verdicts", {})  # a new process: checked again, and missed
     with caplog.at_level(logging.WARNING, logger="onepass.backends"):

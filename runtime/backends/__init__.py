@@ -18,8 +18,6 @@ import importlib
 import importlib.util
 import logging
 import threading
-import types
-from pathlib import Path
 
 from ..errors import BackendUnavailable
 
@@ -80,7 +78,7 @@ def default(root, manifest, threads=None):
     """The default backend of an engine (the name ``auto``): OpenVINO at f32 when it is installed, the graph is a
     plain fp32 one and OpenVINO reproduces the golden file here at the fp32 tolerances; else ONNX Runtime on CPU.
     Why OpenVINO was passed over is logged (at debug level when it is simply not installed)."""
-    from ..selfcheck import TOLERANCES, run_golden
+    from ..selfcheck import TOLERANCES, over_tolerance, run_golden_on
 
     if not _openvino_installed():  # an extra not installed: the reference, quietly
         return _reference(root, manifest, threads, "openvino is not installed: pip install 'onepass[openvino]'",
@@ -97,8 +95,7 @@ def default(root, manifest, threads=None):
             try:
                 backend = factory(FASTEST_EXACT_CPU)(root, manifest, threads)
                 if verdict == "unchecked":
-                    diffs = run_golden(types.SimpleNamespace(root=Path(root), manifest=manifest, backend=backend))
-                    bad = {k: v for k, v in diffs.items() if not v <= TOLERANCES[k]}
+                    bad = over_tolerance(run_golden_on(backend, root, manifest), TOLERANCES)
                     verdict = f"it does not reproduce the golden file: {bad}" if bad else None
             except Exception as err:  # noqa: BLE001 - any failure of the optional fast path (a compile error):
                 verdict = f"{type(err).__name__}: {err}"  # the reference backend serves instead

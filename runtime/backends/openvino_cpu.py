@@ -51,11 +51,8 @@ class OpenVinoCpuBackend(Backend):
             self.config["INFERENCE_NUM_THREADS"] = int(threads)
         self.compiled = self._compile()
         self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()  # f32 or bf16 in force
-        dims = (model.num_layers, model.num_kv_heads, model.head_dim)
-        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
         outputs = [o.get_any_name() for o in self.compiled.outputs]
-        self.has_head = "head_score" in outputs
-        want = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
+        self.past_names, want, self.has_head = contract.io_names(model, outputs)
         missing = [n for n in want if n not in outputs]
         if missing:
             raise BackendUnavailable(f"{graph_path}: OpenVINO sees no output {missing[0]}; re-export the engine")

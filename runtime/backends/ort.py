@@ -61,11 +61,8 @@ class OrtBackend(Backend):
             cuda_options["user_compute_stream"] = str(self._cuda.handle(self._stream))
         providers = [(p, cuda_options) if p == "CUDAExecutionProvider" else p for p in PROVIDERS[device]]
         self.session = ort.InferenceSession(graph_path, opts, providers=providers)
-        dims = (model.num_layers, model.num_kv_heads, model.head_dim)
-        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
-        graph_outputs = {o.name for o in self.session.get_outputs()}
-        self.has_head = "head_score" in graph_outputs
-        self.output_names = [s.name for s in contract.output_specs(*dims, head=self.has_head)]
+        self.past_names, self.output_names, self.has_head = contract.io_names(
+            model, (o.name for o in self.session.get_outputs()))
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = self._on_device(zeros)
 
@@ -125,6 +122,10 @@ def _own_stream(device_id: int):
 def factory(device: str = "cpu", device_id: int = 0):
     """The Engine.load factory of this backend on ``device`` (threads from Engine.load)."""
     def make(root, manifest, threads=None):
+        if manifest.precision == "bf16" and device == "cpu":
+            raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "
+                                     "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
+                                     "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
         return OrtBackend(str(root / manifest.graph), manifest.model, threads=threads, device=device,
                           device_id=device_id)
     return make
