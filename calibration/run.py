@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import manifest as mf
-from ..runtime.calibration import question_key
+from ..runtime.readout_calibration import question_key
 from ..runtime.engine import Engine
 from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.questions import Noul, Score, as_text, from_wire

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .calibration import question_key
+from .readout_calibration import question_key
 from .errors import InvalidRequest
 
 

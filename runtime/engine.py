@@ -16,7 +16,7 @@ import numpy as np
 
 from . import manifest as manifest_mod
 from .backends.base import Backend, StateKV
-from .calibration import question_key
+from .readout_calibration import question_key
 from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded
 from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
 from .questions import Answer, Question, check_visible, distinct, from_wire

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .calibration import Calibration
+from .readout_calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 

@@ -11,7 +11,7 @@ pytest.importorskip("scipy")
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 from onepass.calibration import metrics  # noqa: E402
 from onepass.calibration.fit import fit, fit_group  # noqa: E402
-from onepass.runtime.calibration import Calibration, GroupCalibration, group_key  # noqa: E402
+from onepass.runtime.readout_calibration import Calibration, GroupCalibration, group_key  # noqa: E402
 from onepass.runtime.errors import InvalidRequest  # noqa: E402
 from onepass.runtime.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
 from onepass.runtime.readout import option_scores, softmax  # noqa: E402
@@ -202,7 +202,7 @@ def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_comput
     to the uncalibrated mean read-out: noul T + yes bias, choice T, score T + per-level bias, a question group's
     option-name bias, a question group's matrix. Controls: other instructions fall back to the type group, and
     reordered options keep each name's probability."""
-    from onepass.runtime.calibration import question_key
+    from onepass.runtime.readout_calibration import question_key
 
     text = "I was charged twice for my order and want the second payment back today."
     qs = {"n": Noul("Does the customer want money back?"),
