@@ -19,6 +19,10 @@ class InvalidRequest(OnepassError, ValueError):
         self.reason = message
 
 
+class NotText(InvalidRequest):
+    """Bytes that are not UTF-8 where text is expected (maps to HTTP 400: the body, not a field's value, is wrong)."""
+
+
 class LimitExceeded(InvalidRequest):
     """A state or request is larger than the engine's limits (maps to HTTP 413). Never truncated."""
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, NotText
 from .questions import Choice, Noul, Question, Score, as_text, check_utf8
 from .tree import QuestionTokens
 
@@ -77,7 +77,7 @@ def state_text(state) -> str:
         try:
             state = state.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise InvalidRequest(f"the state is not valid UTF-8 (byte {err.start}); send UTF-8 text", "state") from None
+            raise NotText(f"the state is not valid UTF-8 (byte {err.start}); send UTF-8 text", "state") from None
     if isinstance(state, str):
         text = state
     else:

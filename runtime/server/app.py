@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cascade import Gate
 from ..engine import Engine, parse_request, response_body
 from ..questions import MAX_LEVELS
-from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
+from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, NotText, OnepassError
 from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
@@ -92,7 +92,7 @@ def _engine_error(err: OnepassError) -> HTTPError:
     if isinstance(err, LimitExceeded):
         return HTTPError(413, str(err), field)
     if isinstance(err, InvalidRequest):
-        status = 400 if field == "state" and "UTF-8" in str(err) else 422
+        status = 400 if isinstance(err, NotText) else 422  # by type, never by the message's words
         detail = [{"loc": ["body", *(field or "").split(".")], "msg": err.reason, "type": "value_error"}]
         return HTTPError(status, str(err), field, detail=detail if status == 422 else None)
     return HTTPError(500, f"engine error: {err}")
