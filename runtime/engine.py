@@ -262,7 +262,8 @@ class Engine:
         limit = self.manifest.limits.max_packed_tokens
         return min(self.backend.block_tokens or limit, limit)
 
-    def passes(self, state: State, encoded: list[QuestionTokens]) -> list[tuple[list, PackedBatch, State]]:
+    def passes(self, state: State, encoded: list[QuestionTokens],
+               plan_only: bool = False) -> list[tuple[list, PackedBatch, State]]:
         """The packed passes that answer ``encoded`` over ``state``, as ([(question index, option indices)],
         batch, the state the batch continues).
 
@@ -272,15 +273,17 @@ class Engine:
         last token prefilled onto the state, like a longer state (and cached the same way), and its options
         scored below that last token in parts (:func:`onepass.runtime.tree.option_groups`). A token attends to
         the state, its trunk and its own option path only, so the answers do not depend on the split. Raises
-        LimitExceeded past the request's packed-token limit before any pass."""
+        LimitExceeded past the request's packed-token limit before any pass. ``plan_only``: every limit checked and
+        the sizes counted, with no tree mask built and no trunk prefilled (the passes' batches have no mask and a
+        long question's entry names its index instead of its longer state)."""
         limits, block = self.manifest.limits, self.block_tokens
         try:
             whole = [(i, list(range(len(q.options)))) for i, q in enumerate(encoded)]
-            out = [(whole, pack(encoded, state.num_tokens, max_tokens=block), state)]
+            out = [(whole, pack(encoded, state.num_tokens, max_tokens=block, mask=not plan_only), state)]
         except TooManyTokens:  # counted on the trie, before any [N, N] mask exists
             small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
             out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks],
-                                                                        state.num_tokens), state)
+                                                                        state.num_tokens, mask=not plan_only), state)
                    for ks in blocks([encoded[i] for i in small], block)]
             long = sorted(set(range(len(encoded))) - set(small))
             for i in long:  # packed against the longer state's length: every limit is checked before its prefill
@@ -289,7 +292,8 @@ class Engine:
                 tail = QuestionTokens(q.trunk[-1:], q.options)
                 for group in option_groups(tail, block):
                     part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
-                    out.append(([(i, group)], pack([part], state.num_tokens + len(q.trunk) - 1), i))
+                    out.append(([(i, group)], pack([part], state.num_tokens + len(q.trunk) - 1, mask=not plan_only),
+                                i))
         total = sum(batch.num_tokens for _, batch, _ in out)
         if total > limits.max_request_tokens:
             raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
@@ -298,6 +302,8 @@ class Engine:
         for _, batch, over in out:
             past = over.num_tokens if isinstance(over, State) else state.num_tokens + len(encoded[over].trunk) - 1
             self._check_positions(batch, past)
+        if plan_only:
+            return out
         longer = {}  # the prefills, once every limit passed
         for k, (ids, batch, over) in enumerate(out):
             if not isinstance(over, State):
@@ -420,7 +426,8 @@ class Engine:
             try:
                 encoded, state, hits[i], clocks[i] = self._prepare(raw, questions)
                 t0 = time.perf_counter()
-                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded))  # its own size and limits, as alone
+                # its own size and limits, as alone: counted, never packed (the merged pass packs it once)
+                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded, plan_only=True))
                 clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
                 groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer

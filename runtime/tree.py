@@ -99,7 +99,8 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None) -> PackedBatch:
+def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None,
+         mask: bool = True) -> PackedBatch:
     """Pack questions into one sequence that continues a state of ``past_len`` tokens.
 
     All questions go into one trie: questions whose trunks begin with the same tokens
@@ -109,7 +110,8 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     order the caller gave them in: shuffling changes no bit of any answer.
 
     With ``max_tokens``, the packed size is counted on the trie (linear in the tokens) and
-    :class:`TooManyTokens` is raised before the quadratic tree mask is built.
+    :class:`TooManyTokens` is raised before the quadratic tree mask is built. ``mask=False`` leaves the mask out
+    (``tree_mask`` None): a plan of the pass, its sizes and positions, for limits checked before any work.
     """
     trie = _Trie()
     scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
@@ -136,7 +138,7 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     return PackedBatch(
         input_ids=np.array(ids, dtype=np.int64),
         position_ids=np.array(pos, dtype=np.int64),
-        tree_mask=ancestor_mask(parent),
+        tree_mask=ancestor_mask(parent) if mask else None,
         readout_index=np.array([packed_of[trie.parent[n]] for n in readout_of], dtype=np.int64),
         readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
         option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],

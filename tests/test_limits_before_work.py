@@ -384,3 +384,34 @@ def test_the_prior_read_out_of_b_a_after_a_equals_softmax_of_likelihood_minus_th
             np.testing.assert_allclose(list(got[qid].probabilities.values()), want, rtol=0, atol=1e-6)
             plain = np.exp(lp - lp.max()) / np.exp(lp - lp.max()).sum()
             assert np.abs(plain - want).max() > 1e-3  # the prior changes the answer: a test that could fail
+
+
+def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, monkeypatch):
+    """run_many checks each request's own size and limits as if alone, then packs the merged pass: the check only
+    counts (no tree mask, no prefill), so three requests about one state build ONE mask, not one each plus the
+    merged one; a long question's trunk is prefilled once. Answers equal each request alone."""
+    from onepass import Choice
+    from onepass.runtime import tree
+
+    state = "The parcel arrived late and the box was damaged."
+    requests = [(state, {"a": Noul("Is the parcel late?")}), (state, {"b": Noul("Is the box damaged?")}),
+                (state, {"c": Choice("Which product?", {f"product number {i}": None for i in range(120)})})]
+    alone = [tiny.run(s, q).answers for s, q in requests]
+    tiny.cache.clear()
+    masks, extends = [], []
+    real_mask, real_extend = tree.ancestor_mask, tiny.backend.extend
+    monkeypatch.setattr(tree, "ancestor_mask", lambda parent: masks.append(len(parent)) or real_mask(parent))
+    monkeypatch.setattr(tiny.backend, "extend", lambda *a, **k: extends.append(1) or real_extend(*a, **k))
+    results = tiny.run_many(requests)
+    built, prefills = len(masks), len(extends)
+    merged = tiny.passes(tiny.state(state), [q for _, qs in requests for q in tiny.encode_questions(qs)],
+                         plan_only=True)
+    assert len(masks) == built and len(merged) >= 2  # a plan builds no mask; the merged request is split in passes
+    assert built == len(merged)  # one mask per merged pass: each request's own check built none
+    assert prefills == 2  # the state's prefill and the long trunk's, once each
+    for got, want in zip(results, alone):
+        for qid, answer in want.items():
+            a, b = got.answers[qid].to_wire(), answer.to_wire()
+            assert a.get("choice") == b.get("choice")
+            for k, v in (b.get("probabilities") or {"noul": b.get("noul")}).items():
+                assert abs((a.get("probabilities") or {"noul": a.get("noul")})[k] - v) <= 1e-5
