@@ -204,6 +204,20 @@ class Engine:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
 
+    def check_lengths(self, questions: Mapping[str, Question]) -> None:
+        """LimitExceeded (413) for a question whose text is over its token bound, found by tokenising at most about
+        the bound (nothing at all for a text of fewer bytes than the bound: a token is at least a byte). The server
+        checks this before admission, so such a request is refused at once, never queued behind others or answered
+        a retryable 429. (A state over its limit is refused by the engine, which tokenises it anyway.)"""
+        limits, enc = self.manifest.limits, self.encoder
+        bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+        for qid, q in questions.items():
+            text = enc.caller_text(q)
+            if len(text) > bound // 4 and len(text.encode("utf-8", "surrogatepass")) > bound and \
+                    enc.surely_over(text, bound):
+                raise LimitExceeded(f"the question's text is more than {bound} tokens; this engine allows at most "
+                                    f"{bound} per question", f"questions.{qid}")
+
     def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
         """Validate a request's questions against the limits and turn them into token ids."""
         limits = self.manifest.limits

@@ -415,3 +415,63 @@ def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, m
             assert a.get("choice") == b.get("choice")
             for k, v in (b.get("probabilities") or {"noul": b.get("noul")}).items():
                 assert abs((a.get("probabilities") or {"noul": a.get("noul")})[k] - v) <= 1e-5
+
+
+def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
+    """The cascade's re-asked questions are queued on a dispatcher of their own with the request's deadline (they
+    ran in a bare thread pool, past every deadline); a deadline already spent is refused before any cascade pass."""
+    import types
+
+    from onepass.runtime.server.app import Server
+    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.config import ServerConfig
+
+    server = Server(tiny, ServerConfig(), cascade=tiny, min_confidence=1.0)  # every answer is doubtful
+    try:
+        questions = {"q": Noul("Is the parcel late?")}
+        result = tiny.run("The parcel arrived late.", questions)
+        seen, ran = [], []
+        real_submit, real_many = server.cascade_dispatcher.submit, tiny.run_many
+        server.cascade_dispatcher.submit = lambda s, q, deadline, budget=None: seen.append(deadline) or real_submit(
+            s, q, deadline, budget)
+        tiny.run_many = lambda *a, **k: ran.append(1) or real_many(*a, **k)
+        request = types.SimpleNamespace(state=types.SimpleNamespace(deadline=time.monotonic() + 60), headers={})
+        out = asyncio.run(server.escalate(request, "The parcel arrived late.", questions, result, {}))
+        assert seen == [request.state.deadline] and ran == [1] and request.state.answered_by == "q=" + tiny.name
+        assert abs(out.answers["q"].noul - result.answers["q"].noul) <= 1e-6
+        late = types.SimpleNamespace(state=types.SimpleNamespace(deadline=time.monotonic() - 1), headers={})
+        with pytest.raises(HTTPError) as err:
+            asyncio.run(server.escalate(late, "The parcel arrived late.", questions, result, {}))
+        assert err.value.status in (413, 429, 503) and ran == [1]  # refused: no cascade pass ran
+    finally:
+        del tiny.run_many
+        server.dispatcher.close()
+        server.cascade_dispatcher.close()
+
+
+def test_the_server_refuses_a_question_over_its_token_bound_while_parsing(tiny, monkeypatch):
+    """A question's text over its token bound is 413 from the parse step (before admission, which could answer a
+    retryable 429 while others are queued), having tokenised about the bound, not the whole text; one under it
+    is parsed having tokenised nothing (shorter in bytes than the bound)."""
+    import json
+
+    from onepass.runtime.server.app import Server
+    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.config import ServerConfig
+
+    server = Server(tiny.with_limits(max_request_tokens=4096), ServerConfig())
+    try:
+        counter = _CountingTokenizer(server.engine.encoder._untrusted)
+        monkeypatch.setattr(server.engine.encoder, "_untrusted", counter)
+        body = lambda text: json.dumps({"state": "A ticket.", "questions": {  # noqa: E731
+            "q": {"type": "noul", "instructions": text}}}).encode()
+        over = "x " * 200_000
+        with pytest.raises(HTTPError) as err:
+            server.parse(body(over))
+        assert err.value.status == 413 and "more than 4096 tokens" in err.value.message
+        assert 0 < counter.chars < 0.2 * len(over) and server.dispatcher.depth == 0
+        counter.chars = 0
+        server.parse(body("Is the customer asking for a refund? " * 20))
+        assert counter.chars == 0
+    finally:
+        server.dispatcher.close()

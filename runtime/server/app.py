@@ -12,7 +12,6 @@ A request's deadline is the server's ``request_timeout_s`` or the client's ``X-R
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -127,6 +126,10 @@ class Server:
         self.dispatcher = Dispatcher(engine, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch,
                                      on_batch=self.on_batch, on_drop=self.metrics.deadline_drops.inc,
                                      on_idle=self.memory.on_idle)
+        # the cascade's questions go through the same admission, merging and deadlines, on an engine thread of its own
+        self.cascade_dispatcher = None if cascade is None else Dispatcher(
+            cascade, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch, on_batch=self.on_batch,
+            on_drop=self.metrics.deadline_drops.inc)
         self.names = {engine.name, *config.aliases}
 
     def warm_up(self) -> None:
@@ -230,6 +233,7 @@ class Server:
         try:
             state, questions = parse_request(data)
             self.engine.check_counts(questions)  # over a count limit: 413 now, not a retryable 429 at admission
+            self.engine.check_lengths(questions)  # so is a question's text over its token bound
         except OnepassError as err:
             raise _engine_error(err) from None
         return data, state, questions
@@ -243,27 +247,8 @@ class Server:
         # decompression, JSON and validation are linear but not free on a 1 MiB body: off the event loop
         data, state, questions = await run_in_threadpool(self.parse_body, raw, encoding)
         queued = time.monotonic()
-        try:
-            future = self.dispatcher.submit(state, questions, deadline, budget=deadline - arrived)
-        except QueueFull as err:
-            retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
-            raise HTTPError(429, f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
-                            headers={"Retry-After": retry}) from None
-        except NeverFits as err:  # no retry can help: the request itself is too slow for its deadline
-            raise HTTPError(413, f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
-                                 f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
-                                 f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
-        result = await future
+        result = await self.answer(self.dispatcher, request, state, questions, deadline, deadline - arrived)
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
-        if isinstance(result, (DeadlinePassed, DeadlineExceeded)):
-            raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
-                            headers={"Retry-After": str(self.config.retry_after_s)})
-        if isinstance(result, OnepassError):
-            raise _engine_error(result)
-        if isinstance(result, Exception):
-            self.metrics.engine_failures.inc()
-            access_log.error("engine failure: %r", result)
-            raise HTTPError(500, f"engine failure: {type(result).__name__}")
         self.metrics.tokens.labels("input").inc(result.input_tokens)
         self.metrics.tokens.labels("packed").inc(result.packed_tokens)
         stages = {k: result.timings.get(k, 0.0) for k in STAGES}
@@ -274,6 +259,32 @@ class Server:
             result = await self.escalate(request, state, questions, result, timing)
         return response_body(data, self.engine.name, result)
 
+    async def answer(self, dispatcher: Dispatcher, request: Request, state, questions: dict, deadline: float,
+                     budget: float | None = None):
+        """Queue parsed questions on ``dispatcher`` and await their Result; every refusal and failure as its
+        HTTPError (429 busy, 413 never fits its deadline, 503 deadline passed, 4xx bad input, 500 a fault)."""
+        try:
+            future = dispatcher.submit(state, questions, deadline, budget=budget)
+        except QueueFull as err:
+            retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
+            raise HTTPError(429, f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
+                            headers={"Retry-After": retry}) from None
+        except NeverFits as err:  # no retry can help: the request itself is too slow for its deadline
+            raise HTTPError(413, f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
+                                 f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
+                                 f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
+        result = await future
+        if isinstance(result, (DeadlinePassed, DeadlineExceeded)):
+            raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
+                            headers={"Retry-After": str(self.config.retry_after_s)})
+        if isinstance(result, OnepassError):
+            raise _engine_error(result)
+        if isinstance(result, Exception):
+            self.metrics.engine_failures.inc()
+            access_log.error("engine failure: %r", result)
+            raise HTTPError(500, f"engine failure: {type(result).__name__}")
+        return result
+
     async def escalate(self, request: Request, state, questions: dict, result, timing: dict):
         """Re-ask the cascade engine the questions answered below ``min_confidence``, about the same state; the
         response is unchanged in form, and ``x-onepass-answered-by`` names the engine of each question."""
@@ -281,11 +292,9 @@ class Server:
         doubtful = {q: questions[q] for q in review}
         by = {q: self.engine.name for q in result.answers}
         if doubtful:
-            start = time.monotonic()
-            try:
-                strong = await asyncio.get_running_loop().run_in_executor(None, self.cascade.ask, state, doubtful)
-            except OnepassError as err:
-                raise _engine_error(err) from None
+            start = time.monotonic()  # the same deadline: the cascade cannot run past what the client waits for
+            strong = (await self.answer(self.cascade_dispatcher, request, state, doubtful,
+                                        request.state.deadline)).answers
             timing["cascade"] = (time.monotonic() - start) * 1000
             result = dataclasses.replace(result, answers={**result.answers, **strong})
             by.update({q: self.cascade.name for q in strong})
@@ -329,6 +338,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
             yield
         finally:
             await run_in_threadpool(server.dispatcher.close)
+            if server.cascade_dispatcher is not None:
+                await run_in_threadpool(server.cascade_dispatcher.close)
 
     app = FastAPI(title="onepass", version="0.1.0", lifespan=lifespan,
                   description="TypeSafe System One compatible decision engine", **docs)
