@@ -128,27 +128,27 @@ def _fit_members(key: str, members: list[dict]) -> GroupCalibration:
     return _question_group(scores, labels, names, members[0]["type"])
 
 
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows by calibration group: the type group (noul, choice/K, score/K) and, with a qkey, the question's own."""
+    by_group: dict = {}
+    for r in rows:
+        by_group.setdefault(group_key(r["type"], len(r["scores"])), []).append(r)
+        if r.get("qkey"):
+            by_group.setdefault(r["qkey"], []).append(r)
+    return by_group
+
+
 def fit(rows: list[dict], readout: str, source: dict | None = None) -> Calibration:
     """Rows of {"type", "scores": [K], "label", "qkey", "names"} -> Calibration of every group with enough rows.
 
     Type groups (noul, choice/K, score/K) always; a question's own group when at least
     MIN_ROWS rows ask exactly that question.
     """
-    by_group: dict = {}
-    for r in rows:
-        by_group.setdefault(group_key(r["type"], len(r["scores"])), []).append(r)
-        if r.get("qkey"):
-            by_group.setdefault(r["qkey"], []).append(r)
-    groups = {key: _fit_members(key, members) for key, members in sorted(by_group.items())
+    groups = {key: _fit_members(key, members) for key, members in sorted(_groups(rows).items())
               if len(members) >= MIN_ROWS}
     return Calibration(groups=groups, readout=readout, source=source or {})
 
 
 def too_small(rows: list[dict]) -> dict[str, int]:
     """The groups :func:`fit` leaves uncalibrated (fewer than MIN_ROWS training rows), with their row counts."""
-    counts: dict = {}
-    for r in rows:
-        counts[group_key(r["type"], len(r["scores"]))] = counts.get(group_key(r["type"], len(r["scores"])), 0) + 1
-        if r.get("qkey"):
-            counts[r["qkey"]] = counts.get(r["qkey"], 0) + 1
-    return {key: n for key, n in sorted(counts.items()) if n < MIN_ROWS}
+    return {key: len(members) for key, members in sorted(_groups(rows).items()) if len(members) < MIN_ROWS}

@@ -204,13 +204,18 @@ class Engine:
                 raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
                                     f"questions.{qid}.criteria")
 
+    @property
+    def question_bound(self) -> int:
+        """The most tokens one question's text may have: its trunk must fit a state or a pass, within a request."""
+        limits = self.manifest.limits
+        return min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+
     def check_lengths(self, questions: Mapping[str, Question]) -> None:
         """LimitExceeded (413) for a question whose text is over its token bound, found by tokenising at most about
         the bound (nothing at all for a text of fewer bytes than the bound: a token is at least a byte). The server
         checks this before admission, so such a request is refused at once, never queued behind others or answered
         a retryable 429. (A state over its limit is refused by the engine, which tokenises it anyway.)"""
-        limits, enc = self.manifest.limits, self.encoder
-        bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+        enc, bound = self.encoder, self.question_bound
         for qid, q in questions.items():
             text = enc.caller_text(q)
             if len(text) > bound // 4 and len(text.encode("utf-8", "surrogatepass")) > bound and \
@@ -225,7 +230,7 @@ class Engine:
         encoded, total = [], 0
         # a question's text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it
         # is refused after tokenising no more than the bound, never the whole text
-        bound = min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+        bound = self.question_bound
         budget = MAX_ENCODED_FACTOR * limits.max_request_tokens  # tokens before sharing: past it, stop tokenising
         for qid, q in questions.items():
             check_question_id(qid)
