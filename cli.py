@@ -17,7 +17,7 @@ from .runtime.plan import DEVICES
 
 # what each command needs beyond the runtime: a missing import is one line naming the extra to install
 EXTRAS = {"serve": "serve", "mcp": "serve", "cluster": "cluster", "calibrate": "calibrate", "eval": "calibrate",
-          "tune": "export,calibrate", "export": "export", "quantize": "export", "build-trt": "trt-build"}
+          "tune": "export,calibrate", "distill": "export,calibrate,serve", "export": "export", "quantize": "export", "build-trt": "trt-build"}
 
 
 def _limits(args) -> dict:
@@ -83,10 +83,39 @@ def cmd_serve(args) -> int:
                                 keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
                                 max_connections=args.max_connections)
     limits = {k: v for k, v in _limits(args).items() if k != "max_request_tokens"}
+    teacher = None if args.teacher is None else {
+        "url": args.teacher, "shadow_rate": args.shadow_rate, "record": args.record,
+        "record_max_mib": args.record_max_mib, **_teacher_client(args)}
     serve(args.engine, _server_config(args), transport, backend=args.backend, threads=args.threads,
           cache_mib=args.cache_mib, limits=limits, max_request_tokens=args.max_request_tokens, cascade=args.cascade,
-          min_confidence=args.min_confidence, exporter=exporter, build_trt_if_missing=args.build_trt_if_missing)
+          min_confidence=args.min_confidence, exporter=exporter, build_trt_if_missing=args.build_trt_if_missing,
+          teacher=teacher)
     return 0
+
+
+def cmd_distill(args) -> int:
+    """Label unlabelled states with a teacher, tune on its answers, write the engine with its gate."""
+    from .calibration.distill import distill, summary_lines
+    from .calibration.tune import TuneConfig
+    from .runtime.teacher import connect
+
+    config = TuneConfig(rank=args.rank, lr=args.lr, epochs=args.epochs, max_minutes=args.max_minutes,
+                        max_steps=args.max_steps, seed=args.seed)
+    with connect(args.teacher, **_teacher_client(args)) as teacher:
+        report = distill(args.engine, teacher, args.states, args.questions, args.out,
+                         target_agreement=args.target_agreement, holdout=args.holdout, config=config,
+                         concurrency=args.teacher_concurrency, resume=args.resume, name=args.name)
+    print("\n".join(summary_lines(report, args.out)))
+    return 0
+
+
+def _teacher_client(args) -> dict:
+    """The teacher client's settings `serve` and `distill` share; ONEPASS_TEACHER_KEY as the key's default."""
+    import os
+
+    return {"kind": args.teacher_kind, "api_key": args.teacher_key or os.environ.get("ONEPASS_TEACHER_KEY") or None,
+            "model": args.teacher_model, "timeout_s": args.teacher_timeout,
+            "max_concurrency": args.teacher_concurrency}
 
 
 def cmd_cluster(args) -> int:
@@ -207,6 +236,16 @@ def _http(p) -> None:
     p.add_argument("--request-timeout", type=float, default=10.0, help="seconds, unless it sends X-Request-Timeout")
     p.add_argument("--batch-window-ms", type=float, default=2.0, help="requests about one state within it share a pass")
     p.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB (per replica)")
+
+
+def _teacher(p, required: bool) -> None:
+    p.add_argument("--teacher", required=required, default=None, metavar="URL",
+                   help="the teacher's base URL (a System One server, or an OpenAI-compatible one)")
+    p.add_argument("--teacher-kind", choices=("systemone", "openai"), default="systemone")
+    p.add_argument("--teacher-key", default=None, help="the teacher's API key (default: $ONEPASS_TEACHER_KEY)")
+    p.add_argument("--teacher-model", default=None, help="the model named in teacher requests")
+    p.add_argument("--teacher-timeout", type=float, default=10.0, help="seconds per teacher call attempt")
+    p.add_argument("--teacher-concurrency", type=int, default=4, help="teacher calls in flight at once")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -331,6 +370,24 @@ def parser() -> argparse.ArgumentParser:
     qz.add_argument("--min-agreement", type=float, default=0.99)
     qz.add_argument("--max-error", type=float, default=0.1, help="largest allowed option log-prob error")
     qz.set_defaults(func=cmd_quantize)
+    ds = sub.add_parser("distill", help="learn a task from a teacher model's answers on unlabelled states")
+    ds.add_argument("--engine", required=True, help="the engine to start from (the student)")
+    _teacher(ds, required=True)
+    ds.add_argument("--states", required=True, help="JSONL: one state per line (a JSON string or {\"state\": ...})")
+    ds.add_argument("--questions", required=True, help="JSON: the questions by id, asked about every state")
+    ds.add_argument("--out", required=True, help="the student engine directory to write (with its gate)")
+    ds.add_argument("--target-agreement", type=float, default=0.95,
+                    help="the gate: answer locally where the student agrees with the teacher this often")
+    ds.add_argument("--holdout", type=float, default=0.2, help="share of states held out (early stopping, gate)")
+    ds.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    ds.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4)")
+    ds.add_argument("--epochs", type=int, default=3)
+    ds.add_argument("--max-minutes", type=float, default=None, help="tuning budget, keeping the best weights")
+    ds.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--resume", action="store_true", help="continue tuning from the checkpoint in <out>.tune/")
+    ds.add_argument("--name", help="the student's name (default: <engine name>-distilled)")
+    ds.set_defaults(func=cmd_distill)
     serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
     _engine(serve)
     _http(serve)
@@ -347,7 +404,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000)")
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
-    serve.add_argument("--min-confidence", type=float, default=None, help="the cascade's threshold (0..1)")
+    serve.add_argument("--min-confidence", type=float, default=None,
+                       help="the threshold (0..1) below which the --cascade engine or the --teacher answers")
+    _teacher(serve, required=False)
+    serve.add_argument("--shadow-rate", type=float, default=0.0,
+                       help="share of requests also asked of the teacher in the background (0..1)")
+    serve.add_argument("--record", default=None, metavar="DIR",
+                       help="write the teacher's answers as tune rows to rotating JSONL files in DIR (off by default)")
+    serve.add_argument("--record-max-mib", type=int, default=1024, help="the records' cap; the oldest files go first")
     serve.set_defaults(func=cmd_serve)
     cl = sub.add_parser("cluster", help="serve the same HTTP API from replicas on Ray Serve, routed by state")
     cl.add_argument("--engine", required=True, help="engine directory (every replica loads it)")

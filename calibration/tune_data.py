@@ -18,7 +18,8 @@ from typing import Sequence
 
 from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.prompt import state_text
-from ..runtime.questions import Noul, Question, Score, as_text, from_wire
+from ..runtime.questions import Noul, Question, from_wire
+from ..runtime.teacher import option_keys
 from .run import label_index
 
 
@@ -43,15 +44,6 @@ class TuneRow:
         if isinstance(self.target, int):
             return self.target
         return max(range(len(self.target)), key=self.target.__getitem__)
-
-
-def option_keys(question: Question) -> list[str]:
-    """How a teacher distribution names the options: yes/no, option names, or level indices."""
-    if isinstance(question, Noul):
-        return ["yes", "no"]
-    if isinstance(question, Score):
-        return [str(i) for i in range(len(question.criteria))]
-    return [as_text(o) for o in question.criteria]
 
 
 def teacher(question: Question, probs) -> tuple:

@@ -2,7 +2,9 @@
 
 * ``Gate(min_confidence, per_question=...)`` splits answers into *decided* and *for review* by
   their confidence ((K p_max - 1)/(K - 1); |2p - 1| for noul). Per-question thresholds may come
-  from ``onepass eval --target-accuracy`` (``Gate.from_eval``).
+  from ``onepass eval --target-accuracy`` (``Gate.from_eval``) or from a distilled engine's manifest
+  (``Gate.from_manifest``): both are keyed by question key (type, instructions and options as the
+  engine renders them) and become a request's thresholds with ``for_questions``.
 * ``Cascade([fast, strong, ...], min_confidence)`` asks the first engine; only the questions it
   answers below the threshold are asked again of the next engine, about the same state; the last
   engine's answers are final. The result says which engine answered each question.
@@ -33,11 +35,34 @@ class Gate:
 
     min_confidence: float
     per_question: Mapping = field(default_factory=dict)
+    per_key: Mapping = field(default_factory=dict)  # question key -> threshold (for_questions maps them to ids)
 
     def __post_init__(self):
         _threshold(self.min_confidence, "min_confidence")
         for qid, t in self.per_question.items():
             _threshold(t, f"per_question.{qid}")
+        for key, t in self.per_key.items():
+            _threshold(t, f"per_key.{key}")
+
+    @classmethod
+    def from_manifest(cls, gate: Mapping, min_confidence: float | None = None) -> "Gate":
+        """A distilled engine's gate (its manifest's ``gate``): thresholds by question key; questions it was not
+        distilled on get ``min_confidence``, else the manifest's ``default`` (1.0: all of them go on)."""
+        if not isinstance(gate, Mapping) or not isinstance(gate.get("per_key"), Mapping):
+            raise InvalidRequest("a gate must be an object with per_key thresholds", "gate")
+        default = gate.get("default", 1.0) if min_confidence is None else min_confidence
+        return cls(_threshold(default, "gate.default"), per_key=dict(gate["per_key"]))
+
+    def for_questions(self, engine, questions: Mapping) -> "Gate":
+        """This gate's thresholds by question id for one request (its per-key thresholds looked up)."""
+        if not self.per_key:
+            return self
+        found = {}
+        for qid, q in questions.items():
+            key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
+            if key in self.per_key:
+                found[qid] = self.per_key[key]
+        return Gate(self.min_confidence, {**self.per_question, **found})
 
     @classmethod
     def from_eval(cls, report, engine, questions: Mapping, min_confidence: float) -> "Gate":
@@ -56,13 +81,9 @@ class Gate:
         if not isinstance(evaluated, Mapping) or any("for_target_accuracy" not in q for q in evaluated.values()):
             raise InvalidRequest("the eval report has no per-question thresholds: run `onepass eval` with "
                                  "--target-accuracy", "report")
-        per_question = {}
-        for qid, q in questions.items():
-            key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
-            if key in evaluated:
-                found = evaluated[key]["for_target_accuracy"]["min_confidence"]
-                per_question[qid] = 1.0 if found is None else found
-        return cls(min_confidence, per_question)
+        per_key = {key: 1.0 if q["for_target_accuracy"]["min_confidence"] is None
+                   else q["for_target_accuracy"]["min_confidence"] for key, q in evaluated.items()}
+        return cls(min_confidence, per_key=per_key).for_questions(engine, questions)
 
     def threshold(self, qid: str) -> float:
         return float(self.per_question.get(qid, self.min_confidence))

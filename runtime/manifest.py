@@ -16,9 +16,10 @@ from .readout_calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
 
-# 2 adds `calibration` and `plans`; 3 adds `head` (decision head); 4 adds `tuning`. Older ones read without them
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 2 adds `calibration` and `plans`; 3 adds `head` (decision head); 4 adds `tuning`; 5 adds `gate` (a distilled
+# engine's thresholds). Older ones read without them
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 TUNING_METHODS = ("lora", "full")
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
@@ -146,6 +147,9 @@ class Manifest:
     head: HeadInfo | None = None
     tuning: TuningInfo | None = None
     precision: str = "fp32"  # of the block GEMMs; "fp16": fp16 weights and GEMMs, everything else float32
+    # `onepass distill`: per question key, the confidence at which the engine agrees with its teacher at the target
+    # ({"per_key", "default", "target_agreement", "teacher", "measured"}); `onepass serve --teacher` forwards below it
+    gate: dict | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -161,6 +165,10 @@ class Manifest:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.scoring.readout == "head" and self.head is None:
             raise ValueError("scoring.readout is 'head' but the engine has no decision head")
+        if self.gate is not None:
+            from .cascade import Gate  # the gate's own checks: thresholds within 0..1
+
+            Gate.from_manifest(self.gate)
 
     def to_json(self) -> str:
         """The manifest as stable, indented JSON (always written as the current schema version)."""

@@ -39,6 +39,7 @@ from .config import ServerConfig
 from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
 from .memory import MemoryFloor, release_free_memory
 from .metrics import Metrics
+from .teaching import TeacherLink, TeacherSetup
 
 access_log = logging.getLogger("onepass.access")
 REQUEST_ID = "x-typesafe-request-id"
@@ -115,7 +116,7 @@ class Server:
     """The app's state: engine, settings, dispatcher, metrics."""
 
     def __init__(self, engine: Engine, config: ServerConfig, cascade: Engine | None = None,
-                 min_confidence: float | None = None):
+                 min_confidence: float | None = None, teacher: TeacherSetup | None = None):
         self.engine, self.config = engine, config
         self.cascade = cascade  # questions the gate does not decide are asked again of it
         self.gate = Gate(min_confidence) if cascade is not None else None
@@ -131,6 +132,7 @@ class Server:
             cascade, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch, on_batch=self.on_batch,
             on_drop=self.metrics.deadline_drops.inc)
         self.names = {engine.name, *config.aliases}
+        self.teaching = None if teacher is None else TeacherLink(teacher, self.metrics)
 
     def warm_up(self) -> None:
         """Run one small request so the first user request does not pay for lazy initialisation; its time
@@ -257,7 +259,29 @@ class Server:
         request.state.cached_tokens = result.cached_tokens
         if self.cascade is not None:
             result = await self.escalate(request, state, questions, result, timing)
+        if self.teaching is not None:
+            result = await self.teach(request, state, questions, result, timing)
         return response_body(data, self.engine.name, result)
+
+    async def teach(self, request: Request, state, questions: dict, result, timing: dict):
+        """Gate mode: the doubtful questions answered by the teacher within the deadline (the local answers stand
+        where it fails). Shadow mode: a share of the questions answered here queued for the teacher in the
+        background, which neither changes nor delays this answer."""
+        teaching, by_teacher = self.teaching, set()
+        if teaching.gate is not None:
+            start = time.monotonic()
+            answers, by_teacher = await teaching.forward(self.engine, state, questions, result.answers,
+                                                         request.state.deadline)
+            if by_teacher:
+                timing["teacher"] = (time.monotonic() - start) * 1000
+                result = dataclasses.replace(result, answers=answers)
+            request.state.answered_by = ",".join(
+                f"{q}={teaching.teacher.name if q in by_teacher else self.engine.name}" for q in result.answers)
+        local = [q for q in questions if q not in by_teacher]
+        self.metrics.answered.labels("local").inc(len(local))
+        self.metrics.answered.labels("teacher").inc(len(by_teacher))
+        teaching.shadow(state, {q: questions[q] for q in local}, {q: result.answers[q] for q in local})
+        return result
 
     async def answer(self, dispatcher: Dispatcher, request: Request, state, questions: dict, deadline: float,
                      budget: float | None = None):
@@ -317,12 +341,15 @@ def _route_label(request: Request) -> str:
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = True, cascade: Engine | None = None,
-               min_confidence: float | None = None) -> FastAPI:
+               min_confidence: float | None = None, teacher: TeacherSetup | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; with ``cascade``, questions answered below ``min_confidence`` are
-    asked again of that engine (same state, same wire format)."""
+    asked again of that engine (same state, same wire format). With ``teacher``, a remote model shadows a share of
+    the requests and/or answers the questions below its gate (:mod:`onepass.runtime.server.teaching`)."""
     if (cascade is None) != (min_confidence is None):
         raise ValueError("a cascade engine needs min_confidence (and the other way round)")
-    server = Server(engine, config or ServerConfig(), cascade, min_confidence)
+    if cascade is not None and teacher is not None and teacher.gate is not None:
+        raise ValueError("one second opinion per server: a cascade engine or a teacher's gate, not both")
+    server = Server(engine, config or ServerConfig(), cascade, min_confidence, teacher)
     config = server.config
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
     if not warm:
@@ -340,6 +367,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
             await run_in_threadpool(server.dispatcher.close)
             if server.cascade_dispatcher is not None:
                 await run_in_threadpool(server.cascade_dispatcher.close)
+            if server.teaching is not None:
+                await run_in_threadpool(server.teaching.close)
 
     app = FastAPI(title="onepass", version="0.1.0", lifespan=lifespan,
                   description="TypeSafe System One compatible decision engine", **docs)

@@ -49,6 +49,20 @@ class Metrics:
                                        "working memory grown past 1.2x its warm size", registry=self.registry)
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
+        # a teacher (onepass serve --teacher): calls by mode (shadow, gate) and outcome (ok, unavailable, refused,
+        # bad_answer, dropped: the shadow queue was full, skipped: gate calls at their bound)
+        self.teacher_calls = Counter("onepass_teacher_calls", "Calls to the teacher by mode and outcome",
+                                     ["mode", "outcome"], registry=self.registry)
+        self.teacher_latency = Histogram("onepass_teacher_seconds", "Latency of answered teacher calls", ["mode"],
+                                         buckets=BUCKETS, registry=self.registry)
+        self.answered = Counter("onepass_questions_answered", "Questions answered, by whom (local: this engine; "
+                                "teacher: forwarded by the gate)", ["by"], registry=self.registry)
+        self.shadowed = Counter("onepass_teacher_shadowed_questions", "Questions answered locally and by the teacher "
+                                "in shadow mode", registry=self.registry)
+        self.agreed = Counter("onepass_teacher_agreements", "Shadowed questions whose local answer is the teacher's "
+                              "(agreement = agreements / shadowed questions)", registry=self.registry)
+        self.recorded = Counter("onepass_teacher_records", "Teacher answers written as tune rows (--record)",
+                                registry=self.registry)
         if not os.environ.get(MULTIPROC_ENV):  # a function gauge is read at scrape time, in-process
             depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
             depth.set_function(queue_depth)

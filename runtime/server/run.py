@@ -14,23 +14,66 @@ from .config import ServerConfig
 from .transport import TransportLimits, listen
 
 
+def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, record: str | None = None,
+                  record_max_mib: int = 1024, **client) -> None:
+    """`onepass serve --teacher`'s settings checked before any engine loads (a typed error naming the flag)."""
+    from ..teacher import TeacherConfig
+
+    TeacherConfig(url=url, kind=kind, **client)
+    if not (isinstance(shadow_rate, (int, float)) and 0.0 <= shadow_rate <= 1.0):
+        raise OnepassError(f"--shadow-rate must be within 0..1, got {shadow_rate}")
+    if not isinstance(record_max_mib, int) or record_max_mib < 1:
+        raise OnepassError(f"--record-max-mib must be >= 1, got {record_max_mib}")
+
+
+def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate: float = 0.0,
+                  record: str | None = None, record_max_mib: int = 1024, min_confidence: float | None = None,
+                  **client):
+    """The teacher `onepass serve --teacher` asks: the client (``client``: TeacherConfig's fields), its records and
+    its gate. The gate: ``min_confidence`` for every question, else a distilled engine's manifest gate (its
+    thresholds, and every question it was not distilled on forwarded); none: shadow mode only."""
+    from ..cascade import Gate
+    from ..records import Records
+    from ..teacher import connect
+    from .teaching import TeacherSetup
+
+    check_teacher(url, kind, shadow_rate, record, record_max_mib, **client)
+    if engine.manifest.gate is not None:
+        gate = Gate.from_manifest(engine.manifest.gate, min_confidence)
+    else:
+        gate = None if min_confidence is None else Gate(min_confidence)
+    if gate is None and shadow_rate == 0:
+        raise OnepassError("--teacher is never asked: give --shadow-rate R (a share of requests shadowed), "
+                           "--min-confidence (gate mode), or serve an engine from `onepass distill` (its gate)")
+    records = None if record is None else Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 20))
+    return TeacherSetup(connect(url, kind, **client), shadow_rate=shadow_rate, records=records, gate=gate)
+
+
 def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | None = None, *, backend: str = "auto",
           threads: int | None = None, cache_mib: int = 512, limits: dict | None = None,
           max_request_tokens: int | None = None, cascade: str | None = None, min_confidence: float | None = None,
-          exporter=None, build_trt_if_missing: bool = False) -> None:
+          exporter=None, build_trt_if_missing: bool = False, teacher: dict | None = None) -> None:
     """Serve ``engine_dir`` until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). ``limits`` lowers the
     engine's (max_state_tokens, max_packed_tokens, max_questions, max_options); ``max_request_tokens`` is the
     packed tokens one request may take over its passes (default: one pass's). With ``cascade``, questions answered
-    below ``min_confidence`` are asked again of that engine. ``exporter`` (the export package's export_engine; the
+    below ``min_confidence`` are asked again of that engine. ``teacher``: :func:`teacher_setup`'s arguments (a remote
+    model in shadow mode, gate mode with ``min_confidence`` or the engine's distilled gate, or both). ``exporter`` (the export package's export_engine; the
     runtime never imports export) writes the default model into ``engine_dir`` on a first start where it holds no
     engine. The port is bound first: a taken one is an error before any engine loads."""
     import uvicorn
 
     from .app import create_app, server_engine
 
-    if (cascade is None) != (min_confidence is None):  # refused before any export or engine load
-        raise OnepassError("--cascade DIR and --min-confidence go together: questions answered below the "
-                           "confidence are asked again of the cascade engine")
+    if cascade is not None and min_confidence is None:  # refused before any export or engine load
+        raise OnepassError("--cascade DIR needs --min-confidence: questions answered below it are asked again of the "
+                           "cascade engine")
+    if min_confidence is not None and cascade is None and teacher is None:
+        raise OnepassError("--min-confidence is the threshold of a --cascade engine or a --teacher's gate: give one")
+    if cascade is not None and teacher is not None:
+        raise OnepassError("--cascade and --teacher: one second opinion per server (a distilled engine forwards to "
+                           "its teacher; a cascade engine answers locally)")
+    if teacher is not None:
+        check_teacher(**teacher)
     transport = transport or TransportLimits()
     socks = listen(config.host, config.port)
     if exporter is not None and not (Path(engine_dir) / "manifest.json").exists():
@@ -44,7 +87,9 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
     second = Engine.load(cascade, threads=threads) if cascade else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
-    app = create_app(engine, config, cascade=second, min_confidence=min_confidence)
+    setup = None if teacher is None else teacher_setup(engine, min_confidence=min_confidence, **teacher)
+    app = create_app(engine, config, cascade=second, min_confidence=min_confidence if second else None,
+                     teacher=setup)
     server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **transport.uvicorn_options()))
     for sock in socks:
         address = sock.getsockname()

@@ -1,0 +1,181 @@
+"""A server's teacher (`onepass serve --teacher URL`): shadow mode, gate mode, and the rows they record.
+
+* **Shadow**: a share (``shadow_rate``) of answered requests is handed, after the local answer is made, to
+  background threads that ask the teacher the same questions. Handing over is a put on a bounded queue: a
+  full queue drops the shadow call (counted), never the request. The local answer is never changed or
+  delayed by the teacher.
+* **Gate**: the questions answered below the gate's threshold (``--min-confidence``, or the thresholds a
+  distilled engine's manifest carries) are asked of the teacher within the request's deadline, and its
+  answers replace the local ones. At most ``max_pending`` gate calls are in flight; beyond them, and when
+  the teacher fails or the deadline comes first, the local answers stand (counted by outcome).
+* **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
+  (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.records`).
+  Nothing is recorded unless asked: the state text is user data.
+
+Metrics: teacher calls by mode and outcome, their latency, questions answered locally and by the teacher,
+shadowed questions and the local answers that agree with the teacher's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from ..cascade import Gate
+from ..records import Records
+from ..teacher import Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps, row
+
+log = logging.getLogger("onepass.teacher")
+DEADLINE_RESERVE_S = 0.02  # left for writing the response after a gate call
+
+
+def _outcome(err: Exception) -> str:
+    if isinstance(err, TeacherUnavailable):
+        return "unavailable"
+    if isinstance(err, TeacherRefused):
+        return "refused"
+    if isinstance(err, TeacherBadAnswer):
+        return "bad_answer"
+    return "error"
+
+
+def agrees(question, local, teacher: np.ndarray) -> bool:
+    """Whether a local answer picks the teacher's most probable option."""
+    return int(np.argmax(answer_distribution(question, local))) == int(np.argmax(teacher))
+
+
+@dataclass(frozen=True)
+class TeacherSetup:
+    """What `onepass serve --teacher` asks for: the client, the share shadowed, the records, the gate."""
+
+    teacher: Teacher
+    shadow_rate: float = 0.0
+    records: Records | None = None
+    gate: Gate | None = None  # None: shadow mode only
+    max_pending: int = 256  # queued shadow calls, and gate calls in flight
+
+    def __post_init__(self):
+        if not (isinstance(self.shadow_rate, (int, float)) and 0.0 <= self.shadow_rate <= 1.0):
+            raise ValueError(f"shadow_rate must be within 0..1, got {self.shadow_rate!r}")
+        if self.shadow_rate == 0 and self.gate is None:
+            raise ValueError("a teacher needs a shadow rate above 0 or a gate (--min-confidence, or a distilled "
+                             "engine's manifest gate): otherwise it is never asked")
+        if not 1 <= self.max_pending <= 100_000:
+            raise ValueError(f"max_pending must be 1..100000, got {self.max_pending}")
+
+
+class TeacherLink:
+    """The teacher as the server uses it; ``close()`` stops its threads and the teacher's connections."""
+
+    def __init__(self, setup: TeacherSetup, metrics):
+        teacher, shadow_rate, gate = setup.teacher, setup.shadow_rate, setup.gate
+        self.teacher, self.metrics, self.records, self.gate = teacher, metrics, setup.records, gate
+        self.shadow_rate, self.max_pending = shadow_rate, setup.max_pending
+        self._queue: queue.Queue = queue.Queue(maxsize=setup.max_pending)
+        self._gate_calls = 0
+        self._lock = threading.Lock()
+        # one connection is left free of shadow work for gate calls
+        count = max(1, teacher.config.max_concurrency - (1 if gate is not None else 0)) if shadow_rate else 0
+        self._threads = [threading.Thread(target=self._work, name=f"onepass-shadow-{i}", daemon=True)
+                         for i in range(count)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def pending(self) -> int:
+        """Shadow calls waiting for a thread."""
+        return self._queue.qsize()
+
+    def shadow(self, state, questions: dict, answers: dict) -> None:
+        """Maybe (``shadow_rate``) queue the teacher's answers to questions answered locally. Never blocks."""
+        if not self._threads or not questions or random.random() >= self.shadow_rate:
+            return
+        try:
+            self._queue.put_nowait((state, questions, answers))
+        except queue.Full:
+            self.metrics.teacher_calls.labels("shadow", "dropped").inc()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            state, questions, answers = item
+            try:
+                probs = self._call("shadow", state, questions, None)
+            except Exception:  # noqa: BLE001 - counted in _call; a shadow call never stops its thread
+                continue
+            agreed = sum(agrees(questions[q], answers[q], p) for q, p in probs.items())
+            self.metrics.shadowed.inc(len(probs))
+            self.metrics.agreed.inc(agreed)
+
+    def _call(self, mode: str, state, questions: dict, deadline: float | None) -> dict:
+        """The teacher's distributions (recorded when asked), its outcome and latency counted."""
+        start = time.monotonic()
+        try:
+            probs = self.teacher.probabilities(state, questions, deadline=deadline)
+        except Exception as err:
+            self.metrics.teacher_calls.labels(mode, _outcome(err)).inc()
+            if not isinstance(err, (TeacherUnavailable, TeacherRefused, TeacherBadAnswer)):
+                log.exception("teacher call failed unexpectedly")
+            else:
+                log.warning("teacher %s call failed: %s", mode, err)
+            raise
+        self.metrics.teacher_calls.labels(mode, "ok").inc()
+        self.metrics.teacher_latency.labels(mode).observe(time.monotonic() - start)
+        if self.records is not None:
+            for qid, p in probs.items():
+                if self.records.write(dumps(row(state, questions[qid], p, self.teacher.name))):
+                    self.metrics.recorded.inc()
+        return probs
+
+    async def forward(self, engine, state, questions: dict, answers: dict, deadline: float) -> tuple[dict, set]:
+        """(answers, ids answered by the teacher): the questions below the gate asked of the teacher within
+        ``deadline``; where it fails, is busy or late, the local answers stand."""
+        from ..readout import answer
+
+        _, review = self.gate.for_questions(engine, questions).split(answers)
+        if not review:
+            return answers, set()
+        with self._lock:
+            if self._gate_calls >= self.max_pending:
+                self.metrics.teacher_calls.labels("gate", "skipped").inc()
+                return answers, set()
+            self._gate_calls += 1
+        doubtful = {q: questions[q] for q in review}
+        until = deadline - DEADLINE_RESERVE_S
+        try:  # the thread may outlive a deadline the teacher ignores (a trickling body); the request does not wait
+            probs = await asyncio.wait_for(run_in_threadpool(self._call, "gate", state, doubtful, until),
+                                           timeout=max(0.0, until - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.metrics.teacher_calls.labels("gate", "late").inc()
+            return answers, set()
+        except Exception:  # noqa: BLE001 - counted and logged in _call; the local answers stand
+            return answers, set()
+        finally:
+            with self._lock:
+                self._gate_calls -= 1
+        return {**answers, **{q: answer(questions[q], p) for q, p in probs.items()}}, set(probs)
+
+    def close(self) -> None:
+        """Stop the shadow threads (queued shadow calls are dropped), then the teacher's connections."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._threads:
+            try:
+                self._queue.put(None, timeout=1)
+            except queue.Full:  # a shadow call was queued meanwhile: the threads are daemons
+                break
+        for t in self._threads:
+            t.join(timeout=5)
+        self.teacher.close()
+        if self.records is not None:
+            self.records.close()

@@ -1,0 +1,436 @@
+"""Teachers: the System One client against a real second `onepass serve` process (a tuned engine teaching the
+base one), shadow and gate mode in a served engine, the records, `onepass distill`, and teachers that are down,
+slow, refuse, answer garbage or no log-probabilities (typed errors, local answers unchanged, nothing recorded)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("torch")
+httpx2 = pytest.importorskip("httpx2")
+
+from conftest import serve_process  # noqa: E402
+
+from onepass import Choice, Engine, Noul, Score  # noqa: E402
+from onepass.calibration import tune as tn  # noqa: E402
+from onepass.calibration.tune_data import load_rows  # noqa: E402
+from onepass.runtime.questions import to_wire  # noqa: E402
+from onepass.runtime.records import Records  # noqa: E402
+from onepass.runtime.teacher import (  # noqa: E402
+    TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, connect, label_distribution,
+    openai_prompt)
+
+QUESTIONS = {"sky": Noul("Is the sky blue on a clear day?"), "fish": Noul("Do fish climb trees?"),
+             "team": Choice("Which team is named?", {"red": None, "blue": "the blue team"}),
+             "loud": Score("How loud is it?", ["Quiet", "Loud", "Very loud"])}
+STATES = [f"Note {i}: the meeting moved to room {i + 3}." for i in range(16)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_engine_dir, tmp_path_factory):
+    """A tuned tiny engine: the teacher (its answers differ from the base engine's)."""
+    from onepass.calibration.tune_engine import tune
+
+    tmp = tmp_path_factory.mktemp("teacher")
+    facts = [(QUESTIONS["sky"], "yes"), (QUESTIONS["fish"], "no")]
+    data = tmp / "facts.jsonl"
+    data.write_text("".join(json.dumps({"state": s, "question": to_wire(q), "label": label}) + "\n"
+                            for s in STATES for q, label in facts))
+    out = tmp / "teacher"
+    tune(tiny_engine_dir, [data], out, tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2,
+                                                     holdout=0.25, patience=3), name="teacher", log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def teacher_url(teacher_dir, tmp_path_factory):
+    """The teacher served by a real `onepass serve` process on loopback."""
+    url, proc = serve_process(teacher_dir, _port(), tmp_path_factory.mktemp("serve") / "teacher.log")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def _probs(engine, state, questions):
+    answers = engine.ask(state, questions)
+    return {q: answer_distribution(questions[q], answers[q]) for q in questions}
+
+
+def test_systemone_teacher_gives_the_served_engines_distributions(teacher_url, teacher_dir, tiny_engine_dir):
+    """Reference: the teacher engine in process. Negative control: the base engine's answers differ."""
+    teacher, base = Engine.load(teacher_dir), Engine.load(tiny_engine_dir)
+    with connect(teacher_url, "systemone") as client:
+        got = client.probabilities(STATES[0], QUESTIONS)
+        answers = client.ask(STATES[0], QUESTIONS)
+    want, other = _probs(teacher, STATES[0], QUESTIONS), _probs(base, STATES[0], QUESTIONS)
+    for q in QUESTIONS:
+        np.testing.assert_allclose(got[q], want[q], atol=1e-6)
+        np.testing.assert_allclose(answer_distribution(QUESTIONS[q], answers[q]), want[q], atol=1e-6)
+    assert max(float(np.abs(want[q] - other[q]).max()) for q in QUESTIONS) > 1e-3  # the control differs
+
+
+def test_a_teacher_that_is_down_is_unavailable_within_its_deadline():
+    port = _port()  # nothing listens there
+    with connect(f"http://127.0.0.1:{port}", timeout_s=1.0, retries=2, backoff_s=0.01) as client:
+        with pytest.raises(TeacherUnavailable, match="3 attempts"):
+            client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+
+
+def test_a_teacher_that_never_answers_is_unavailable_at_the_deadline():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections (the kernel's backlog) and never answers
+    try:
+        with connect(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=5.0, retries=3) as client:
+            start = time.monotonic()
+            with pytest.raises(TeacherUnavailable):
+                client.probabilities("A state.", {"q": QUESTIONS["sky"]}, deadline=time.monotonic() + 0.5)
+            assert time.monotonic() - start < 4.5  # the deadline ended it, not the 5 s attempt timeout (generous)
+    finally:
+        listener.close()
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    """Answers POSTs from a script of (status, headers, body) and records what it was sent."""
+
+    script: list = []
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 - the http.server API
+        self.seen.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+        status, headers, body = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    """A stand-in HTTP server that answers what each test scripts (failure injection the real ones cannot do)."""
+    handler = type("Handler", (_Scripted,), {"script": [], "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+
+
+NOUL_OK = {"model": "m", "answers": {"q": {"type": "noul", "noul": 0.8}}, "usage": {}}
+
+
+@pytest.mark.parametrize("status, body, error, message", [
+    (200, b"<html>not json</html>", TeacherBadAnswer, "not JSON"),
+    (200, {"answers": {"q": {"type": "choice", "choice": "red"}}}, TeacherBadAnswer, "no noul answer"),
+    (200, {"answers": {"q": {"type": "noul", "noul": 1.5}}}, TeacherBadAnswer, "probability 0..1"),
+    (200, {"model": "m"}, TeacherBadAnswer, "no 'answers'"),
+    (401, {"error": {"message": "bad key"}}, TeacherRefused, "bad key"),
+    (422, {"detail": "no"}, TeacherRefused, "HTTP 422"),
+    (503, {"error": "busy"}, TeacherUnavailable, "HTTP 503"),
+])
+def test_teacher_failures_are_typed_errors(scripted, status, body, error, message):
+    url, handler = scripted
+    handler.script[:] = [(status, {"retry-after": "0"}, body)]
+    with connect(url, retries=1, backoff_s=0.01) as client, pytest.raises(error, match=message):
+        client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+    assert len(handler.seen) == (2 if error is TeacherUnavailable else 1)  # only what may pass is retried
+
+
+def test_choice_probabilities_must_be_a_distribution_over_the_options(scripted):
+    url, handler = scripted
+    q = {"q": QUESTIONS["team"]}
+    for probs, message in (({"red": 0.5}, "keyed by the options"), ({"red": 0.9, "blue": 0.9}, "sum to"),
+                           ({"red": -0.1, "blue": 1.1}, "finite number")):
+        handler.script[:] = [(200, {}, {"answers": {"q": {"type": "choice", "choice": "red", "probabilities": probs,
+                                                          "confidence": 0.1}}})]
+        with connect(url) as client, pytest.raises(TeacherBadAnswer, match=message):
+            client.probabilities("A state.", q)
+
+
+def test_retries_honour_retry_after_then_answer(scripted):
+    url, handler = scripted
+    handler.script[:] = [(429, {"retry-after": "0"}, {"error": "slow down"}), (200, {}, NOUL_OK)]
+    with connect(url, retries=2, backoff_s=0.01, model="big", api_key="k") as client:
+        got = client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+    np.testing.assert_allclose(got["q"], [0.8, 0.2])
+    assert len(handler.seen) == 2 and handler.seen[0]["model"] == "big"
+
+
+def _completion(top):
+    return {"choices": [{"message": {"content": top[0]["token"] if top else ""},
+                         "logprobs": {"content": [{"token": "x", "logprob": -0.1, "top_logprobs": top}] if top
+                                      else None}}]}
+
+
+def test_openai_teacher_reads_the_option_labels_log_probabilities(scripted):
+    url, handler = scripted
+    top = [{"token": "B", "logprob": float(np.log(0.6))}, {"token": " A", "logprob": float(np.log(0.3))},
+           {"token": "The", "logprob": float(np.log(0.05))}]
+    handler.script[:] = [(200, {}, _completion(top))]
+    with connect(url, "openai", model="m") as client:
+        got = client.probabilities("The blue team won.", {"q": QUESTIONS["team"]})
+    np.testing.assert_allclose(got["q"], [0.3 / 0.9, 0.6 / 0.9])  # A = red, B = blue; renormalised over the labels
+    sent = handler.seen[0]
+    assert sent["logprobs"] is True and sent["max_tokens"] == 1 and sent["model"] == "m"
+    assert "A. red" in sent["messages"][1]["content"] and "B. blue (the blue team)" in sent["messages"][1]["content"]
+
+
+def test_openai_teacher_without_log_probabilities_is_a_clear_error(scripted):
+    url, handler = scripted
+    handler.script[:] = [(200, {}, _completion([]))]
+    with connect(url, "openai") as client, pytest.raises(TeacherBadAnswer, match="no log-probabilities"):
+        client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+
+
+def test_label_distribution_gives_a_missing_label_the_least_listed_probability():
+    top = [{"token": "yes", "logprob": np.log(0.7)}, {"token": "Maybe", "logprob": np.log(0.1)}]
+    np.testing.assert_allclose(label_distribution(top, ["yes", "no"], noul=True), [0.7 / 0.8, 0.1 / 0.8])
+    with pytest.raises(TeacherBadAnswer, match="none of the option labels"):
+        label_distribution([{"token": "Maybe", "logprob": -0.1}], ["A", "B"], noul=False)
+    with pytest.raises(TeacherRefused, match="at most 20 options"):
+        openai_prompt("s", Choice("Which?", {f"o{i}": None for i in range(21)}))
+
+
+def test_records_rotate_under_their_cap_and_hold_only_whole_lines(tmp_path):
+    records = Records(tmp_path, max_bytes=4096, file_bytes=1024)
+    line = json.dumps({"state": "x" * 80}).encode() + b"\n"
+    for _ in range(100):
+        assert records.write(line)
+    records.close()
+    files = records.files()
+    assert sum(f.stat().st_size for f in files) <= 4096 and all(f.stat().st_size <= 1024 for f in files)
+    assert records.deleted > 0 and records.rows == 100
+    assert all(json.loads(x) for f in files for x in f.read_text().splitlines())
+    assert not records.write(b'{"no newline": 1}') and records.failed == 1
+
+
+def test_a_failed_record_write_leaves_no_half_line(tmp_path):
+    records = Records(tmp_path, max_bytes=1 << 20, file_bytes=1 << 16)
+    assert records.write(b'{"a": 1}\n')
+
+    class Full:
+        """A file whose disk fills in the middle of a line."""
+
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            self.fh.write(data[:5])
+            self.fh.flush()
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    records._file = Full(records._file)
+    assert not records.write(b'{"b": 2}\n') and records.failed == 1
+    records._file = records._file.fh
+    assert records.write(b'{"c": 3}\n')
+    records.close()
+    assert [json.loads(x) for x in records.files()[0].read_text().splitlines()] == [{"a": 1}, {"c": 3}]
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#") and (not want or want in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _post(url, state, questions, headers=None):
+    body = {"state": state, "questions": {q: to_wire(v) for q, v in questions.items()}}
+    response = httpx2.post(url + "/v1/systemone", json=body, timeout=60, headers=headers or {})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _wait_for(predicate, seconds=60.0):
+    until = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < until, "timed out waiting"
+        time.sleep(0.2)
+
+
+def test_shadow_mode_records_the_teachers_answers_and_never_changes_the_local_ones(
+        tiny_engine_dir, teacher_dir, teacher_url, tmp_path):
+    records = tmp_path / "records"
+    url, proc = serve_process(tiny_engine_dir, _port(), tmp_path / "student.log", "--teacher", teacher_url,
+                              "--shadow-rate", "1", "--record", str(records))
+    try:
+        base, teacher = Engine.load(tiny_engine_dir), Engine.load(teacher_dir)
+        for state in STATES[:3]:
+            got = _post(url, state, QUESTIONS).json()["answers"]
+            assert got == {q: a.to_wire() for q, a in base.ask(state, QUESTIONS).items()}  # local, unchanged
+        _wait_for(lambda: _metric(httpx2.get(url + "/metrics").text, "onepass_teacher_records_total") >= 12)
+        text = httpx2.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert _metric(text, "onepass_teacher_calls_total", mode="shadow", outcome="ok") == 3
+    assert _metric(text, "onepass_teacher_shadowed_questions_total") == 12
+    assert _metric(text, "onepass_questions_answered_total", by="local") == 12
+    rows, _ = load_rows(sorted(records.glob("*.jsonl")))  # tune reads the records as they are
+    assert len(rows) == 12
+    for r in rows:  # each row is the teacher's distribution (reference: the teacher engine in process)
+        want = _probs(teacher, r.state, {"q": r.question})["q"]
+        np.testing.assert_allclose(r.target, want, atol=1e-6)
+    agreements = sum(int(np.argmax(r.target) == np.argmax(_probs(base, r.state, {"q": r.question})["q"]))
+                     for r in rows)
+    assert _metric(text, "onepass_teacher_agreements_total") == agreements
+
+
+def test_gate_mode_answers_doubtful_questions_with_the_teacher_within_the_deadline(
+        tiny_engine_dir, teacher_dir, teacher_url, tmp_path):
+    url, proc = serve_process(tiny_engine_dir, _port(), tmp_path / "student.log", "--teacher", teacher_url,
+                              "--min-confidence", "0.9999")
+    try:
+        teacher, base = Engine.load(teacher_dir), Engine.load(tiny_engine_dir)
+        response = _post(url, STATES[4], QUESTIONS)
+        text = httpx2.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    by = dict(item.split("=") for item in response.headers["x-onepass-answered-by"].split(","))
+    local = base.ask(STATES[4], QUESTIONS)
+    want = teacher.ask(STATES[4], QUESTIONS)
+    for q, answer in response.json()["answers"].items():
+        expected = (want if local[q].certainty < 0.9999 else local)[q]
+        assert by[q] == (f"systemone:{teacher_url.split('//')[1]}" if local[q].certainty < 0.9999 else base.name)
+        np.testing.assert_allclose(answer_distribution(QUESTIONS[q], type(expected)(**_fields(answer))),
+                                   answer_distribution(QUESTIONS[q], expected), atol=1e-6)
+    forwarded = [q for q in by if by[q] != base.name]
+    assert forwarded and _metric(text, "onepass_questions_answered_total", by="teacher") == len(forwarded)
+
+
+def _fields(wire: dict) -> dict:
+    return {k: v for k, v in wire.items() if k not in ("type",)}
+
+
+@pytest.mark.parametrize("mode", ["shadow", "gate"])
+def test_a_teacher_that_is_down_changes_nothing_and_records_nothing(tiny_engine_dir, tmp_path, mode):
+    records = tmp_path / "records"
+    flags = ["--shadow-rate", "1"] if mode == "shadow" else ["--min-confidence", "1.0"]
+    url, proc = serve_process(tiny_engine_dir, _port(), tmp_path / "student.log", "--teacher",
+                              f"http://127.0.0.1:{_port()}", "--teacher-timeout", "1", "--record", str(records),
+                              *flags)
+    try:
+        base = Engine.load(tiny_engine_dir)
+        response = _post(url, STATES[5], QUESTIONS)
+        assert response.json()["answers"] == {q: a.to_wire() for q, a in base.ask(STATES[5], QUESTIONS).items()}
+        _wait_for(lambda: _metric(httpx2.get(url + "/metrics").text, "onepass_teacher_calls_total", mode=mode,
+                                  outcome="unavailable") == 1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert not list(records.glob("*.jsonl")) or all(f.stat().st_size == 0 for f in records.glob("*.jsonl"))
+
+
+def test_serve_teacher_flags_are_checked(tmp_path, tiny_engine_dir):
+    """Settings are refused before any engine loads (the engine does not exist), and a teacher that would never
+    be asked once the engine shows it has no gate."""
+    for engine, args, message in (
+            (tiny_engine_dir, ["--teacher", "http://127.0.0.1:9"], "never asked"),
+            (tmp_path / "none", ["--teacher", "ftp://x", "--shadow-rate", "1"], "http:// or https://"),
+            (tmp_path / "none", ["--teacher", "http://127.0.0.1:9", "--shadow-rate", "2"], "within 0..1"),
+            (tmp_path / "none", ["--teacher", "http://127.0.0.1:9", "--teacher-concurrency", "0"], "concurrency"),
+            (tmp_path / "none", ["--min-confidence", "0.5"], "--cascade engine or a --teacher")):
+        out = subprocess.run([sys.executable, "-m", "onepass", "serve", "--engine", str(engine),
+                              "--port", str(_port()), *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tmp_path):
+    from onepass.calibration.distill import _read_labels, distill, label, read_questions
+
+    states = tmp_path / "states.jsonl"
+    states.write_text("".join(json.dumps(s) + "\n" for s in STATES) + json.dumps({"state": STATES[0]}) + "\n")
+    questions = tmp_path / "q.json"
+    asked = {"sky": QUESTIONS["sky"], "fish": QUESTIONS["fish"]}
+    questions.write_text(json.dumps({q: to_wire(v) for q, v in asked.items()}))
+
+    class Interrupted(Exception):
+        pass
+
+    class Counting:
+        """The real teacher client, counting calls; interrupted after ``stop`` of them."""
+
+        def __init__(self, client, stop=None):
+            self.client, self.name, self.calls, self.stop = client, client.name, 0, stop
+
+        def probabilities(self, state, qs, deadline=None):
+            self.calls += 1
+            if self.stop is not None and self.calls > self.stop:
+                raise Interrupted
+            return self.client.probabilities(state, qs, deadline)
+
+    labels = tmp_path / "student.distill" / "labels.jsonl"
+    with connect(teacher_url) as client:
+        first = Counting(client, stop=5)
+        with pytest.raises(Interrupted):
+            label(first, STATES, read_questions(str(questions)), labels, concurrency=1, log=lambda *_: None)
+        with open(labels, "ab") as fh:
+            fh.write(b'{"state_id": "cut sh')  # a line cut short by the interruption
+        done = len(_read_labels(labels))
+        assert done == 5 and labels.read_bytes().endswith(b"\n")
+        second = Counting(client)
+        config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, patience=3)
+        report = distill(tiny_engine_dir, second, str(states), str(questions), tmp_path / "student",
+                         target_agreement=0.9, holdout=0.25, config=config, concurrency=2, log=lambda *_: None)
+    assert second.calls == len(STATES) - done  # nothing asked twice
+    assert report["labelled_states"] == 16 and report["train_states"] == 12 and report["held_out_states"] == 4
+    rows = [json.loads(x) for x in labels.read_text().splitlines()]
+    assert len(rows) == 32 and len({r["state_id"] for r in rows}) == 16
+    student = Engine.load(tmp_path / "student")
+    gate = student.manifest.gate
+    assert gate["target_agreement"] == 0.9 and len(gate["per_key"]) == 2 and gate["teacher"] == client.name
+    tuning = report["tuning"]
+    assert tuning["heldout_best"]["nll"] < tuning["heldout_before"]["nll"]  # closer to the teacher than the base
+    assert 0.0 <= report["coverage_at_target"] <= 1.0 and 0.0 <= report["agreement"] <= 1.0
+    from onepass.runtime.cascade import Gate
+
+    thresholds = Gate.from_manifest(gate).for_questions(student, asked)
+    assert {thresholds.threshold(q) for q in asked} == set(gate["per_key"].values())
+    assert Gate.from_manifest(gate).for_questions(student, {"x": QUESTIONS["team"]}).threshold("x") == 1.0
+
+
+def test_distill_cli_errors_are_one_line_and_write_nothing(tmp_path, tiny_engine_dir):
+    states = tmp_path / "states.jsonl"
+    states.write_text('"one"\n"two"\n')
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"q": to_wire(QUESTIONS["sky"])}))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"one"\n7\n')
+    base = [sys.executable, "-m", "onepass", "distill", "--engine", str(tiny_engine_dir), "--out",
+            str(tmp_path / "out"), "--questions", str(questions)]
+    for args, message in (([f"--teacher=http://127.0.0.1:{_port()}", "--states", str(states),
+                            "--teacher-timeout", "1"], "gave no answer"),
+                          (["--teacher", "http://x", "--states", str(bad)], "bad.jsonl:2"),
+                          (["--teacher", "http://x", "--states", str(states), "--target-agreement", "1.5"],
+                           "--target-agreement")):
+        out = subprocess.run(base + args, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "out").exists()
