@@ -1,6 +1,7 @@
 """Distillation from a teacher engine: does a student trained only on a teacher's answers decide like it?
 
-For each task (data sets allowed for training: BBC topics, CrowdFlower tweets, convention speeches), one
+For each task (data sets allowed for training: CrowdFlower tweets as a 3-way choice and as a 3-level score,
+2012 convention speeches' party), one
 seeded sample of distinct states is split into 200 labelled states (the teacher's training rows), 300
 unlabelled states (the student learns them from the teacher) and 300 other states (the test):
 
@@ -29,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from onepass.calibration.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
+from onepass.calibration.mixture import speech_rows, tweet_rows  # noqa: E402
 from onepass.runtime.questions import from_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-TASKS = ("bbc", "tweets", "speeches")
+TASKS = ("tweets", "speeches", "tweets_score")
 LABELLED, UNLABELLED, TEST = 200, 300, 300
 
 
@@ -47,13 +48,9 @@ def task_rows(task: str, seed: int = 7) -> list[dict]:
     """Labelled rows of one task, one per distinct state, one question form per task (what a user asks)."""
     rng = random.Random(seed)
     need = LABELLED + UNLABELLED + TEST
-    if task == "bbc":
-        rows = [r for r in bbc_rows(need + 50, rng) if r["question"]["type"] == "choice"]
-        q = {"type": "choice", "instructions": "What is the topic of this news article?",
-             "criteria": {name: None for name in ("business", "entertainment", "politics", "sport", "tech")}}
-        rows = [{**r, "question": q} for r in rows]
-    elif task == "tweets":
-        rows = [r for r in tweet_rows(3 * need, rng) if r["question"]["type"] == "choice"]
+    if task in ("tweets", "tweets_score"):
+        kind = "choice" if task == "tweets" else "score"
+        rows = [r for r in tweet_rows(4 * need, rng) if r["question"]["type"] == kind]
     else:
         rows = speech_rows(need + 100, rng)
     seen, out = set(), []
@@ -162,7 +159,7 @@ def evaluate_task(args, task: str) -> dict:
     teacher, student = Engine.load(root / "teacher"), Engine.load(root / "student")
     base = Engine.load(args.engine)
     t, s, b = _probs(teacher, test), _probs(student, test), _probs(base, test)
-    gold = np.array([option_keys(q).index(r["label"]) for (q, _), r in zip(t, test)])
+    gold = np.array([option_keys(q).index(str(r["label"])) for (q, _), r in zip(t, test)])
     tp = np.array([p for _, p in t])
     sp = np.array([p for _, p in s])
     bp = np.array([p for _, p in b])
@@ -203,8 +200,11 @@ def report(args) -> None:
              f"student tuned by `onepass distill` from the same engine on the teacher's answers for {UNLABELLED} "
              "*unlabelled* other states (the teacher served by a real `onepass serve` process, System One wire; 20% "
              "of those states held out for early stopping and the gate, target agreement 0.95); measured on "
-             f"{TEST} further states neither engine saw. Data: BBC News topics (5-way), CrowdFlower tweet "
-             "sentiment (3-way), 2012 convention speeches (2-way): sources allowed for training.", "",
+             f"{TEST} further states neither engine saw. Data: CrowdFlower tweet sentiment (3-way choice; and as "
+             "a 3-level score, other tweets), 2012 convention speeches' party (2-way): sources allowed for training. "
+             "BBC topics were tried first and left out: tuning the default engine (trained on BBC in its adapter) "
+             "never beat it on the held-out rows (`NothingLearned`), so there was no teacher distinct from the "
+             "student's start.", "",
              "Agreement: the student's answer (argmax) is the teacher's. Local share: questions the student answers "
              "at or above its manifest gate (the rest go to the teacher: the teacher calls saved). Gated accuracy: "
              "local answers above the gate, the teacher's below.", "",

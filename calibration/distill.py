@@ -110,27 +110,38 @@ def _read_labels(path: Path) -> dict:
     return done
 
 
+def _missing(rows: list, questions: dict) -> dict:
+    """The questions a state's label rows do not answer yet (a row answers a question with the same id and form)."""
+    have = {r["qid"] for r in rows if r.get("question") == to_wire(questions.get(r["qid"], _NONE))}
+    return {q: v for q, v in questions.items() if q not in have}
+
+
+_NONE = object()
+
+
 def label(teacher, states: list, questions: dict, path: Path, concurrency: int = 4, log=print) -> dict:
-    """Ask ``teacher`` every question about every state not yet in ``path``; {state id: rows} of all states."""
+    """Ask ``teacher`` the questions ``path`` does not yet hold an answer to about each state; {state id: [the
+    current questions' rows]} of every labelled state."""
     from tqdm import tqdm
 
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_labels(path)
-    todo = [s for s in states if _state_id(s) not in done]
+    todo = [(s, _missing(done.get(_state_id(s), []), questions)) for s in states]
+    todo = [(s, qs) for s, qs in todo if qs]
     if done:
         log(f"{len(states) - len(todo)} of {len(states)} states already labelled in {path}; asking the rest")
     failed, first_error = 0, None
 
-    def one(state):
-        probs = teacher.probabilities(state, questions)
+    def one(state, asked):
+        probs = teacher.probabilities(state, asked)
         sid = _state_id(state)
-        return sid, [{"state_id": sid, "qid": qid, "state": state, "question": to_wire(questions[qid]),
-                      "probabilities": wire_probabilities(questions[qid], p), "teacher": teacher.name}
+        return sid, [{"state_id": sid, "qid": qid, "state": state, "question": to_wire(asked[qid]),
+                      "probabilities": wire_probabilities(asked[qid], p), "teacher": teacher.name}
                      for qid, p in probs.items()]
 
     with open(path, "ab") as fh, ThreadPoolExecutor(concurrency) as pool, \
             tqdm(total=len(todo), unit="state", desc="teacher", dynamic_ncols=True) as bar:
-        futures = [pool.submit(one, s) for s in todo]
+        futures = [pool.submit(one, s, qs) for s, qs in todo]
         try:
             for future in as_completed(futures):
                 try:
@@ -145,7 +156,7 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
                     bar.update(1)
                 fh.write(b"".join(dumps(r) for r in rows))  # one write per state: whole states only
                 fh.flush()
-                done[sid] = rows
+                done.setdefault(sid, []).extend(rows)
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -155,7 +166,14 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
     if failed:
         log(f"warning: the teacher gave no answer for {failed} of {len(todo)} states (first: {first_error}); "
             "they are left out (run again to retry them)")
-    return done
+    current, wanted = {}, {_state_id(s) for s in states}
+    for sid, rows in done.items():  # the latest row of each current question, for the states fully labelled
+        if sid not in wanted:
+            continue
+        latest = {r["qid"]: r for r in rows if r["qid"] in questions and r["question"] == to_wire(questions[r["qid"]])}
+        if len(latest) == len(questions):
+            current[sid] = [latest[q] for q in questions]
+    return current
 
 
 def _tune_rows(rows: list) -> list:
@@ -231,7 +249,7 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     work = out.with_name(out.name + ".distill")
     labels_path = work / "labels.jsonl"
     labelled = label(teacher, states, questions, labels_path, concurrency, log)
-    ids = sorted(sid for sid in labelled if any(r["qid"] in questions for r in labelled[sid]))
+    ids = sorted(labelled)
     order = list(ids)
     random.Random(config.seed).shuffle(order)
     cut = int(round(len(order) * (1 - holdout)))
@@ -239,7 +257,7 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
         raise InvalidRequest(f"{len(order)} labelled states are too few to train on and hold out {holdout:.0%}: "
                              "give at least 4 states")
     train_ids, held_ids = set(order[:cut]), set(order[cut:])
-    pick = lambda chosen: [r for sid in ids if sid in chosen for r in labelled[sid] if r["qid"] in questions]  # noqa: E731
+    pick = lambda chosen: [r for sid in ids if sid in chosen for r in labelled[sid]]  # noqa: E731
     train = _write_jsonl(_tune_rows(pick(train_ids)), work / "train.jsonl")
     held = _write_jsonl(_tune_rows(pick(held_ids)), work / "held.jsonl")
     log(f"tuning on the teacher's answers for {len(train_ids)} states; {len(held_ids)} held out")
