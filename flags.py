@@ -1,0 +1,210 @@
+"""The ``onepass`` command's flags: one argparse subparser per command (``cli.py`` calls the library with them)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .runtime.backends import BACKENDS
+from .runtime.plan import DEVICES
+
+
+THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
+
+
+def _engine(p, backend: str | None = "auto", help: str = "engine directory") -> None:
+    """--engine, --threads and (unless None) --backend: what every command that loads an engine takes."""
+    p.add_argument("--engine", required=True, help=help)
+    p.add_argument("--threads", type=int, default=None, help=THREADS)
+    if backend is not None:
+        p.add_argument("--backend", choices=("auto", *BACKENDS), default=backend,
+                       help="auto: OpenVINO's CPU plugin where it reproduces the golden file here, else ONNX Runtime")
+
+
+def _http(p) -> None:
+    """The HTTP settings serve and cluster share."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests (per replica) before answering 429")
+    p.add_argument("--request-timeout", type=float, default=10.0, help="seconds, unless it sends X-Request-Timeout")
+    p.add_argument("--batch-window-ms", type=float, default=2.0, help="requests about one state within it share a pass")
+    p.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB (per replica)")
+
+
+def _teacher(p, required: bool) -> None:
+    p.add_argument("--teacher", required=required, default=None, metavar="URL",
+                   help="the teacher's base URL (a System One server, or an OpenAI-compatible one)")
+    p.add_argument("--teacher-kind", choices=("systemone", "openai"), default="systemone")
+    p.add_argument("--teacher-key", default=None, help="the teacher's API key (default: $ONEPASS_TEACHER_KEY)")
+    p.add_argument("--teacher-model", default=None, help="the model named in teacher requests")
+    p.add_argument("--teacher-timeout", type=float, default=10.0, help="seconds per teacher call attempt")
+    p.add_argument("--teacher-concurrency", type=int, default=4, help="teacher calls in flight at once")
+
+
+def _training(p, named: str, held: str) -> None:
+    """The training flags tune and distill share (TuneConfig's fields; :func:`_tune_config` reads them)."""
+    p.add_argument("--method", choices=["lora", "full", "head"], default="lora",
+                   help="LoRA adapters merged on export, every weight, or a decision head over the frozen decoder")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--train-blocks", type=int, default=None, help="train only the top N decoder blocks (default all)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
+    p.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
+    p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
+    p.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
+    p.add_argument("--holdout", type=float, default=0.2, help=f"share of states {held}")
+    p.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
+    p.add_argument("--patience", type=int, default=2, help="held-out evaluations without improvement, then stop")
+    p.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")
+    p.add_argument("--name", help=f"the engine's name (default: <base name>-{named})")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="onepass", description="Compile a small decoder into a one-pass decision engine; ask it typed questions about a text.")
+    p.add_argument("--version", action="version", version=f"onepass {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="compile a model into an engine directory")
+    ex.add_argument("--out", required=True, help="engine directory to write")
+    ex.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ex.add_argument("--name", help="engine name (default: from the model)")
+    for flag, default, what in (("state", None, "state tokens (default: the context window minus 1024)"),
+                                ("packed", 4096, "tokens of one packed pass"), ("request", 262144, "packed tokens "
+                                "over all passes of one request")):
+        ex.add_argument(f"--max-{flag}-tokens", type=int, default=default, help=what)
+    ex.add_argument("--max-questions", type=int, default=5000)
+    ex.add_argument("--max-options", type=int, default=1000)
+    ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
+                    help="option log-likelihoods to probabilities (default: the adapter's, else mean)")
+    ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                    help="of the block weights and GEMMs (the rest stays fp32); bf16: TensorRT or PyTorch only")
+    ex.add_argument("--adapter", default="default", help="LoRA merged into the weights: 'default' (shipped for the "
+                                                          "default model), 'none', or a folder from `onepass tune`")
+    ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
+    ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
+    _engine(ask)
+    ask.add_argument("--state", help="file with the state text ('-' for stdin); or give state inside --questions")
+    ask.add_argument("--json-state", action="store_true", help="the state file holds JSON (serialised canonically)")
+    ask.add_argument("--questions", required=True, help="JSON: {id: {type, instructions, criteria}} or a full request")
+    bench = sub.add_parser("bench", help="latency percentiles of an engine (in process) or a server (HTTP)")
+    where = bench.add_mutually_exclusive_group(required=True)
+    where.add_argument("--engine", help="engine directory (in-process)")
+    where.add_argument("--url", help="a TypeSafe System One server, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--state", help="file with the state text")
+    bench.add_argument("--states", help="a directory of state files: each request takes one at random (seeded)")
+    bench.add_argument("--json-state", action="store_true", help="the state file holds JSON")
+    bench.add_argument("--questions", required=True, help="JSON questions or a full request")
+    bench.add_argument("--backend", choices=BACKENDS, nargs="+", help="in process: backends side by side (default all)")
+    bench.add_argument("--kind", choices=("warm", "cold", "prefill"), nargs="+", help="cached state, fresh state, "
+                       "prefill alone (default: all three in process, warm over HTTP)")
+    bench.add_argument("--cold-fraction", type=float, default=0.0, help="share of fresh states in warm runs, 0..1")
+    bench.add_argument("--requests", type=int, default=None, help="requests per run instead of --duration")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--model", default="jev-latest", help="model name sent over HTTP")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--rate", type=float, nargs="*", help="open loop: requests/s (Poisson arrivals), one run each")
+    bench.add_argument("--concurrency", type=int, nargs="*", help="closed loop: senders, one run each (default 1)")
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    bench.add_argument("--warmup", type=int, default=3, help="requests before measuring")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--report", help="directory for bench.json, bench.md, latency_cdf.png and throughput_p99.png")
+    bench.add_argument("--compare", help="an earlier bench.json: print new/old per percentile for the same runs")
+    bench.add_argument("--force", action="store_true", help="compare even when the workload or machine differ")
+    check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
+    _engine(check, backend="onnxruntime")  # the reference; bf16 engines: tensorrt or torch-*
+    cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
+    cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
+    cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    cal.add_argument("--holdout", type=float, default=0.3, help="rows kept out of the fit; a group needs 20 to fit")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--report", default=None, help="folder for report.json/.md, reliability.png, coverage.png")
+    ev = sub.add_parser("eval", help="how good an engine is on labelled JSONL rows (accuracy, NLL, ECE, coverage)")
+    _engine(ev, backend=None)
+    ev.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")
+    ev.add_argument("--min-confidence", type=float, default=None, help="report coverage and accuracy above it")
+    ev.add_argument("--target-accuracy", type=float, default=None, help="find the confidence that reaches it")
+    ev.add_argument("--compare", default=None, metavar="DIR2", help="a second engine, side by side on the same rows")
+    ev.add_argument("--report", default=None, help="folder for eval.json/.md and plots")
+    tn = sub.add_parser("tune", help="fine-tune the decoder on labelled rows; writes a tuned engine")
+    tn.add_argument("--engine", required=True, help="the base engine directory")
+    tn.add_argument("--data", required=True, nargs="+", help="JSONL rows: state, question, label (or probabilities)")
+    tn.add_argument("--out", required=True, help="tuned engine directory to write (only when the run succeeds)")
+    tn.add_argument("--validation", nargs="+", default=None, help="held-out JSONL rows instead of a --holdout split")
+    _training(tn, "tuned", "held out (early stopping, report)")
+    tn.add_argument("--report", help="report directory (default: <out>-report)")
+    pl = sub.add_parser("plan", help="memory budget and latency floor on a device (assumptions stated)")
+    pl.add_argument("--engine", required=True, help="engine directory")
+    pl.add_argument("--device", required=True, choices=["orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "h200"])
+    pl.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16", "int8", "fp8"])
+    pl.add_argument("--state-tokens", type=int, default=512)
+    pl.add_argument("--packed-tokens", type=int, default=512)
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    trt = sub.add_parser("build-trt", help="build TensorRT plans from the engine's ONNX graph (ahead of time)")
+    trt.add_argument("--engine", required=True, help="engine directory (plans are added and recorded)")
+    trt.add_argument("--arch", nargs="+", default=["sm80", "sm86", "sm89"], help="sm75..sm121, or native: this GPU")
+    trt.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "fp8", "int8"],
+                     help="(default: the graph's)")
+    trt.add_argument("--device", default=None, choices=sorted(DEVICES), help="the builder's workspace budget")
+    trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None, help="default: tensorrt if any")
+    qz = sub.add_parser("quantize", help="INT8 engine that must keep its answers on labelled rows (else refused)")
+    qz.add_argument("--engine", required=True, help="fp32 engine directory")
+    qz.add_argument("--out", required=True, help="INT8 engine directory to write")
+    qz.add_argument("--data", required=True, help="JSONL rows {state, question, label} to measure agreement on")
+    qz.add_argument("--min-agreement", type=float, default=0.99)
+    qz.add_argument("--max-error", type=float, default=0.1, help="largest allowed option log-prob error")
+    ds = sub.add_parser("distill", help="learn a task from a teacher model's answers on unlabelled states")
+    ds.add_argument("--engine", required=True, help="the engine to start from (the student)")
+    _teacher(ds, required=True)
+    ds.add_argument("--states", required=True, help="JSONL: one state per line (a JSON string or {\"state\": ...})")
+    ds.add_argument("--questions", required=True, help="JSON: the questions by id, asked about every state")
+    ds.add_argument("--out", required=True, help="the student engine directory to write (with its gate)")
+    ds.add_argument("--target-agreement", type=float, default=0.95,
+                    help="the gate: answer locally where the student agrees with the teacher this often")
+    _training(ds, "distilled", "held out (early stopping, the gate)")
+    serve = sub.add_parser("serve", help="serve the TypeSafe System One HTTP API")
+    _engine(serve)
+    _http(serve)
+    for flag, what in (("state-tokens", "state limit"), ("packed-tokens", "packed-token limit"),
+                       ("questions", "questions per request"), ("options", "options per choice")):
+        serve.add_argument(f"--max-{flag}", type=int, default=None, help=f"lower the engine's {what}")
+    serve.add_argument("--max-request-tokens", type=int, default=None, help="packed tokens per request")
+    serve.add_argument("--build-trt-if-missing", action="store_true", help="build this GPU's plan first if missing")
+    serve.add_argument("--export-if-missing", action="store_true", help="export the default model first if missing")
+    serve.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send the headers, else 408")
+    serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send the body, else 408")
+    serve.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept")
+    serve.add_argument("--max-header-bytes", type=int, default=16384, help="larger request heads get 431")
+    serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000)")
+    serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
+    serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
+    serve.add_argument("--min-confidence", type=float, default=None,
+                       help="the threshold (0..1) below which the --cascade engine or the --teacher answers")
+    _teacher(serve, required=False)
+    serve.add_argument("--shadow-rate", type=float, default=0.0,
+                       help="share of requests also asked of the teacher in the background (0..1)")
+    serve.add_argument("--record", default=None, metavar="DIR",
+                       help="write the teacher's answers as tune rows to rotating JSONL files in DIR (off by default)")
+    serve.add_argument("--record-max-mib", type=int, default=1024, help="the records' cap; the oldest files go first")
+    cl = sub.add_parser("cluster", help="serve the same HTTP API from replicas on Ray Serve, routed by state")
+    cl.add_argument("--engine", required=True, help="engine directory (every replica loads it)")
+    cl.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    cl.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                    help="let Serve's autoscaler keep MIN..MAX replicas instead of a fixed --replicas")
+    cl.add_argument("--routing", choices=("state", "default"), default="state",
+                    help="state: requests about one state go to one replica (its cached K/V); default: Serve's own")
+    _http(cl)
+    cl.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: start one here")
+    cl.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the Ray cluster started here")
+    cl.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs reserved per replica")
+    cl.add_argument("--threads", type=int, default=1, help=THREADS)
+    cl.add_argument("--retries", type=int, default=1, help="retries of a request whose replica died")
+    mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
+    _engine(mcp)
+    return p
