@@ -485,3 +485,49 @@ def _ready(url: str) -> bool:
         return httpx2.get(url + "/v1/models", timeout=2).status_code == 200
     except httpx2.HTTPError:
         return False
+
+
+def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_again():
+    from types import SimpleNamespace
+
+    from onepass.runtime.server.metrics import Metrics
+    from onepass.runtime.server.teaching import TeacherLink, TeacherSetup
+    from onepass.runtime.cascade import Gate
+
+    class Down:
+        name, config, calls, up = "down", SimpleNamespace(max_concurrency=2), 0, False
+
+        def probabilities(self, state, questions, deadline=None):
+            self.calls += 1
+            if not self.up:
+                raise TeacherUnavailable("connection refused")
+            return {q: np.array([0.9, 0.1]) for q in questions}
+
+        def close(self):
+            pass
+
+    now = [100.0]
+    teacher, metrics = Down(), Metrics(None, lambda: 0)
+    link = TeacherLink(TeacherSetup(teacher, gate=Gate(1.0)), metrics, clock=lambda: now[0])
+    q = {"q": QUESTIONS["sky"]}
+
+    def call():
+        try:
+            return link._call("gate", "s", q, None)
+        except TeacherUnavailable:
+            return None
+
+    outcomes = []
+    for at in (100.0, 100.1, 100.6, 100.7, 101.7, 101.8):  # cool-downs 0.5 s, then 1 s
+        now[0] = at
+        before = teacher.calls
+        call()
+        outcomes.append(teacher.calls - before)
+    assert outcomes == [1, 0, 1, 0, 1, 0]  # asked, skipped, asked after 0.5 s, skipped, asked after 1 s, skipped
+    teacher.up = True
+    now[0] = 104.0
+    assert call() is not None and teacher.calls == 4
+    now[0] = 104.01
+    assert call() is not None and teacher.calls == 5  # back up: no cool-down
+    assert metrics.teacher_calls.labels("gate", "circuit_open")._value.get() == 3
+    link.close()

@@ -8,6 +8,9 @@
   distilled engine's manifest carries) are asked of the teacher within the request's deadline, and its
   answers replace the local ones. At most ``max_pending`` gate calls are in flight; beyond them, and when
   the teacher fails or the deadline comes first, the local answers stand (counted by outcome).
+* **A teacher that is down** is not asked again for a while: after a call finds it unavailable, calls skip it
+  (outcome ``circuit_open``, the local answers standing at once) for a cool-down that starts at 0.5 s and
+  doubles while it stays down (at most 30 s); the first call after the cool-down tries it again.
 * **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
   (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.records`).
   Nothing is recorded unless asked: the state text is user data.
@@ -35,6 +38,7 @@ from ..teacher import Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavaila
 
 log = logging.getLogger("onepass.teacher")
 DEADLINE_RESERVE_S = 0.02  # left for writing the response after a gate call
+COOL_DOWN_S, MAX_COOL_DOWN_S = 0.5, 30.0  # a teacher found unavailable is skipped this long, doubling while it stays so
 
 
 def _outcome(err: Exception) -> str:
@@ -75,13 +79,14 @@ class TeacherSetup:
 class TeacherLink:
     """The teacher as the server uses it; ``close()`` stops its threads and the teacher's connections."""
 
-    def __init__(self, setup: TeacherSetup, metrics):
+    def __init__(self, setup: TeacherSetup, metrics, clock=time.monotonic):
         teacher, shadow_rate, gate = setup.teacher, setup.shadow_rate, setup.gate
         self.teacher, self.metrics, self.records, self.gate = teacher, metrics, setup.records, gate
         self.shadow_rate, self.max_pending = shadow_rate, setup.max_pending
         self._queue: queue.Queue = queue.Queue(maxsize=setup.max_pending)
         self._gate_calls = 0
         self._lock = threading.Lock()
+        self._clock, self._down, self._open_until = clock, 0, 0.0  # consecutive unavailable calls; skip until
         # one connection is left free of shadow work for gate calls
         count = max(1, teacher.config.max_concurrency - (1 if gate is not None else 0)) if shadow_rate else 0
         self._threads = [threading.Thread(target=self._work, name=f"onepass-shadow-{i}", daemon=True)
@@ -116,18 +121,28 @@ class TeacherLink:
 
     def _call(self, mode: str, state, questions: dict, deadline: float | None) -> dict:
         """The teacher's distributions (recorded when asked), its outcome and latency counted."""
-        start = time.monotonic()
+        start = self._clock()
+        if start < self._open_until:
+            self.metrics.teacher_calls.labels(mode, "circuit_open").inc()
+            raise TeacherUnavailable(f"{self.teacher.name} was unavailable: not asked again for "
+                                     f"{self._open_until - start:.1f} s")
         try:
             probs = self.teacher.probabilities(state, questions, deadline=deadline)
         except Exception as err:
+            if isinstance(err, TeacherUnavailable):
+                with self._lock:
+                    self._down += 1
+                    self._open_until = self._clock() + min(MAX_COOL_DOWN_S, COOL_DOWN_S * 2 ** (self._down - 1))
             self.metrics.teacher_calls.labels(mode, _outcome(err)).inc()
             if not isinstance(err, (TeacherUnavailable, TeacherRefused, TeacherBadAnswer)):
                 log.exception("teacher call failed unexpectedly")
             else:
                 log.warning("teacher %s call failed: %s", mode, err)
             raise
+        with self._lock:
+            self._down, self._open_until = 0, 0.0
         self.metrics.teacher_calls.labels(mode, "ok").inc()
-        self.metrics.teacher_latency.labels(mode).observe(time.monotonic() - start)
+        self.metrics.teacher_latency.labels(mode).observe(self._clock() - start)
         if self.records is not None:
             for qid, p in probs.items():
                 if self.records.write(dumps(row(state, questions[qid], p, self.teacher.name))):
