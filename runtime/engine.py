@@ -571,14 +571,22 @@ def check_question_id(qid) -> None:
 
 
 def parse_request(body: Mapping) -> tuple:
-    """(state, {id: Question}) of a TypeSafe System One request body; InvalidRequest names the field."""
+    """(state, {id: Question}) of a TypeSafe System One request body: the one parse of a request (the server's too),
+    every check of its form and values; InvalidRequest names the field."""
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
     if "state" not in body:
         raise InvalidRequest("the request has no state", "state")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string (or left out: the default engine answers)", "model")
+    if not isinstance(body["state"], (str, Mapping, list)):
+        raise InvalidRequest("the state must be text, or JSON: an object or an array", "state")
     raw = body.get("questions")
     if not isinstance(raw, Mapping) or not raw:
         raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
+    if body.get("assets") is not None and not isinstance(body["assets"], Mapping):
+        raise InvalidRequest("assets must be an object (and empty: this engine reads text only)", "assets")
     if body.get("assets"):
         raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
     for qid in raw:

@@ -311,6 +311,19 @@ def tiny_url(tiny_engine_dir):
         yield base
 
 
+def test_a_request_is_parsed_once(tiny_url, monkeypatch):
+    """One parse per request on the HTTP path: parse_request once, each question built once."""
+    from onepass.runtime import engine as engine_module
+    from onepass.runtime.server import app as app_module
+
+    parses, questions = [], []
+    parse, build = app_module.parse_request, engine_module.from_wire
+    monkeypatch.setattr(app_module, "parse_request", lambda body: parses.append(1) or parse(body))
+    monkeypatch.setattr(engine_module, "from_wire", lambda qid, body: questions.append(qid) or build(qid, body))
+    status, _, _ = post(tiny_url, {"state": "A ticket.", "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}})
+    assert status == 200 and parses == [1] and sorted(questions) == ["a", "b"]
+
+
 def test_fuzzed_bodies_never_yield_5xx(tiny_url):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
