@@ -37,7 +37,7 @@ from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.prompt import state_text
 from ..runtime.questions import from_wire, to_wire
 from ..runtime.readout_calibration import question_key
-from ..runtime.request_files import read_text
+from ..runtime.request_files import json_lines, read_text
 from ..runtime.teacher import TeacherError, TeacherRefused, answer_distribution, dumps, option_keys, wire_probabilities
 from . import metrics
 from .tune import TuneConfig
@@ -48,13 +48,7 @@ MAX_FAILED_SHARE = 0.1  # more of the states failing than this stops the labelli
 def read_states(path: str) -> list:
     """The states of a JSONL file (each line a JSON string, or an object with a ``state``), duplicates dropped."""
     out, seen = [], set()
-    for n, line in enumerate(read_text(path, "states file").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as err:
-            raise InvalidRequest(f"{path}:{n}: not valid JSON ({err})") from None
+    for n, value in json_lines(read_text(path, "states file"), path):
         state = value.get("state") if isinstance(value, dict) else value
         if state is None or isinstance(state, (bool, int, float)):
             raise InvalidRequest(f"{path}:{n}: each line must be a JSON string (the state) or an object with a "

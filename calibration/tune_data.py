@@ -9,7 +9,6 @@ instead of, or besides, the label; the training target is then that distribution
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Sequence
 
 from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.prompt import state_text
+from ..runtime.request_files import json_lines
 from ..runtime.questions import Noul, Question, from_wire
 from ..runtime.teacher import option_keys
 from .run import label_index
@@ -96,17 +96,11 @@ def load_rows(paths: Sequence[str | Path]) -> tuple[list[TuneRow], list[dict]]:
         except OSError as err:
             raise InvalidRequest(f"cannot read {path}: {err.strerror}") from None
         try:
-            lines = raw.decode("utf-8").splitlines()
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise InvalidRequest(f"{path}: not UTF-8 (byte {err.start}); rows must be UTF-8 JSON lines") from None
         before = len(rows)
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as err:
-                raise InvalidRequest(f"{path}:{n}: not valid JSON ({err})") from None
+        for n, row in json_lines(text, str(path)):
             rows.append(parse_row(row, f"{path}:{n}"))
         files.append({"path": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "rows": len(rows) - before})
     if not rows:

@@ -28,6 +28,19 @@ def read_text(path: str, what: str) -> str:
         raise OnepassError(f"{what} {path} is not valid UTF-8 (byte {err.start}); save it as UTF-8") from None
 
 
+def json_lines(text: str, where: str):
+    """(line number, value) of each non-blank line of JSONL ``text``; InvalidRequest names ``where:line``."""
+    from .errors import InvalidRequest
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as err:
+            raise InvalidRequest(f"{where}:{n}: not valid JSON ({err})") from None
+
+
 def request_body(questions: str, state: str | None = None, json_state: bool = False) -> dict:
     """A TypeSafe request body: ``questions`` holds {id: question} or a whole request; ``state`` a state file (its
     text, or JSON with ``json_state``) that replaces the request's state."""
