@@ -81,6 +81,13 @@ def cmd_serve(args) -> int:
                                 keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
                                 max_connections=args.max_connections)
     limits = {k: v for k, v in _limits(args).items() if k != "max_request_tokens"}
+    if args.teacher is None:
+        given = [flag for flag, value in (("--shadow-rate", args.shadow_rate), ("--record", args.record),
+                                          ("--teacher-key", args.teacher_key), ("--teacher-model", args.teacher_model))
+                 if value]
+        if given:
+            raise OnepassError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} settings of a teacher: give "
+                               "--teacher URL")
     teacher = None if args.teacher is None else {
         "url": args.teacher, "shadow_rate": args.shadow_rate, "record": args.record,
         "record_max_mib": args.record_max_mib, **_teacher_client(args)}

@@ -26,14 +26,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import random
+import shutil
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 
 from ..runtime import manifest as mf
-from ..runtime.errors import InvalidRequest, OnepassError
+from ..runtime.errors import InvalidRequest, LimitExceeded, OnepassError
 from ..runtime.prompt import state_text
 from ..runtime.questions import from_wire, to_wire
 from ..runtime.readout_calibration import question_key
@@ -42,6 +44,7 @@ from ..runtime.teacher import TeacherError, TeacherRefused, answer_distribution,
 from . import metrics
 from .tune import TuneConfig
 
+LABEL_KEYS = {"state_id", "qid", "state", "question", "probabilities"}
 MAX_FAILED_SHARE = 0.1  # more of the states failing than this stops the labelling (the rest would likely fail too)
 
 
@@ -97,25 +100,31 @@ def _read_labels(path: Path) -> dict:
     for n, line in enumerate(whole.decode("utf-8").splitlines(), 1):
         try:
             row = json.loads(line)
+            if not (isinstance(row, dict) and LABEL_KEYS <= set(row) and isinstance(row["qid"], str)
+                    and isinstance(row["probabilities"], dict) and isinstance(row["question"], dict)):
+                raise ValueError
             done.setdefault(row["state_id"], []).append(row)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, TypeError):
             raise OnepassError(f"{path}:{n} is not a label row of this command; move the file away to label "
                                "again") from None
     return done
 
 
+def _current(row: dict, questions: dict) -> bool:
+    """Whether a label row answers one of ``questions`` as it is now (the same id and form)."""
+    return row["qid"] in questions and row["question"] == to_wire(questions[row["qid"]])
+
+
 def _missing(rows: list, questions: dict) -> dict:
-    """The questions a state's label rows do not answer yet (a row answers a question with the same id and form)."""
-    have = {r["qid"] for r in rows if r.get("question") == to_wire(questions.get(r["qid"], _NONE))}
+    """The questions a state's label rows do not answer yet."""
+    have = {r["qid"] for r in rows if _current(r, questions)}
     return {q: v for q, v in questions.items() if q not in have}
 
 
-_NONE = object()
-
-
-def label(teacher, states: list, questions: dict, path: Path, concurrency: int = 4, log=print) -> dict:
+def label(teacher, states: list, questions: dict, path: Path, concurrency: int = 4, log=print,
+          stats: dict | None = None) -> dict:
     """Ask ``teacher`` the questions ``path`` does not yet hold an answer to about each state; {state id: [the
-    current questions' rows]} of every labelled state."""
+    current questions' rows]} of every labelled state. ``stats`` gets the requests made and the states failed."""
     from tqdm import tqdm
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +164,8 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
             for f in futures:
                 f.cancel()
             raise
+    if stats is not None:
+        stats.update(requests=len(todo), failed=failed)
     if todo and failed == len(todo):
         raise first_error
     if failed:
@@ -164,7 +175,7 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
     for sid, rows in done.items():  # the latest row of each current question, for the states fully labelled
         if sid not in wanted:
             continue
-        latest = {r["qid"]: r for r in rows if r["qid"] in questions and r["question"] == to_wire(questions[r["qid"]])}
+        latest = {r["qid"]: r for r in rows if _current(r, questions)}
         if len(latest) == len(questions):
             current[sid] = [latest[q] for q in questions]
     return current
@@ -180,15 +191,28 @@ def _write_jsonl(rows: list, path: Path) -> Path:
     return path
 
 
+def threshold_for(conf: np.ndarray, hits: np.ndarray, target: float) -> float:
+    """The lowest confidence t such that the answers with confidence >= t (ties all in) agree with the teacher
+    on at least ``target`` of them; 1.0 where none does."""
+    order = np.argsort(-conf, kind="stable")
+    c, h = conf[order], hits[order]
+    share = np.cumsum(h) / np.arange(1, len(h) + 1)
+    ends = np.nonzero(np.append(c[:-1] > c[1:], True))[0]  # last index of each run of equal confidences
+    ok = ends[share[ends] >= target - 1e-12]
+    return float(c[ok.max()]) if len(ok) else 1.0
+
+
 def fit_gate(engine, questions: dict, held: dict, target: float) -> dict:
     """Per question, the gate reaching ``target`` agreement with the teacher on the held-out states ``held``
     ({state id: rows}); with the measured agreement and coverage."""
     per_question, per_key = {}, {}
     covered = agreed_covered = agreed_all = total = 0
     by_qid: dict = {qid: ([], []) for qid in questions}
+    answered_by_state = []  # per held-out state, its questions' (confidence, qid)
     for rows in held.values():
         state = rows[0]["state"]
         answers = engine.ask(state, {r["qid"]: questions[r["qid"]] for r in rows if r["qid"] in questions})
+        answered_by_state.append([(answers[q].certainty, q) for q in answers])
         for r in rows:
             if r["qid"] not in answers:
                 continue
@@ -200,11 +224,10 @@ def fit_gate(engine, questions: dict, held: dict, target: float) -> dict:
         if not probs:
             continue
         probs, labels = np.array(probs), np.array(labels)
-        found = metrics.coverage_at(probs, labels, target)
-        threshold = 1.0 if found["min_confidence"] is None else float(found["min_confidence"])
         conf = metrics.confidence(probs)
-        answered = conf >= threshold
         hits = probs.argmax(1) == labels
+        threshold = threshold_for(conf, hits, target)
+        answered = conf >= threshold
         q = questions[qid]
         key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
         per_key[key] = threshold
@@ -217,9 +240,12 @@ def fit_gate(engine, questions: dict, held: dict, target: float) -> dict:
         agreed_covered += int(hits[answered].sum())
     if not total:
         raise OnepassError("no held-out question to fit the gate on")
+    thresholds = {qid: per_question[qid]["threshold"] for qid in per_question}
+    all_local = sum(all(c >= thresholds[q] for c, q in pairs) for pairs in answered_by_state)
     return {"per_key": per_key, "default": 1.0, "target_agreement": target,
             "measured": {"held_out_questions": total, "agreement": agreed_all / total, "coverage": covered / total,
                          "agreement_covered": agreed_covered / covered if covered else None,
+                         "states_all_local": all_local / len(answered_by_state),
                          "per_question": per_question}}
 
 
@@ -228,21 +254,23 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
             concurrency: int = 4, resume: bool = False, name: str | None = None, log=print) -> dict:
     """Label ``states`` with ``teacher``, tune ``engine_dir`` on its answers, fit the gate; the report."""
     from ..runtime.engine import Engine
-    from .tune_engine import tune
+    from .tune_engine import point_adapter_at, tune
 
     if not 0.5 <= target_agreement < 1.0:
         raise InvalidRequest(f"--target-agreement must be within [0.5, 1), got {target_agreement}")
     if not 0.0 < holdout < 1.0:
         raise InvalidRequest(f"--holdout must be between 0 and 1, got {holdout}")
     out = Path(out)
-    if (out / mf.MANIFEST).exists():
-        raise OnepassError(f"{out} already holds an engine; give another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OnepassError(f"{out} exists and is not an empty folder; give another --out")
     states, questions = read_states(states_path), read_questions(questions_path)
     base = Engine.load(engine_dir)
     base.check_counts(questions)
+    _check_inputs(base, states, questions, config)  # before the teacher is paid for any of them
     work = out.with_name(out.name + ".distill")
     labels_path = work / "labels.jsonl"
-    labelled = label(teacher, states, questions, labels_path, concurrency, log)
+    stats: dict = {}
+    labelled = label(teacher, states, questions, labels_path, concurrency, log, stats)
     ids = sorted(labelled)
     order = list(ids)
     random.Random(config.seed).shuffle(order)
@@ -254,26 +282,64 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     pick = lambda chosen: [r for sid in ids if sid in chosen for r in labelled[sid]]  # noqa: E731
     train = _write_jsonl(_tune_rows(pick(train_ids)), work / "train.jsonl")
     held = _write_jsonl(_tune_rows(pick(held_ids)), work / "held.jsonl")
-    log(f"tuning on the teacher's answers for {len(train_ids)} states; {len(held_ids)} held out")
-    summary = tune(engine_dir, [train], out, dataclasses.replace(config, holdout=holdout), resume=resume,
-                   name=name or f"{base.name}-distilled", log=log, validation=[held])
-    student = Engine.load(out)
+    student_dir = work / "engine"  # tuned and gated here, then moved to `out` whole
+    summary = _tuned(student_dir, train)
+    if summary is None:
+        shutil.rmtree(student_dir, ignore_errors=True)
+        log(f"tuning on the teacher's answers for {len(train_ids)} states; {len(held_ids)} held out")
+        summary = tune(engine_dir, [train], student_dir, dataclasses.replace(config, holdout=holdout),
+                       resume=resume, name=name or f"{base.name}-distilled", log=log, validation=[held])
+        summary = summary.get("tuning", {}).get("metrics", {})
+    student = Engine.load(student_dir)
     gate = fit_gate(student, questions, {sid: labelled[sid] for sid in held_ids}, target_agreement)
     gate["teacher"] = teacher.name
-    manifest = mf.load(out, verify=False)
-    mf.write(out, dataclasses.replace(manifest, gate=gate))
+    manifest = mf.load(student_dir, verify=False)
+    mf.write(student_dir, dataclasses.replace(manifest, gate=gate))
+    os.replace(student_dir, out)
+    if manifest.tuning is not None and manifest.tuning.method == "lora":
+        point_adapter_at(out)  # its own adapter files, now under `out`
     measured = gate["measured"]
     report = {"teacher": teacher.name, "states": len(states), "labelled_states": len(ids),
-              "teacher_calls": len(ids), "train_states": len(train_ids), "held_out_states": len(held_ids),
+              "teacher_requests": stats.get("requests", 0), "failed_states": stats.get("failed", 0),
+              "train_states": len(train_ids), "held_out_states": len(held_ids),
               "target_agreement": target_agreement, "agreement": measured["agreement"],
               "coverage_at_target": measured["coverage"], "agreement_covered": measured["agreement_covered"],
-              "teacher_calls_saved": measured["coverage"], "per_question": measured["per_question"],
-              "labels": str(labels_path), "tuning": summary.get("tuning", {}).get("metrics", {})}
+              "requests_saved": measured["states_all_local"], "per_question": measured["per_question"],
+              "labels": str(labels_path), "tuning": summary}
     report_dir = out.with_name(out.name + "-report")
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "distill.json").write_text(json.dumps(report, indent=2, default=float) + "\n", encoding="utf-8")
     report["report"] = str(report_dir / "distill.json")
     return report
+
+
+def _check_inputs(engine, states: list, questions: dict, config: TuneConfig) -> None:
+    """States tune would refuse, and questions that are one question twice, refused before any teacher call."""
+    limit = min(config.max_state_tokens, engine.manifest.limits.max_state_tokens)
+    for i, state in enumerate(states, 1):
+        n = len(engine.encoder.state(state_text(state)))
+        if n > limit:
+            raise LimitExceeded(f"state {i} of --states ({state_text(state)[:40]!r}...) is {n} tokens; tuning "
+                                f"takes at most {limit} (--max-state-tokens and the engine's limit): shorten it "
+                                "or leave it out", "state")
+    keys: dict = {}
+    for qid, q in questions.items():
+        key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
+        if key in keys:
+            raise InvalidRequest(f"questions {keys[key]!r} and {qid!r} are the same question (type, instructions "
+                                 "and options): ask it once", "questions")
+        keys[key] = qid
+
+
+def _tuned(student_dir: Path, train: Path) -> dict | None:
+    """The tuning metrics of an engine an interrupted run tuned on this very training file, or None."""
+    try:
+        m = mf.load(student_dir, verify=True)
+    except OnepassError:
+        return None
+    if m.tuning is None or [f["sha256"] for f in m.tuning.data] != [mf.sha256_file(train)]:
+        return None
+    return dict(m.tuning.metrics)
 
 
 def summary_lines(report: dict, out) -> list[str]:
@@ -284,6 +350,7 @@ def summary_lines(report: dict, out) -> list[str]:
             f"held-out agreement with the teacher: {report['agreement']:.3f}",
             f"at the gate (target {report['target_agreement']:.2f}): {report['coverage_at_target']:.1%} of questions "
             f"answered locally" + (f", agreement {covered:.3f} there" if covered is not None else ""),
-            f"teacher calls saved when served with --teacher: {report['teacher_calls_saved']:.1%} of questions",
+            f"served with --teacher: {report['coverage_at_target']:.1%} of questions answered locally; "
+            f"{report['requests_saved']:.1%} of requests need no teacher call (every question above the gate)",
             f"report: {report['report']}; the teacher's labels stay in {report['labels']} (tune rows)"]
 

@@ -159,7 +159,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                   prompt=base.prompt, precision=base.precision, adapters=export_adapters, tuning=tuning,
                   extra_files=extra)
     if config.method == "lora":
-        _point_adapter_at(out)
+        point_adapter_at(out)
     summary = {"tuning": dataclasses.asdict(tuning), "seconds_total": time.perf_counter() - t0}
     if report_dir is not None:
         summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
@@ -167,7 +167,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     return summary
 
 
-def _point_adapter_at(engine_dir: Path) -> None:
+def point_adapter_at(engine_dir: Path) -> None:
     """The tuned engine holds its own adapter files (a PEFT folder): its manifest names the engine, not the
     work folder that is deleted, so the engine can be re-exported or tuned again."""
     m = mf.load(engine_dir, verify=False)

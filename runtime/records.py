@@ -3,8 +3,9 @@
 ``Records(folder, max_bytes, file_bytes)`` appends whole lines to ``teacher-<UTC time>-<n>.jsonl``; a file is
 closed once the next line would take it past ``file_bytes`` and a new one begun; once the folder's files
 would hold more than ``max_bytes``, the oldest are deleted (the newest answers are kept). A line is written
-in one call and flushed; if the write fails (a full disk), the file is cut back to its last whole line, so
-every file holds only whole rows that `onepass tune --data` reads as they are.
+with unbuffered writes to the file (``os.write``, looping on partial writes); if a write fails (a full disk, a
+file size limit), the file is cut back to its last whole line and closed, so every file holds only whole rows
+that `onepass tune --data` reads as they are.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Records:
             raise OnepassError(f"the record folder {self.folder} is not writable")
         self.max_bytes, self.file_bytes = max_bytes, file_bytes
         self._lock = threading.Lock()
-        self._file, self._size, self._seq = None, 0, 0
+        self._fd, self._size, self._seq, self._closed = None, 0, 0, False
         self.rows = self.deleted = self.failed = 0
 
     def files(self) -> list[Path]:
@@ -44,15 +45,16 @@ class Records:
 
     def write(self, line: bytes) -> bool:
         """Append one whole line (it must end in a newline and fit a file); False (counted) if it could not be."""
-        if not line.endswith(b"\n") or len(line) > self.file_bytes:
-            self.failed += 1
-            return False
         with self._lock:
+            if self._closed or not line.endswith(b"\n") or len(line) > self.file_bytes:
+                self.failed += 1
+                return False
             try:
-                if self._file is None or self._size + len(line) > self.file_bytes:
+                if self._fd is None or self._size + len(line) > self.file_bytes:
                     self._rotate()
-                self._file.write(line)
-                self._file.flush()
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self._fd, view):]
                 self._size += len(line)
                 self.rows += 1
                 return True
@@ -62,8 +64,7 @@ class Records:
                 return False
 
     def _rotate(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._close_file()
         self._seq += 1
         path = self.folder / f"{PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{self._seq:06d}{SUFFIX}"
         files = self.files()
@@ -73,20 +74,26 @@ class Records:
             total -= oldest.stat().st_size
             oldest.unlink(missing_ok=True)
             self.deleted += 1
-        self._file, self._size = open(path, "ab"), 0
+        self._fd, self._size = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 0
 
     def _cut_back(self) -> None:
-        """After a failed write: the file back to its last whole line."""
-        if self._file is None:
-            return
-        try:
-            self._file.truncate(self._size)
-            self._file.seek(self._size)
-        except (OSError, ValueError):
-            self._file = None  # a new file next time
+        """After a failed write: the file back to its last whole line, and closed (the next write starts a file)."""
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            finally:
+                self._fd = None
 
     def close(self) -> None:
+        """Close the current file; later writes are refused (counted as failed)."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self._closed = True
+            self._close_file()

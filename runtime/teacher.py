@@ -90,6 +90,22 @@ def distribution(question: Question, probs, what: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float64) / total
 
 
+def _check_url(url: str) -> None:
+    """A base URL with a scheme, a host and a valid port, and nothing a request line cannot carry."""
+    from urllib.parse import urlsplit
+
+    wrong = f"the teacher URL must be http(s)://HOST[:PORT][/PATH], got {url[:80]!r}"
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        raise OnepassError(wrong)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise OnepassError(f"{wrong} (its port must be 1..65535)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or parts.query or parts.fragment:
+        raise OnepassError(wrong)
+
+
 @dataclass(frozen=True)
 class TeacherConfig:
     """Where the teacher is and how it is called."""
@@ -106,8 +122,9 @@ class TeacherConfig:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise OnepassError(f"teacher kind must be one of {KINDS}, got {self.kind!r}")
-        if not self.url.startswith(("http://", "https://")):
-            raise OnepassError(f"the teacher URL must start with http:// or https://, got {self.url[:60]!r}")
+        _check_url(self.url)
+        if not (isinstance(self.backoff_s, (int, float)) and 0 <= self.backoff_s <= 60):
+            raise OnepassError(f"teacher backoff must be within 0..60 seconds, got {self.backoff_s!r}")
         if not 0 < self.timeout_s <= 600:
             raise OnepassError(f"teacher timeout must be within (0, 600] seconds, got {self.timeout_s}")
         if not (isinstance(self.retries, int) and 0 <= self.retries <= 10):
@@ -132,6 +149,7 @@ class Teacher:
                                    timeout=httpx2.Timeout(config.timeout_s))
         self._slots = threading.BoundedSemaphore(config.max_concurrency)
         self._errors = httpx2.TransportError, httpx2.TimeoutException
+        self._decoding, self._other = httpx2.DecodingError, (httpx2.HTTPError, httpx2.StreamError)
 
     def __enter__(self):
         return self
@@ -154,21 +172,24 @@ class Teacher:
         """{question id: [K] distribution}; ``deadline`` (monotonic seconds) bounds every attempt and retry."""
         raise NotImplementedError
 
-    def _send(self, body: dict, timeout: float) -> tuple:
-        """(status, headers, body bytes) of one attempt; a body over MAX_RESPONSE_BYTES is a TeacherBadAnswer."""
+    def _send(self, body: dict, timeout: float, until: float) -> tuple:
+        """(status, headers, body bytes) of one attempt, the whole body read by ``until`` (monotonic): a teacher
+        that trickles bytes is TeacherUnavailable then; a body over MAX_RESPONSE_BYTES is a TeacherBadAnswer."""
         with self._http.stream("POST", self.path, json=body, timeout=timeout) as response:
             content = bytearray()
             for chunk in response.iter_bytes():
                 content += chunk
                 if len(content) > MAX_RESPONSE_BYTES:
                     raise TeacherBadAnswer(f"{self.name} sent a response over {MAX_RESPONSE_BYTES >> 20} MiB")
+                if time.monotonic() > until:
+                    raise TeacherUnavailable(f"{self.name} was still sending its answer at the deadline")
             return response.status_code, response.headers, bytes(content)
 
     def post(self, body: dict, deadline: float | None) -> dict:
         """POST ``body`` as JSON to the kind's path; the parsed JSON object of a 200, retrying what may pass."""
         cfg = self.config
         deadline = time.monotonic() + cfg.timeout_s * (cfg.retries + 1) if deadline is None else deadline
-        last = "no attempt"
+        last = "the deadline had passed before the first attempt"
         for attempt in range(cfg.retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -178,9 +199,14 @@ class Teacher:
                 last = f"all {cfg.max_concurrency} connections busy"
                 break
             try:
-                status, headers, content = self._send(body, min(cfg.timeout_s, left))
+                status, headers, content = self._send(body, min(cfg.timeout_s, left),
+                                                      min(deadline, time.monotonic() + cfg.timeout_s))
             except self._errors as err:
                 last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            except self._decoding as err:  # a body its headers misdescribe (a Content-Encoding it is not in)
+                raise TeacherBadAnswer(f"{self.name} sent a body that cannot be decoded: {err}") from None
+            except self._other as err:  # anything else the HTTP client raises: typed, never a traceback
+                raise TeacherUnavailable(f"{self.name}: {type(err).__name__}: {err}") from None
             else:
                 if status == 200:
                     try:

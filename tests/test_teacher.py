@@ -226,29 +226,23 @@ def test_records_rotate_under_their_cap_and_hold_only_whole_lines(tmp_path):
 
 
 def test_a_failed_record_write_leaves_no_half_line(tmp_path):
-    records = Records(tmp_path, max_bytes=1 << 20, file_bytes=1 << 16)
-    assert records.write(b'{"a": 1}\n')
-
-    class Full:
-        """A file whose disk fills in the middle of a line."""
-
-        def __init__(self, fh):
-            self.fh = fh
-
-        def write(self, data):
-            self.fh.write(data[:5])
-            self.fh.flush()
-            raise OSError(28, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-    records._file = Full(records._file)
-    assert not records.write(b'{"b": 2}\n') and records.failed == 1
-    records._file = records._file.fh
-    assert records.write(b'{"c": 3}\n')
-    records.close()
-    assert [json.loads(x) for x in records.files()[0].read_text().splitlines()] == [{"a": 1}, {"c": 3}]
+    """A real write failure: a file size limit (RLIMIT_FSIZE) met in the middle of a line. The file is cut back to
+    its last whole line and the next row starts a new file; every file holds whole rows only."""
+    code = """
+import resource, sys
+from onepass.runtime.records import Records
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+records = Records(sys.argv[1], max_bytes=1 << 20, file_bytes=1 << 16)
+ok = sum(records.write(('{"n": %d, "pad": "%s"}\\n' % (i, "x" * 40)).encode()) for i in range(50))
+print(ok, records.failed)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ok, failed = map(int, out.stdout.split())
+    assert failed >= 1 and ok + failed == 50
+    lines = [x for f in sorted(tmp_path.glob("teacher-*.jsonl")) for x in f.read_bytes().split(b"\n")[:-1]]
+    assert len(lines) == ok and all(json.loads(x)["pad"] == "x" * 40 for x in lines)
+    assert all(f.read_bytes().endswith(b"\n") for f in tmp_path.glob("teacher-*.jsonl") if f.stat().st_size)
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -348,15 +342,83 @@ def test_a_teacher_that_is_down_changes_nothing_and_records_nothing(tiny_engine_
     assert not list(records.glob("*.jsonl")) or all(f.stat().st_size == 0 for f in records.glob("*.jsonl"))
 
 
+def test_a_hanging_teacher_in_gate_mode_leaves_every_request_its_local_answer_in_time(tiny_engine_dir, tmp_path):
+    """A teacher that accepts connections and never answers: six requests at once, every question below the gate.
+    Each gets a 200 with the local answers before its deadline; no call waits in line for a connection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    url, proc = serve_process(tiny_engine_dir, _port(), tmp_path / "student.log", "--teacher",
+                              f"http://127.0.0.1:{listener.getsockname()[1]}", "--min-confidence", "1.0")
+    try:
+        base = Engine.load(tiny_engine_dir)
+        want = {q: a.to_wire() for q, a in base.ask(STATES[6], QUESTIONS).items()}
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(lambda _: _post(url, STATES[6], QUESTIONS, {"X-Request-Timeout": "3"}),
+                                      range(6)))
+        text = httpx2.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        listener.close()
+    assert all(r.json()["answers"] == want for r in responses)  # 200s (checked in _post), local answers
+    assert all(set(r.headers["x-onepass-answered-by"].split(",")) == {f"{q}={base.name}" for q in QUESTIONS}
+               for r in responses)
+    outcomes = {o: _metric(text, "onepass_teacher_calls_total", mode="gate", outcome=o)
+                for o in ("unavailable", "late", "skipped", "circuit_open", "ok")}
+    assert sum(outcomes.values()) == 6 and outcomes["ok"] == 0, outcomes
+    assert _metric(text, "onepass_questions_answered_total", by="local") == 6 * len(QUESTIONS)
+
+
+def test_a_teacher_answering_garbage_in_shadow_mode_is_counted_and_records_nothing(tiny_engine_dir, tmp_path,
+                                                                                    scripted):
+    teacher, handler = scripted
+    handler.script[:] = [(200, {"content-type": "application/json"}, b"{not json")]
+    records = tmp_path / "records"
+    url, proc = serve_process(tiny_engine_dir, _port(), tmp_path / "student.log", "--teacher", teacher,
+                              "--shadow-rate", "1", "--record", str(records))
+    try:
+        base = Engine.load(tiny_engine_dir)
+        got = _post(url, STATES[7], QUESTIONS).json()["answers"]
+        assert got == {q: a.to_wire() for q, a in base.ask(STATES[7], QUESTIONS).items()}
+        _wait_for(lambda: _metric(httpx2.get(url + "/metrics").text, "onepass_teacher_calls_total", mode="shadow",
+                                  outcome="bad_answer") == 1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert len(handler.seen) == 1 and not any(f.stat().st_size for f in records.glob("*.jsonl"))
+
+
+def test_the_breaker_opens_once_per_wave_and_lets_one_probe_through():
+    from onepass.runtime.server.teaching import Breaker
+
+    now = [0.0]
+    breaker = Breaker(lambda: now[0])
+    first, second = breaker.admit(), breaker.admit()
+    breaker.result(first, False)
+    breaker.result(second, False)  # the same wave: the cool-down is not doubled for it
+    now[0] = 0.4
+    assert breaker.admit() is None
+    now[0] = 0.51
+    probe = breaker.admit()
+    assert probe is not None and breaker.admit() is None  # one probe at a time
+    breaker.result(probe, True)
+    assert breaker.admit() is not None
+
+
 def test_serve_teacher_flags_are_checked(tmp_path, tiny_engine_dir):
     """Settings are refused before any engine loads (the engine does not exist), and a teacher that would never
     be asked once the engine shows it has no gate."""
     for engine, args, message in (
             (tiny_engine_dir, ["--teacher", "http://127.0.0.1:9"], "never asked"),
-            (tmp_path / "none", ["--teacher", "ftp://x", "--shadow-rate", "1"], "http:// or https://"),
+            (tmp_path / "none", ["--teacher", "ftp://x", "--shadow-rate", "1"], "http(s)://HOST"),
             (tmp_path / "none", ["--teacher", "http://127.0.0.1:9", "--shadow-rate", "2"], "within 0..1"),
             (tmp_path / "none", ["--teacher", "http://127.0.0.1:9", "--teacher-concurrency", "0"], "concurrency"),
-            (tmp_path / "none", ["--min-confidence", "0.5"], "--cascade engine or a --teacher")):
+            (tmp_path / "none", ["--min-confidence", "0.5"], "--cascade engine or a --teacher"),
+            (tmp_path / "none", ["--shadow-rate", "0.5", "--record", "x"], "--shadow-rate, --record are settings"),
+            (tmp_path / "none", ["--teacher", "http://h:99999", "--shadow-rate", "1"], "port must be")):
         out = subprocess.run([sys.executable, "-m", "onepass", "serve", "--engine", str(engine),
                               "--port", str(_port()), *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -405,6 +467,9 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
         more = label(third, STATES[:6], {**asked, "team": QUESTIONS["team"]}, labels, concurrency=2,
                      log=lambda *_: None)
         assert third.asked == [{"team"}] * 6 and sorted(len(rows) for rows in more.values()) == [3] * 6
+        fourth = Counting(client)  # a question dropped: nothing to ask, its rows left out
+        fewer = label(fourth, STATES, {"sky": asked["sky"]}, labels, log=lambda *_: None)
+        assert fourth.calls == 0 and len(fewer) == 16 and all(len(r) == 1 for r in fewer.values())
     assert second.calls == len(STATES) - done  # nothing asked twice
     assert report["labelled_states"] == 16 and report["train_states"] == 12 and report["held_out_states"] == 4
     rows = [json.loads(x) for x in labels.read_text().splitlines()]
@@ -414,12 +479,47 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
     assert gate["target_agreement"] == 0.9 and len(gate["per_key"]) == 2 and gate["teacher"] == client.name
     tuning = report["tuning"]
     assert tuning["heldout_best"]["nll"] < tuning["heldout_before"]["nll"]  # closer to the teacher than the base
-    assert 0.0 <= report["coverage_at_target"] <= 1.0 and 0.0 <= report["agreement"] <= 1.0
+    assert 0.0 <= report["requests_saved"] <= report["coverage_at_target"] <= 1.0 and 0.0 <= report["agreement"] <= 1.0
+    assert report["teacher_requests"] == 11 and not (tmp_path / "student.distill" / "engine").exists()
+    assert json.loads((tmp_path / "student-report" / "distill.json").read_text())["labelled_states"] == 16
     from onepass.runtime.cascade import Gate
 
     thresholds = Gate.from_manifest(gate).for_questions(student, asked)
     assert {thresholds.threshold(q) for q in asked} == set(gate["per_key"].values())
     assert Gate.from_manifest(gate).for_questions(student, {"x": QUESTIONS["team"]}).threshold("x") == 1.0
+
+
+def test_the_gate_threshold_takes_tied_confidences_all_in_or_all_out():
+    from onepass.calibration.distill import threshold_for
+
+    conf = np.array([0.9, 0.8, 0.8, 0.8, 0.5])
+    hits = np.array([True, True, True, False, False])
+    assert threshold_for(conf, hits, 0.75) == 0.8  # the 0.8 tie: 3 of 4 agree (and 3 of 5 with the 0.5)
+    assert threshold_for(conf, hits, 0.9) == 0.9  # taking any 0.8 takes all three, and one disagrees
+    assert threshold_for(conf, ~hits, 0.5) == 1.0  # no share reaches it: everything goes to the teacher
+
+
+def test_distill_refuses_what_tune_would_before_asking_the_teacher(tmp_path, tiny_engine_dir):
+    from onepass.calibration.distill import distill
+    from onepass.runtime.errors import InvalidRequest, LimitExceeded
+
+    class Never:
+        name = "never"
+
+        def probabilities(self, *a, **k):
+            raise AssertionError("the teacher was asked")
+
+    states = tmp_path / "states.jsonl"
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"q": to_wire(QUESTIONS["sky"])}))
+    states.write_text(json.dumps("word " * 2000) + "\n" + "".join(json.dumps(s) + "\n" for s in STATES))
+    with pytest.raises(LimitExceeded, match="state 1 of --states"):
+        distill(tiny_engine_dir, Never(), str(states), str(questions), tmp_path / "out", log=lambda *_: None)
+    states.write_text("".join(json.dumps(s) + "\n" for s in STATES))
+    questions.write_text(json.dumps({"a": to_wire(QUESTIONS["sky"]), "b": to_wire(QUESTIONS["sky"])}))
+    with pytest.raises(InvalidRequest, match="the same question"):
+        distill(tiny_engine_dir, Never(), str(states), str(questions), tmp_path / "out", log=lambda *_: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.distill").exists()
 
 
 def test_distill_cli_errors_are_one_line_and_write_nothing(tmp_path, tiny_engine_dir):

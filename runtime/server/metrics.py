@@ -50,7 +50,8 @@ class Metrics:
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
         # a teacher (onepass serve --teacher): calls by mode (shadow, gate) and outcome (ok, unavailable, refused,
-        # bad_answer, dropped: the shadow queue was full, skipped: gate calls at their bound)
+        # bad_answer; dropped: the shadow queue was full; skipped: every gate connection busy; late: no time left;
+        # circuit_open: the teacher was found unavailable lately)
         self.teacher_calls = Counter("onepass_teacher_calls", "Calls to the teacher by mode and outcome",
                                      ["mode", "outcome"], registry=self.registry)
         self.teacher_latency = Histogram("onepass_teacher_seconds", "Latency of answered teacher calls", ["mode"],
@@ -63,6 +64,8 @@ class Metrics:
                               "(agreement = agreements / shadowed questions)", registry=self.registry)
         self.recorded = Counter("onepass_teacher_records", "Teacher answers written as tune rows (--record)",
                                 registry=self.registry)
+        self.record_failures = Counter("onepass_teacher_record_failures", "Teacher answers that could not be "
+                                       "written (a full disk, a closed recorder)", registry=self.registry)
         if not os.environ.get(MULTIPROC_ENV):  # a function gauge is read at scrape time, in-process
             depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
             depth.set_function(queue_depth)

@@ -17,6 +17,7 @@ from .transport import TransportLimits, listen
 def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, record: str | None = None,
                   record_max_mib: int = 1024, **client) -> None:
     """`onepass serve --teacher`'s settings checked before any engine loads (a typed error naming the flag)."""
+    from ..records import Records
     from ..teacher import TeacherConfig
 
     TeacherConfig(url=url, kind=kind, **client)
@@ -24,14 +25,16 @@ def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, r
         raise OnepassError(f"--shadow-rate must be within 0..1, got {shadow_rate}")
     if not isinstance(record_max_mib, int) or record_max_mib < 1:
         raise OnepassError(f"--record-max-mib must be >= 1, got {record_max_mib}")
+    if record is not None:
+        Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 18)).close()  # creatable, writable
 
 
 def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate: float = 0.0,
                   record: str | None = None, record_max_mib: int = 1024, min_confidence: float | None = None,
                   **client):
     """The teacher `onepass serve --teacher` asks: the client (``client``: TeacherConfig's fields), its records and
-    its gate. The gate: ``min_confidence`` for every question, else a distilled engine's manifest gate (its
-    thresholds, and every question it was not distilled on forwarded); none: shadow mode only."""
+    its gate. The gate: a distilled engine's manifest gate (its thresholds; ``min_confidence``, else 1.0, for the
+    questions it was not distilled on), else ``min_confidence`` for every question; none: shadow mode only."""
     from ..cascade import Gate
     from ..records import Records
     from ..teacher import connect
@@ -45,7 +48,8 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
     if gate is None and shadow_rate == 0:
         raise OnepassError("--teacher is never asked: give --shadow-rate R (a share of requests shadowed), "
                            "--min-confidence (gate mode), or serve an engine from `onepass distill` (its gate)")
-    records = None if record is None else Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 20))
+    # files of at most a quarter of the cap (64 MiB at most): rotation keeps three quarters of it
+    records = None if record is None else Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 18))
     return TeacherSetup(connect(url, kind, **client), shadow_rate=shadow_rate, records=records, gate=gate)
 
 

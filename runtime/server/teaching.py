@@ -6,11 +6,12 @@
   delayed by the teacher.
 * **Gate**: the questions answered below the gate's threshold (``--min-confidence``, or the thresholds a
   distilled engine's manifest carries) are asked of the teacher within the request's deadline, and its
-  answers replace the local ones. At most ``max_pending`` gate calls are in flight; beyond them, and when
-  the teacher fails or the deadline comes first, the local answers stand (counted by outcome).
-* **A teacher that is down** is not asked again for a while: after a call finds it unavailable, calls skip it
-  (outcome ``circuit_open``, the local answers standing at once) for a cool-down that starts at 0.5 s and
-  doubles while it stays down (at most 30 s); the first call after the cool-down tries it again.
+  answers replace the local ones. Gate calls run on an executor of their own with one thread per gate
+  connection; a call beyond them is skipped, and where the teacher fails or the deadline comes first, the
+  local answers stand (counted by outcome).
+* **A teacher that is down** is not asked again for a while (:class:`Breaker`): after a call finds it
+  unavailable, calls skip it (outcome ``circuit_open``, the local answers standing at once) for a cool-down that
+  starts at 0.5 s and doubles while it stays down (at most 30 s); then one call tries it again.
 * **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
   (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.records`).
   Nothing is recorded unless asked: the state text is user data.
@@ -27,17 +28,17 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from starlette.concurrency import run_in_threadpool
 
 from ..cascade import Gate
 from ..records import Records
 from ..teacher import Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps, row
 
 log = logging.getLogger("onepass.teacher")
-DEADLINE_RESERVE_S = 0.02  # left for writing the response after a gate call
+GATE_RESERVE_S = 0.05  # at least this much of a request's time is kept for its response after a gate call
 COOL_DOWN_S, MAX_COOL_DOWN_S = 0.5, 30.0  # a teacher found unavailable is skipped this long, doubling while it stays so
 
 
@@ -76,21 +77,63 @@ class TeacherSetup:
             raise ValueError(f"max_pending must be 1..100000, got {self.max_pending}")
 
 
+class Breaker:
+    """Skips a teacher found unavailable: open for a cool-down (0.5 s, doubling while it stays down, at most 30 s),
+    then one probe call at a time until one answers. Concurrent failures of one wave open it once."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock, self._lock = clock, threading.Lock()
+        self._down, self._open_until, self._epoch, self._probing = 0, 0.0, 0, False
+
+    def admit(self) -> int | None:
+        """The epoch a call runs in, or None: skip the teacher now."""
+        with self._lock:
+            if self._down == 0:
+                return self._epoch
+            if self._clock() < self._open_until or self._probing:
+                return None
+            self._probing = True  # the cool-down is over: this call alone tries the teacher
+            return self._epoch
+
+    def remaining(self) -> float:
+        return max(0.0, self._open_until - self._clock())
+
+    def result(self, epoch: int, available: bool) -> None:
+        """A call admitted in ``epoch`` found the teacher available or not."""
+        with self._lock:
+            if available:
+                self._down, self._open_until, self._probing = 0, 0.0, False
+            elif epoch == self._epoch:  # the first failure of this wave (or the probe's): open, cool down longer
+                self._down += 1
+                self._epoch += 1
+                self._open_until = self._clock() + min(MAX_COOL_DOWN_S, COOL_DOWN_S * 2 ** (self._down - 1))
+                self._probing = False
+
+
 class TeacherLink:
-    """The teacher as the server uses it; ``close()`` stops its threads and the teacher's connections."""
+    """The teacher as the server uses it; ``close()`` stops its threads and the teacher's connections.
+
+    The teacher's connections (``max_concurrency``) are shared out: with both modes, shadow threads take half
+    (at least one) and gate calls the rest (at least one); a gate call beyond its share is not queued but
+    skipped (the local answers stand at once), and runs on an executor of its own, never on the server's
+    thread pool, so a hanging teacher cannot hold up requests it has no part in."""
 
     def __init__(self, setup: TeacherSetup, metrics, clock=time.monotonic):
         teacher, shadow_rate, gate = setup.teacher, setup.shadow_rate, setup.gate
         self.teacher, self.metrics, self.records, self.gate = teacher, metrics, setup.records, gate
         self.shadow_rate, self.max_pending = shadow_rate, setup.max_pending
         self._queue: queue.Queue = queue.Queue(maxsize=setup.max_pending)
-        self._gate_calls = 0
         self._lock = threading.Lock()
-        self._clock, self._down, self._open_until = clock, 0, 0.0  # consecutive unavailable calls; skip until
-        # one connection is left free of shadow work for gate calls
-        count = max(1, teacher.config.max_concurrency - (1 if gate is not None else 0)) if shadow_rate else 0
+        self.breaker = Breaker(clock)
+        self._clock = clock
+        connections = teacher.config.max_concurrency
+        shadow = (max(1, connections // 2) if gate is not None else connections) if shadow_rate else 0
+        self.gate_slots = max(1, connections - shadow) if gate is not None else 0
+        self._gate_calls = 0  # gate calls running (on the gate executor), at most gate_slots
+        self._gate_pool = (ThreadPoolExecutor(self.gate_slots, thread_name_prefix="onepass-gate")
+                           if gate is not None else None)
         self._threads = [threading.Thread(target=self._work, name=f"onepass-shadow-{i}", daemon=True)
-                         for i in range(count)]
+                         for i in range(shadow)]
         for t in self._threads:
             t.start()
 
@@ -121,64 +164,74 @@ class TeacherLink:
 
     def _call(self, mode: str, state, questions: dict, deadline: float | None) -> dict:
         """The teacher's distributions (recorded when asked), its outcome and latency counted."""
-        start = self._clock()
-        if start < self._open_until:
+        epoch = self.breaker.admit()
+        if epoch is None:
             self.metrics.teacher_calls.labels(mode, "circuit_open").inc()
             raise TeacherUnavailable(f"{self.teacher.name} was unavailable: not asked again for "
-                                     f"{self._open_until - start:.1f} s")
+                                     f"{self.breaker.remaining():.1f} s")
+        start = self._clock()
         try:
             probs = self.teacher.probabilities(state, questions, deadline=deadline)
         except Exception as err:
-            if isinstance(err, TeacherUnavailable):
-                with self._lock:
-                    self._down += 1
-                    self._open_until = self._clock() + min(MAX_COOL_DOWN_S, COOL_DOWN_S * 2 ** (self._down - 1))
+            self.breaker.result(epoch, not isinstance(err, TeacherUnavailable))
             self.metrics.teacher_calls.labels(mode, _outcome(err)).inc()
             if not isinstance(err, (TeacherUnavailable, TeacherRefused, TeacherBadAnswer)):
                 log.exception("teacher call failed unexpectedly")
             else:
                 log.warning("teacher %s call failed: %s", mode, err)
             raise
-        with self._lock:
-            self._down, self._open_until = 0, 0.0
+        self.breaker.result(epoch, True)
         self.metrics.teacher_calls.labels(mode, "ok").inc()
         self.metrics.teacher_latency.labels(mode).observe(self._clock() - start)
         if self.records is not None:
             for qid, p in probs.items():
                 if self.records.write(dumps(row(state, questions[qid], p, self.teacher.name))):
                     self.metrics.recorded.inc()
+                else:
+                    self.metrics.record_failures.inc()
         return probs
 
+    def _gate_call(self, state, questions: dict, until: float) -> dict:
+        try:
+            return self._call("gate", state, questions, until)
+        finally:
+            with self._lock:
+                self._gate_calls -= 1
+
     async def forward(self, engine, state, questions: dict, answers: dict, deadline: float) -> tuple[dict, set]:
-        """(answers, ids answered by the teacher): the questions below the gate asked of the teacher within
-        ``deadline``; where it fails, is busy or late, the local answers stand."""
+        """(answers, ids answered by the teacher): the questions below the gate asked of the teacher, its call
+        ending before ``deadline`` (a tenth of the time left, at least 50 ms, is kept for the response); where it
+        fails, is busy or late, the local answers stand."""
         from ..readout import answer
 
         _, review = self.gate.for_questions(engine, questions).split(answers)
         if not review:
             return answers, set()
+        left = deadline - self._clock()
+        until = deadline - max(GATE_RESERVE_S, 0.1 * left)
+        if until <= self._clock():
+            self.metrics.teacher_calls.labels("gate", "late").inc()
+            return answers, set()
         with self._lock:
-            if self._gate_calls >= self.max_pending:
+            if self._gate_calls >= self.gate_slots:  # every gate connection busy: no waiting in line
                 self.metrics.teacher_calls.labels("gate", "skipped").inc()
                 return answers, set()
             self._gate_calls += 1
         doubtful = {q: questions[q] for q in review}
-        until = deadline - DEADLINE_RESERVE_S
-        try:  # the thread may outlive a deadline the teacher ignores (a trickling body); the request does not wait
-            probs = await asyncio.wait_for(run_in_threadpool(self._call, "gate", state, doubtful, until),
-                                           timeout=max(0.0, until - time.monotonic()))
+        loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(self._gate_pool, self._gate_call, state, doubtful, until)
+        try:  # the call ends by `until` (the client's deadline); this bound only guards against a client bug
+            probs = await asyncio.wait_for(asyncio.shield(call), timeout=max(0.0, until - self._clock()) + 0.5)
         except asyncio.TimeoutError:
             self.metrics.teacher_calls.labels("gate", "late").inc()
             return answers, set()
         except Exception:  # noqa: BLE001 - counted and logged in _call; the local answers stand
             return answers, set()
-        finally:
-            with self._lock:
-                self._gate_calls -= 1
         return {**answers, **{q: answer(questions[q], p) for q, p in probs.items()}}, set(probs)
 
     def close(self) -> None:
-        """Stop the shadow threads (queued shadow calls are dropped), then the teacher's connections."""
+        """Stop the shadow threads (queued shadow calls are dropped) and the gate executor, then the teacher's
+        connections and the records (a call still running then records nothing)."""
         while True:
             try:
                 self._queue.get_nowait()
@@ -189,8 +242,11 @@ class TeacherLink:
                 self._queue.put(None, timeout=1)
             except queue.Full:  # a shadow call was queued meanwhile: the threads are daemons
                 break
+        deadline = time.monotonic() + 5
         for t in self._threads:
-            t.join(timeout=5)
-        self.teacher.close()
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._gate_pool is not None:
+            self._gate_pool.shutdown(wait=False, cancel_futures=True)
         if self.records is not None:
             self.records.close()
+        self.teacher.close()
