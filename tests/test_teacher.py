@@ -319,6 +319,30 @@ def test_gate_mode_answers_doubtful_questions_with_the_teacher_within_the_deadli
     assert forwarded and _metric(text, "onepass_questions_answered_total", by="teacher") == len(forwarded)
 
 
+def test_a_distilled_engines_gate_is_served_with_its_teacher(tiny_engine_dir, teacher_url, tmp_path):
+    """An engine whose manifest carries a gate, served with --teacher and no other flag: the question it was
+    distilled on is answered locally above its threshold (0 here: always), every other question by the teacher."""
+    import dataclasses
+
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.readout_calibration import question_key
+
+    gated = mf.copy_engine(tiny_engine_dir, tmp_path / "gated")
+    base = Engine.load(tiny_engine_dir)
+    q = QUESTIONS["sky"]
+    key = question_key(q.type, base.encoder.instructions(q), base.encoder.options(q))
+    m = mf.load(gated, verify=False)
+    mf.write(gated, dataclasses.replace(m, gate={"per_key": {key: 0.0}, "default": 1.0, "target_agreement": 0.95}))
+    url, proc = serve_process(gated, _port(), tmp_path / "student.log", "--teacher", teacher_url)
+    try:
+        response = _post(url, STATES[8], QUESTIONS)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    by = dict(item.split("=") for item in response.headers["x-onepass-answered-by"].split(","))
+    assert by["sky"] == base.name and all(by[other] != base.name for other in ("fish", "team", "loud"))
+
+
 def _fields(wire: dict) -> dict:
     return {k: v for k, v in wire.items() if k not in ("type",)}
 
