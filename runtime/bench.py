@@ -96,7 +96,8 @@ def engine_targets(engine_dir: str, backends: list[str], threads: int | None, bo
                    cold_fraction: float, seed: int) -> tuple[list[Target], dict]:
     """One target per backend that loads here; {backend: why} for the others."""
     from .backends import factory
-    from .engine import Engine, parse_request
+    from .engine import Engine
+    from .wire import parse_request
 
     targets, skipped = [], {}
     for name in backends:

@@ -19,17 +19,17 @@ from .backends.base import Backend, StateKV
 from .readout_calibration import question_key
 from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded
 from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
-from .questions import Answer, Question, check_visible, distinct, from_wire
+from .questions import Answer, Question
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
 from .tree import (PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, option_head_scores,
                    option_logprobs, pack, packed_size)
+from .wire import check_question_id, parse_request, response_body
 
 DEFAULT_CACHE_BYTES = 512 << 20
 log = logging.getLogger("onepass.engine")
 _WARNED: set = set()  # engine directories already warned about
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
-MAX_QUESTION_ID_CHARS = 256
 PRIOR_CACHE_ITEMS = 4096
 
 
@@ -553,52 +553,3 @@ class Engine:
         """Answer a TypeSafe System One request body; returns the response body."""
         state, questions = parse_request(body)
         return response_body(body, self.name, self.run(state, questions))
-
-
-def check_question_id(qid) -> None:
-    """A question id is non-empty text of at most MAX_QUESTION_ID_CHARS that UTF-8 can encode."""
-    if not isinstance(qid, str) or not qid:
-        raise InvalidRequest("question ids must be non-empty strings", "questions")
-    if len(qid) > MAX_QUESTION_ID_CHARS:
-        raise InvalidRequest(f"a question id is {len(qid)} characters; at most {MAX_QUESTION_ID_CHARS} are allowed",
-                             "questions")
-    try:
-        qid.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InvalidRequest(f"a question id is not valid UTF-8 text (character {err.start}); send UTF-8 text",
-                             "questions") from None
-    check_visible(qid, "a question id", "questions")
-
-
-def parse_request(body: Mapping) -> tuple:
-    """(state, {id: Question}) of a TypeSafe System One request body: the one parse of a request (the server's too),
-    every check of its form and values; InvalidRequest names the field."""
-    if not isinstance(body, Mapping):
-        raise InvalidRequest("the request body must be a JSON object")
-    if "state" not in body:
-        raise InvalidRequest("the request has no state", "state")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model must be a string (or left out: the default engine answers)", "model")
-    if not isinstance(body["state"], (str, Mapping, list)):
-        raise InvalidRequest("the state must be text, or JSON: an object or an array", "state")
-    raw = body.get("questions")
-    if not isinstance(raw, Mapping) or not raw:
-        raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
-    if body.get("assets") is not None and not isinstance(body["assets"], Mapping):
-        raise InvalidRequest("assets must be an object (and empty: this engine reads text only)", "assets")
-    if body.get("assets"):
-        raise InvalidRequest("assets (images) need a vision model; this engine reads text only", "assets")
-    for qid in raw:
-        check_question_id(qid)
-    distinct(list(raw), "question ids", "questions")
-    return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
-
-
-def response_body(body: Mapping, name: str, result: Result) -> dict:
-    """The TypeSafe System One response for a result."""
-    return {
-        "model": body.get("model") or name,
-        "answers": {qid: a.to_wire() for qid, a in result.answers.items()},
-        "usage": {"input_tokens": int(result.input_tokens), "output_tokens": 0},
-    }

@@ -344,7 +344,7 @@ def test_a_failing_merged_pass_is_rerun_request_by_request(engine):
     """The backend fails every pass that contains the 'poison' question (as an out-of-memory would): the
     merged pass fails, its members are re-run alone, and only the poisoned request gets the error; the
     others equal their requests run alone."""
-    from onepass.runtime.engine import parse_request
+    from onepass.runtime.wire import parse_request
 
     poison = engine.encode_questions(parse_request({"state": TICKET, "questions": {
         "p": {"type": "noul", "instructions": "Poison?"}}})[1])[0]

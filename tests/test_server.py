@@ -255,7 +255,7 @@ def _probs(answer) -> dict:
 
 
 def test_merged_requests_equal_each_request_alone(engine):
-    from onepass.runtime.engine import parse_request
+    from onepass.runtime.wire import parse_request
 
     bodies = [{"state": TICKET, "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}},
               {"state": TICKET, "questions": {"a": QUESTIONS["mood"]}},
@@ -278,7 +278,7 @@ def test_merged_requests_equal_each_request_alone(engine):
 
 def test_merged_pass_is_really_shared(engine):
     """Negative control for the test above: merging changes the packed pass (more tokens, one call)."""
-    from onepass.runtime.engine import parse_request
+    from onepass.runtime.wire import parse_request
 
     calls = []
     original = engine.backend.score_all
@@ -313,13 +313,13 @@ def tiny_url(tiny_engine_dir):
 
 def test_a_request_is_parsed_once(tiny_url, monkeypatch):
     """One parse per request on the HTTP path: parse_request once, each question built once."""
-    from onepass.runtime import engine as engine_module
+    from onepass.runtime import wire as wire_module
     from onepass.runtime.server import app as app_module
 
     parses, questions = [], []
-    parse, build = app_module.parse_request, engine_module.from_wire
+    parse, build = app_module.parse_request, wire_module.from_wire
     monkeypatch.setattr(app_module, "parse_request", lambda body: parses.append(1) or parse(body))
-    monkeypatch.setattr(engine_module, "from_wire", lambda qid, body: questions.append(qid) or build(qid, body))
+    monkeypatch.setattr(wire_module, "from_wire", lambda qid, body: questions.append(qid) or build(qid, body))
     status, _, _ = post(tiny_url, {"state": "A ticket.", "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}})
     assert status == 200 and parses == [1] and sorted(questions) == ["a", "b"]
 

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..cascade import Gate
-from ..engine import Engine, parse_request, response_body
+from ..engine import Engine
+from ..wire import parse_request, response_body
 from ..questions import MAX_LEVELS
 from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, NotText, OnepassError
 from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
