@@ -171,6 +171,9 @@ def evaluate_task(args, task: str) -> dict:
     local = conf >= threshold
     agree = sp.argmax(1) == tp.argmax(1)
     report = json.loads((root / "distill.json").read_text())
+    teacher_top = tp.argmax(1)
+    usual = np.bincount(teacher_top, minlength=k).argmax()  # the teacher's most common answer on these states
+    rare = teacher_top != usual
     served = np.where(local, sp.argmax(1), tp.argmax(1))  # the gate's answers: local above, the teacher's below
     return {"task": task, "options": k, "test_states": len(test), "threshold": threshold,
             "agreement": float(agree.mean()), "base_agreement": float((bp.argmax(1) == tp.argmax(1)).mean()),
@@ -181,6 +184,8 @@ def evaluate_task(args, task: str) -> dict:
             "base_accuracy": float((bp.argmax(1) == gold).mean()),
             "gated_accuracy": float((served == gold).mean()),
             "majority": float(np.bincount(gold).max() / len(gold)),
+            "teacher_usual_share": float((~rare).mean()),  # what always giving that answer agrees with the teacher
+            "agreement_on_rare": float(agree[rare].mean()) if rare.any() else None, "rare": int(rare.sum()),
             "distill_heldout": {k2: report[k2] for k2 in ("agreement", "coverage_at_target", "agreement_covered")},
             "labelled_states": report["labelled_states"], "distill_seconds": report.get("seconds"),
             "teacher_seconds": json.loads((root / "teacher.json").read_text())["seconds"]}
@@ -208,11 +213,16 @@ def report(args) -> None:
              "Agreement: the student's answer (argmax) is the teacher's. Local share: questions the student answers "
              "at or above its manifest gate (the rest go to the teacher: the teacher calls saved). Gated accuracy: "
              "local answers above the gate, the teacher's below.", "",
-             "| task | options | agreement | base agreement | local share at gate | agreement on local | "
-             "teacher acc | student acc | base acc | gated acc | majority | threshold | teacher tune s | distill s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Control: *teacher's usual answer* is the share of test states on which the teacher gives its most "
+             "common answer (what a student that always gives it would agree on); *agreement where it differs* is "
+             "the student's agreement on the other states (how many in brackets).", "",
+             "| task | options | agreement | base agreement | teacher's usual answer | agreement where it differs | "
+             "local share at gate | agreement on local | teacher acc | student acc | base acc | gated acc | majority | "
+             "threshold | teacher tune s | distill s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["tasks"]:
         lines.append(f"| {r['task']} | {r['options']} | {_fmt(r['agreement'])} | {_fmt(r['base_agreement'])} | "
+                     f"{_fmt(r['teacher_usual_share'])} | {_fmt(r['agreement_on_rare'])} ({r['rare']}) | "
                      f"{_fmt(r['local_share'])} | {_fmt(r['agreement_local'])} | {_fmt(r['teacher_accuracy'])} | "
                      f"{_fmt(r['student_accuracy'])} | {_fmt(r['base_accuracy'])} | {_fmt(r['gated_accuracy'])} | "
                      f"{_fmt(r['majority'])} | {_fmt(r['threshold'])} | {r['teacher_seconds']:.0f} | "
