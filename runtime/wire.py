@@ -38,7 +38,7 @@ def parse_request(body: Mapping) -> tuple:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model must be a string (or left out: the default engine answers)", "model")
-    if not isinstance(body["state"], (str, Mapping, list)):
+    if not isinstance(body["state"], (str, bytes, Mapping, list)):  # bytes: from Python (UTF-8 checked later)
         raise InvalidRequest("the state must be text, or JSON: an object or an array", "state")
     raw = body.get("questions")
     if not isinstance(raw, Mapping) or not raw:

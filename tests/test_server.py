@@ -576,7 +576,7 @@ def test_serve_cascade_without_a_threshold_is_a_one_line_error(tmp_path, capsys)
 
     assert main(["serve", "--engine", str(tmp_path / "a"), "--cascade", str(tmp_path / "b"), "--port", "1"]) == 2
     err = capsys.readouterr().err
-    assert "--cascade DIR and --min-confidence go together" in err and len(err.strip().splitlines()) == 1
+    assert "--cascade DIR needs --min-confidence" in err and len(err.strip().splitlines()) == 1
 
 
 def test_statuses_come_from_error_types_not_message_words():
