@@ -203,6 +203,11 @@ def report(args) -> None:
     results = {"machine": _machine(), "tasks": [evaluate_task(args, t) for t in args.tasks]}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "distill.json").write_text(json.dumps(results, indent=2))
+    render(results, args)
+
+
+def render(results: dict, args) -> None:
+    """results/distill.md from the measured results (``render`` phase: from results/distill.json again)."""
     m = results["machine"]
     lines = [f"# Distillation from a teacher engine ({m['when']}, {m['cpu']})", "",
              f"Per task: a teacher tuned (`onepass tune`, from `{args.engine}`) on {LABELLED} labelled states; a "
@@ -239,7 +244,14 @@ def report(args) -> None:
         lines.append(f"- {r['task']}: agreement {_fmt(r['agreement'])} "
                      f"({'met' if r['agreement'] >= 0.90 else 'not met'}); local share {_fmt(r['local_share'])} at "
                      f"agreement {_fmt(r['agreement_local'])} ("
-                     f"{'met' if r['local_share'] >= 0.70 and (r['agreement_local'] or 0) >= 0.95 else 'not met'})")
+                     f"{'met' if r['local_share'] >= 0.70 and (r['agreement_local'] or 0) >= 0.95 else 'not met'})"
+                     + (f". **The teacher gives one answer on {r['teacher_usual_share']:.1%} of the states**: a "
+                        "student that always gave it would agree as often, so this task says little about "
+                        f"distillation (where the teacher's answer differs: {_fmt(r['agreement_on_rare'])} on "
+                        f"{r['rare']} states)" if r["teacher_usual_share"] >= 0.9 else
+                        f". The teacher's answers vary (its usual one on {r['teacher_usual_share']:.1%} of states); "
+                        f"where it is not the usual one the student agrees on {_fmt(r['agreement_on_rare'])} of "
+                        f"{r['rare']} states"))
     lines += ["", f"    python benchmarks/distill.py all --engine {args.engine} --work {args.work} "
                   f"--max-minutes {args.max_minutes:g}"]
     (RESULTS / "distill.md").write_text("\n".join(lines) + "\n")
@@ -248,7 +260,7 @@ def report(args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=["teachers", "students", "report", "all"])
+    p.add_argument("phase", choices=["teachers", "students", "report", "render", "all"])
     p.add_argument("--engine", default="engines/smollm2", help="the engine teachers and students start from")
     p.add_argument("--work", default="/work/distill-bench", help="teachers, students and labels (kept between runs)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -260,6 +272,8 @@ def main(argv=None) -> None:
         students(args)
     if args.phase in ("report", "all"):
         report(args)
+    if args.phase == "render":
+        render(json.loads((RESULTS / "distill.json").read_text()), args)
 
 
 if __name__ == "__main__":
