@@ -38,7 +38,6 @@ from ..runtime import manifest as mf
 from ..runtime.errors import InvalidRequest, LimitExceeded, OnepassError
 from ..runtime.prompt import state_text
 from ..runtime.questions import from_wire, to_wire
-from ..runtime.readout_calibration import question_key
 from ..runtime.request_files import json_lines, read_text
 from ..runtime.teacher import TeacherError, TeacherRefused, answer_distribution, dumps, option_keys, wire_probabilities
 from . import metrics
@@ -228,8 +227,7 @@ def fit_gate(engine, questions: dict, held: dict, target: float) -> dict:
         hits = probs.argmax(1) == labels
         threshold = threshold_for(conf, hits, target)
         answered = conf >= threshold
-        q = questions[qid]
-        key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
+        key = engine.question_key(questions[qid])
         per_key[key] = threshold
         per_question[qid] = {"key": key, "threshold": threshold, "questions": int(len(labels)),
                              "agreement": float(hits.mean()), "coverage": float(answered.mean()),
@@ -324,7 +322,7 @@ def _check_inputs(engine, states: list, questions: dict, config: TuneConfig) -> 
                                 "or leave it out", "state")
     keys: dict = {}
     for qid, q in questions.items():
-        key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
+        key = engine.question_key(q)
         if key in keys:
             raise InvalidRequest(f"questions {keys[key]!r} and {qid!r} are the same question (type, instructions "
                                  "and options): ask it once", "questions")

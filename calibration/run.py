@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import manifest as mf
-from ..runtime.readout_calibration import question_key
 from ..runtime.engine import Engine
 from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.questions import Noul, Score, as_text, from_wire
@@ -72,7 +71,7 @@ def score_rows(engine: Engine, rows: list[dict]) -> list[dict]:
         q = row["question"]
         names = engine.encoder.options(q)
         out.append({"type": q.type, "scores": scores.tolist(), "label": row["label"], "dataset": row["dataset"],
-                    "names": names, "qkey": question_key(q.type, engine.encoder.instructions(q), names)})
+                    "names": names, "qkey": engine.question_key(q)})
     return out
 
 

@@ -9,7 +9,6 @@ instead of, or besides, the label; the training target is then that distribution
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from ..runtime.errors import InvalidRequest, OnepassError
 from ..runtime.prompt import state_text
 from ..runtime.request_files import json_lines
 from ..runtime.questions import Noul, Question, from_wire
-from ..runtime.teacher import option_keys
+from ..runtime.teacher import distribution_problem, option_keys
 from .run import label_index
 
 
@@ -57,10 +56,9 @@ def teacher(question: Question, probs) -> tuple:
     if unknown:
         raise InvalidRequest(f"unknown option(s) {unknown}; allowed keys: {keys}", "probabilities")
     values = [probs.get(k, 0.0) for k in keys]
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in values):
-        raise InvalidRequest("every probability must be a finite number >= 0", "probabilities")
-    if abs(sum(values) - 1.0) > 1e-3:
-        raise InvalidRequest(f"the probabilities sum to {sum(values):.4f}; they must sum to 1", "probabilities")
+    problem = distribution_problem(values)
+    if problem:
+        raise InvalidRequest(problem, "probabilities")
     return tuple(float(v) / sum(values) for v in values)
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .readout_calibration import question_key
 from .errors import InvalidRequest
 
 
@@ -57,11 +56,8 @@ class Gate:
         """This gate's thresholds by question id for one request (its per-key thresholds looked up)."""
         if not self.per_key:
             return self
-        found = {}
-        for qid, q in questions.items():
-            key = question_key(q.type, engine.encoder.instructions(q), engine.encoder.options(q))
-            if key in self.per_key:
-                found[qid] = self.per_key[key]
+        keys = {qid: engine.question_key(q) for qid, q in questions.items()}
+        found = {qid: self.per_key[key] for qid, key in keys.items() if key in self.per_key}
         return Gate(self.min_confidence, {**self.per_question, **found})
 
     @classmethod

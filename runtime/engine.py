@@ -223,6 +223,11 @@ class Engine:
                 raise LimitExceeded(f"the question's text is more than {bound} tokens; this engine allows at most "
                                     f"{bound} per question", f"questions.{qid}")
 
+    def question_key(self, question: Question) -> str:
+        """The key a calibration group and a gate threshold are stored under: the question's type, instructions and
+        options as this engine renders them."""
+        return question_key(question.type, self.encoder.instructions(question), self.encoder.options(question))
+
     def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
         """Validate a request's questions against the limits and turn them into token ids."""
         limits = self.manifest.limits

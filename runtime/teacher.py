@@ -82,12 +82,21 @@ def distribution(question: Question, probs, what: str) -> np.ndarray:
         got = sorted(probs)[:8] if isinstance(probs, Mapping) else type(probs).__name__
         raise TeacherBadAnswer(f"{what}: probabilities must be keyed by the options {keys[:8]}, got {got}")
     values = [probs[k] for k in keys]
+    problem = distribution_problem(values)
+    if problem:
+        raise TeacherBadAnswer(f"{what}: {problem}")
+    return np.asarray(values, dtype=np.float64) / float(sum(values))
+
+
+def distribution_problem(values: list) -> str | None:
+    """What keeps ``values`` from being a distribution (finite numbers >= 0 that sum to 1 within 1e-3), or None:
+    the one check of a teacher's answer and of a tune row's ``probabilities``."""
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in values):
-        raise TeacherBadAnswer(f"{what}: every probability must be a finite number >= 0")
+        return "every probability must be a finite number >= 0"
     total = float(sum(values))
     if abs(total - 1.0) > 1e-3:
-        raise TeacherBadAnswer(f"{what}: the probabilities sum to {total:.4f}, not 1")
-    return np.asarray(values, dtype=np.float64) / total
+        return f"the probabilities sum to {total:.4f}; they must sum to 1"
+    return None
 
 
 def _check_url(url: str) -> None:

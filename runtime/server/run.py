@@ -19,14 +19,21 @@ def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, r
     """`onepass serve --teacher`'s settings checked before any engine loads (a typed error naming the flag)."""
     from ..records import Records
     from ..teacher import TeacherConfig
+    from .teaching import check_shadow_rate
 
     TeacherConfig(url=url, kind=kind, **client)
-    if not (isinstance(shadow_rate, (int, float)) and 0.0 <= shadow_rate <= 1.0):
-        raise OnepassError(f"--shadow-rate must be within 0..1, got {shadow_rate}")
-    if not isinstance(record_max_mib, int) or record_max_mib < 1:
-        raise OnepassError(f"--record-max-mib must be >= 1, got {record_max_mib}")
+    check_shadow_rate(shadow_rate)
+    caps = _record_caps(record_max_mib)
     if record is not None:
-        Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 18)).close()  # creatable, writable
+        Records(record, *caps).close()  # the folder creatable and writable
+
+
+def _record_caps(max_mib: int) -> tuple[int, int]:
+    """(bytes in all, bytes a file) of ``--record-max-mib``: a file is a quarter of the cap (64 MiB at most), so
+    rotation keeps three quarters."""
+    if not isinstance(max_mib, int) or max_mib < 1:
+        raise OnepassError(f"--record-max-mib must be >= 1, got {max_mib}")
+    return max_mib << 20, min(64 << 20, max_mib << 18)
 
 
 def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate: float = 0.0,
@@ -45,12 +52,15 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
         gate = Gate.from_manifest(engine.manifest.gate, min_confidence)
     else:
         gate = None if min_confidence is None else Gate(min_confidence)
-    if gate is None and shadow_rate == 0:
-        raise OnepassError("--teacher is never asked: give --shadow-rate R (a share of requests shadowed), "
-                           "--min-confidence (gate mode), or serve an engine from `onepass distill` (its gate)")
-    # files of at most a quarter of the cap (64 MiB at most): rotation keeps three quarters of it
-    records = None if record is None else Records(record, record_max_mib << 20, min(64 << 20, record_max_mib << 18))
-    return TeacherSetup(connect(url, kind, **client), shadow_rate=shadow_rate, records=records, gate=gate)
+    records = None if record is None else Records(record, *_record_caps(record_max_mib))
+    teacher = connect(url, kind, **client)
+    try:
+        return TeacherSetup(teacher, shadow_rate=shadow_rate, records=records, gate=gate)
+    except OnepassError:  # a teacher never asked: nothing left open
+        teacher.close()
+        if records is not None:
+            records.close()
+        raise
 
 
 def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | None = None, *, backend: str = "auto",

@@ -32,8 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 
 from ..cascade import Gate
+from ..errors import OnepassError
 from ..records import Records
 from ..teacher import Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps, row
 
@@ -57,6 +59,12 @@ def agrees(question, local, teacher: np.ndarray) -> bool:
     return int(np.argmax(answer_distribution(question, local))) == int(np.argmax(teacher))
 
 
+def check_shadow_rate(rate) -> None:
+    """A share of requests: a number within 0..1 (`--shadow-rate`)."""
+    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0.0 <= rate <= 1.0):
+        raise OnepassError(f"--shadow-rate must be within 0..1, got {rate!r}")
+
+
 @dataclass(frozen=True)
 class TeacherSetup:
     """What `onepass serve --teacher` asks for: the client, the share shadowed, the records, the gate."""
@@ -65,16 +73,15 @@ class TeacherSetup:
     shadow_rate: float = 0.0
     records: Records | None = None
     gate: Gate | None = None  # None: shadow mode only
-    max_pending: int = 256  # queued shadow calls, and gate calls in flight
+    max_pending: int = 256  # shadow calls waiting for a thread; beyond them a shadow call is dropped (counted)
 
     def __post_init__(self):
-        if not (isinstance(self.shadow_rate, (int, float)) and 0.0 <= self.shadow_rate <= 1.0):
-            raise ValueError(f"shadow_rate must be within 0..1, got {self.shadow_rate!r}")
+        check_shadow_rate(self.shadow_rate)
         if self.shadow_rate == 0 and self.gate is None:
-            raise ValueError("a teacher needs a shadow rate above 0 or a gate (--min-confidence, or a distilled "
-                             "engine's manifest gate): otherwise it is never asked")
+            raise OnepassError("--teacher is never asked: give --shadow-rate R (a share of requests shadowed), "
+                               "--min-confidence (gate mode), or serve an engine from `onepass distill` (its gate)")
         if not 1 <= self.max_pending <= 100_000:
-            raise ValueError(f"max_pending must be 1..100000, got {self.max_pending}")
+            raise OnepassError(f"max_pending must be 1..100000, got {self.max_pending}")
 
 
 class Breaker:
@@ -121,7 +128,7 @@ class TeacherLink:
     def __init__(self, setup: TeacherSetup, metrics, clock=time.monotonic):
         teacher, shadow_rate, gate = setup.teacher, setup.shadow_rate, setup.gate
         self.teacher, self.metrics, self.records, self.gate = teacher, metrics, setup.records, gate
-        self.shadow_rate, self.max_pending = shadow_rate, setup.max_pending
+        self.shadow_rate = shadow_rate
         self._queue: queue.Queue = queue.Queue(maxsize=setup.max_pending)
         self._lock = threading.Lock()
         self.breaker = Breaker(clock)
@@ -136,11 +143,6 @@ class TeacherLink:
                          for i in range(shadow)]
         for t in self._threads:
             t.start()
-
-    @property
-    def pending(self) -> int:
-        """Shadow calls waiting for a thread."""
-        return self._queue.qsize()
 
     def shadow(self, state, questions: dict, answers: dict) -> None:
         """Maybe (``shadow_rate``) queue the teacher's answers to questions answered locally. Never blocks."""
@@ -204,7 +206,10 @@ class TeacherLink:
         fails, is busy or late, the local answers stand."""
         from ..readout import answer
 
-        _, review = self.gate.for_questions(engine, questions).split(answers)
+        gate = self.gate
+        if gate.per_key:  # a key per question (5000 at most: some 20 ms): off the event loop
+            gate = await run_in_threadpool(gate.for_questions, engine, questions)
+        _, review = gate.split(answers)
         if not review:
             return answers, set()
         left = deadline - self._clock()
