@@ -239,7 +239,7 @@ def render(results: dict, args) -> None:
                      f"{_fmt(r['majority'])} | {_fmt(r['threshold'])} | {r['teacher_seconds']:.0f} | "
                      f"{(r['distill_seconds'] or 0):.0f} |")
     ok = [r for r in results["tasks"]]
-    lines += ["", "Targets (issue): agreement >= 0.90; local share >= 0.70 at >= 0.95 agreement on the local share.", ""]
+    lines += ["", "Targets: agreement >= 0.90; local share >= 0.70 at >= 0.95 agreement on the local share.", ""]
     for r in ok:
         lines.append(f"- {r['task']}: agreement {_fmt(r['agreement'])} "
                      f"({'met' if r['agreement'] >= 0.90 else 'not met'}); local share {_fmt(r['local_share'])} at "

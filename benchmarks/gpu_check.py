@@ -126,34 +126,35 @@ class Timer:
 
 def backends(device: str, engine: Path) -> tuple[dict, dict]:
     """(name -> (engine directory, Engine.load backend factory, precision), name -> why it cannot run here)."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
     ok, skipped = {}, {}
     if device.startswith("cuda") and not torch.cuda.is_available():
         skipped[f"torch-{device}"] = "torch.cuda.is_available() is False"
     else:
-        ok[f"torch-{device}"] = (engine, factory(device, "fp32"), "fp32")  # on CUDA: bucketed shapes + CUDA graphs
+        name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+
+        def torch_on(precision, **options):
+            return factory(name, device=device, precision=precision, **options)
+        ok[f"torch-{device}"] = (engine, torch_on("fp32"), "fp32")  # on CUDA: bucketed shapes + CUDA graphs
         if device.startswith("cuda"):  # eager for comparison; mixed precision: block GEMMs in fp16/bf16
-            ok[f"torch-{device}-eager"] = (engine, factory(device, "fp32", cuda_graphs=False, buckets=False), "fp32")
-            ok[f"torch-{device}-fp16"] = (engine, factory(device, "fp16"), "fp16")
-            ok[f"torch-{device}-bf16"] = (engine, factory(device, "bf16"), "bf16")
+            ok[f"torch-{device}-eager"] = (engine, torch_on("fp32", cuda_graphs=False, buckets=False), "fp32")
+            ok[f"torch-{device}-fp16"] = (engine, torch_on("fp16"), "fp16")
+            ok[f"torch-{device}-bf16"] = (engine, torch_on("bf16"), "bf16")
     if device.startswith("cuda"):  # ONNX Runtime's CUDA provider: needs onnxruntime-gpu in place of onnxruntime
         from onepass.runtime import manifest as mf
-        from onepass.runtime.backends import factory as open_backend
         from onepass.runtime.errors import BackendUnavailable
 
         try:
-            make = open_backend("onnxruntime-gpu")
+            make = factory("onnxruntime-gpu")
             make(engine, mf.load(engine, verify=False))  # fail fast here, not in the parity loop
             ok["onnxruntime-gpu"] = (engine, make, "fp32")
         except BackendUnavailable as err:
             skipped["onnxruntime-gpu"] = str(err)
         try:
-            from onepass.runtime.backends.tensorrt import factory as trt_factory
-
             # the engine copy with its plan lives outside OUT: OUT is what a device run brings back (small files)
             copy = tensorrt_engine(engine, Path(tempfile.gettempdir()) / "onepass-gpu-check-trt")
-            ok["tensorrt"] = (copy, trt_factory(), "fp32")
+            ok["tensorrt"] = (copy, factory("tensorrt"), "fp32")
         except Exception as err:  # noqa: BLE001 -- any reason TensorRT cannot run here is reported, not fatal
             skipped["tensorrt"] = f"{type(err).__name__}: {err}"
     return ok, skipped

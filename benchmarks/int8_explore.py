@@ -6,7 +6,7 @@ kept ones; then, on six states x the 13-question latency workload (78 questions)
 argmax agreement with the fp32 engine, the max option log-prob error, and warm latency. It
 also reports how close the fp32 answers are to ties (top-2 margin of the read-out scores):
 an answer whose margin is below the quantization error can flip.
-Issue targets: agreement >= 99%, log-prob error <= 0.1, >= 1.5x faster. Writes
+Targets: agreement >= 99%, log-prob error <= 0.1, >= 1.5x faster. Writes
 benchmarks/results/int8_explore.{json,md}.
 
     python benchmarks/int8_explore.py --engine engines/smollm2

@@ -14,7 +14,7 @@ exactly (quantize -> dequantize in float32) on the block GEMMs:
 * ``keep k``: the same with the ``k`` most sensitive blocks (by the W8 per-block scan) in fp32.
 
 Workload: six states x the 13 latency questions (78 questions, 256 options), answers compared
-with the fp32 decoder: argmax agreement and max option log-likelihood error. Issue targets:
+with the fp32 decoder: argmax agreement and max option log-likelihood error. Targets:
 agreement >= 99% and error <= 0.1. Writes benchmarks/results/int8_sensitivity.{json,md}.
 
     python benchmarks/int8_sensitivity.py --engine engines/smollm2
@@ -36,7 +36,7 @@ from int8_explore import TEXTS  # noqa: E402
 from latency import QUESTIONS, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.backends.torch_backend import factory  # noqa: E402
+from onepass.runtime.backends import factory  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 CALIBRATION = ["Hello, I would like to change the address on my account, I moved last month.",
@@ -129,7 +129,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    engine = Engine.load(args.engine, backend=factory("cpu"), verify=False)
+    engine = Engine.load(args.engine, backend=factory("torch-cpu"), verify=False)
     dec = engine.backend.decoder
     texts = TEXTS + [state_of_tokens(engine, 512)]
     ref = answers(engine, texts)

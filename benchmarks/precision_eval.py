@@ -27,7 +27,7 @@ from int8_explore import TEXTS, margins  # noqa: E402
 from latency import QUESTIONS, cpu_name, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.backends.torch_backend import factory  # noqa: E402
+from onepass.runtime.backends import factory  # noqa: E402
 from onepass.runtime import manifest as mf  # noqa: E402
 from onepass.runtime.errors import BackendUnavailable  # noqa: E402
 
@@ -77,9 +77,9 @@ def main() -> None:
     variants = {
         "onnxruntime fp32": base,
         "onnxruntime fp16 engine": Engine.load(fp16_dir, verify=False, threads=2, backend="onnxruntime"),
-        "torch fp32": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "fp32")),
-        "torch fp16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "fp16")),
-        "torch bf16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("cpu", "bf16")),
+        "torch fp32": Engine.load(args.engine, verify=False, threads=2, backend=factory("torch-cpu", precision="fp32")),
+        "torch fp16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("torch-cpu", precision="fp16")),
+        "torch bf16 GEMMs": Engine.load(args.engine, verify=False, threads=2, backend=factory("torch-cpu", precision="bf16")),
     }
     try:
         for name, backend in (("openvino f32", "openvino-cpu"), ("openvino bf16", "openvino-cpu-bf16")):

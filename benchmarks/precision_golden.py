@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 
 from onepass import Engine
-from onepass.runtime.backends.torch_backend import factory
+from onepass.runtime.backends import factory
 from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden
 
 OUT = Path(__file__).parent / "results" / "gpu"
@@ -27,7 +27,7 @@ def measure(engine_dir: str) -> dict:
     """precision -> output -> max |difference| from the golden file."""
     out = {}
     for precision in ("fp32", "fp16", "bf16"):
-        engine = Engine.load(engine_dir, backend=factory("cpu", precision), verify=False)
+        engine = Engine.load(engine_dir, backend=factory("torch-cpu", precision=precision), verify=False)
         out[precision] = run_golden(engine)
         engine.close()
         print(engine_dir, precision, out[precision], flush=True)

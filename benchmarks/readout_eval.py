@@ -192,7 +192,7 @@ def markdown(results: dict) -> str:
               "datasets; at n per dataset one standard error of an accuracy near 0.5 is about "
               f"{0.5 / np.sqrt(results['n_per_dataset']):.3f}, so most differences between variants are noise. "
               "The NLL column separates them better (lower is better). Calibration and a trained decision head "
-              "(the calibration issue) are the way to useful accuracy with this model.", ""]
+              "(`onepass calibrate`, `onepass tune`) are the way to useful accuracy with this model.", ""]
     return "\n".join(lines)
 
 

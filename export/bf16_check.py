@@ -69,7 +69,7 @@ def bf16_weights_fp32_math(decoder: PackedDecoder) -> PackedDecoder:
 def check_bf16_engine(root: Path, reference: PackedDecoder, work: Path) -> dict:
     """Both checks for the bf16 engine at ``root``; ``reference`` is the fp32 decoder it was lowered from
     (changed in place). Raises EngineFileError when either fails; returns the differences."""
-    from ..runtime.backends.torch_backend import factory
+    from ..runtime.backends import factory
 
     manifest = mf.load(root, verify=False)
     shutil.rmtree(work, ignore_errors=True)
@@ -83,5 +83,5 @@ def check_bf16_engine(root: Path, reference: PackedDecoder, work: Path) -> dict:
         twin = check_golden(Engine.load(work, verify=False, backend="onnxruntime"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    arithmetic = check_golden(Engine.load(root, verify=False, backend=factory("cpu")))
+    arithmetic = check_golden(Engine.load(root, verify=False, backend=factory("torch-cpu")))
     return {"fp32_twin": twin, "torch_bf16": arithmetic}

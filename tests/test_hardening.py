@@ -1,9 +1,9 @@
-"""Issue 10: a hostile request can only fail itself — limits before work, parsing that cannot crash,
+"""A hostile request can only fail itself — limits before work, parsing that cannot crash,
 deadline-aware admission, bounded metrics, memory that returns.
 
 * a parser-level fuzz of 10,000+ bodies (no inference): every outcome is an answerable request or
   a typed 4xx, never another exception;
-* the hostile requests of the issue against a real ``onepass serve`` process over loopback, under
+* hostile requests (deep nesting, huge numbers, broken compression, over-limit texts) against a real ``onepass serve`` process over loopback, under
   an address-space cap: each gets its 4xx while valid requests beside it get 200 with unchanged
   answers; the process lives, its RSS stays bounded, every response is counted and logged;
 * 1,000 unknown paths leave /metrics bounded; a burst past capacity never answers after a deadline.
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 NOUL = {"type": "noul", "instructions": "Does the customer ask for a refund?"}
 TICKET = "I was charged twice for my subscription this month. Please refund the second payment."
 ADDRESS_SPACE_CAP = 4 << 30  # the server process may not map more than this (it needs about 1.5 GiB)
-RSS_RATIO = 1.2  # RSS after 100 hostile requests / RSS after warm-up (the issue's target)
+RSS_RATIO = 1.2  # RSS after 100 hostile requests / RSS after warm-up (the bound held)
 
 
 def body(state=TICKET, questions=None, **extra) -> bytes:
@@ -57,8 +57,11 @@ def hostile() -> dict:
         "instructions_40k_tokens": (body(questions={"q": {"type": "noul", "instructions": "x " * 40000}}), {}, 413),
         "instructions_200k_tokens": (body(questions={"q": {"type": "noul", "instructions": "x " * 200000}}), {}, 413),
         "state_200k_tokens": (body(state="x " * 200000), {}, 413),
+        # about 14,000 tokens of work with half a second to do it: refused at admission as never fitting (413), at
+        # any speed this machine could have; under the server's 10 s default the status would depend on the
+        # machine's load (429 with the valid requests queued beside it)
         "many_questions_small_mask": (body(questions={f"q{i}": {"type": "noul", "instructions": f"Is it {i} " * 40}
-                                                      for i in range(64)}), {}, 413),
+                                                      for i in range(64)}), {"X-Request-Timeout": "0.5"}, 413),
         "nested_10000_brackets": (b'{"model": "jev-latest", "state": ' + b"[" * 10000 + b"]" * 10000
                                   + b', "questions": {}}', {}, 400),
         "instructions_nested_960": (deep, {}, 400),

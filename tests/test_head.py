@@ -158,9 +158,9 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     off = hd.probabilities(broken, feats)
     assert max(np.abs(a - b).max() for a, b in zip(off, want)) > 1e-2
     # the PyTorch backend rebuilds the head from the graph's initializers and answers the same
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    rebuilt = Engine.load(engine.root, backend=factory("cpu"), verify=False)
+    rebuilt = Engine.load(engine.root, backend=factory("torch-cpu"), verify=False)
     ex = examples[0]
     a, b = rebuilt.ask(ex.state, {"q": ex.question})["q"], engine.ask(ex.state, {"q": ex.question})["q"]
     assert max(abs(a.probabilities[n] - b.probabilities[n]) for n in ex.question.criteria) < 1e-4

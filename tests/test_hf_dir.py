@@ -47,11 +47,11 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
     # a fresh model's norms are all ones: the ONNX optimizer merged them into one initializer, so the PyTorch
     # backend (which rebuilds the decoder from the graph's initializers by name) refuses clearly, not with a
     # NoneType error deep inside (found by the one-call GPU check's random-weight model)
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
     from onepass.runtime.errors import EngineFileError
 
     with pytest.raises(EngineFileError, match="identical weights were merged at export"):
-        Engine.load(out, backend=factory("cpu"), verify=False)
+        Engine.load(out, backend=factory("torch-cpu"), verify=False)
 
 
 def test_unknown_model_sources_are_refused(tmp_path):

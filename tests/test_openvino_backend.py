@@ -77,7 +77,7 @@ def test_a_low_precision_engine_is_refused_with_a_typed_error(engine_dir, tmp_pa
 
     manifest = mf.load(engine_dir, verify=False)
     half = dataclasses.replace(manifest, precision="fp16")
-    with pytest.raises(BackendUnavailable, match="OpenVINO backends run fp32 engines.*openvino-cpu-bf16"):
+    with pytest.raises(BackendUnavailable, match="openvino-cpu backend runs fp32 engines.*openvino-cpu-bf16"):
         factory("openvino-cpu")(engine_dir, half)
 
 

@@ -77,7 +77,6 @@ def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tin
     from onepass.runtime.backends import ort as ort_backend
 
     manifest = mf.load(tiny_engine_dir, verify=False)
-    graph = str(tiny_engine_dir / manifest.graph)
     made = []
     real_session = ort.InferenceSession
     monkeypatch.setattr(ort_backend.ort, "get_available_providers",
@@ -88,7 +87,7 @@ def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tin
     devices = []
     monkeypatch.setattr(cuda_device, "CudaDevice", lambda ordinal: devices.append(HostDevice()) or devices[-1])
 
-    backend = OrtBackend(graph, manifest.model, device="cuda", device_id=0)
+    backend = OrtBackend(tiny_engine_dir, manifest, device="cuda", device_id=0)
     assert made[-1][0] == ("CUDAExecutionProvider", {"device_id": 0, "user_compute_stream": "7"})
     timings = []
 
@@ -119,6 +118,6 @@ def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tin
         raise BackendUnavailable("the TensorRT backend needs cuda-python")
 
     monkeypatch.setattr(cuda_device, "CudaDevice", no_bindings)
-    plain = OrtBackend(graph, manifest.model, device="cuda", device_id=1)
+    plain = OrtBackend(tiny_engine_dir, manifest, device="cuda", device_id=1)
     assert made[-1][0] == ("CUDAExecutionProvider", {"device_id": 1}) and plain.device_timer() is None
-    assert OrtBackend(graph, manifest.model).device_timer() is None
+    assert OrtBackend(tiny_engine_dir, manifest).device_timer() is None

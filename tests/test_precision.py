@@ -39,9 +39,9 @@ def _errors(reference, other) -> list:
 
 def _torch_gemm_errors(engine, precision: str) -> list:
     """The fp32 engine against the PyTorch backend running it with ``precision`` block GEMMs."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    lowered = Engine.load(engine.root, verify=False, backend=factory("cpu", precision))
+    lowered = Engine.load(engine.root, verify=False, backend=factory("torch-cpu", precision=precision))
     assert lowered.backend.precision == precision
     return _errors(engine, lowered)
 
@@ -75,10 +75,10 @@ def test_fp16_graph_holds_fp16_block_weights_and_reproduces_its_golden_file(tiny
 
 def test_torch_backend_runs_an_fp16_engine_at_its_precision(tiny_fp16_dir):
     """ONNX Runtime's fp16 graph and the PyTorch backend's fp16 GEMMs (rebuilt from the graph's weights) agree."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
     ort_engine = Engine.load(tiny_fp16_dir, verify=False)
-    torch_engine = Engine.load(tiny_fp16_dir, verify=False, backend=factory("cpu"))
+    torch_engine = Engine.load(tiny_fp16_dir, verify=False, backend=factory("torch-cpu"))
     assert torch_engine.backend.precision == "fp16"
     state, questions = _workload()
     encoded = ort_engine.encode_questions(questions)
@@ -124,7 +124,7 @@ def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(
 def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(tiny_bf16_dir, capsys):
     """What a bf16 engine is refused and run by, on the tiny Llama's bf16 engine (a structure question)."""
     from onepass.cli import main
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
     from onepass.runtime.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="bf16.*ONNX Runtime.*--backend tensorrt"):
@@ -132,7 +132,7 @@ def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(tin
     assert main(["check", "--engine", str(tiny_bf16_dir)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["check", "--engine", str(tiny_bf16_dir), "--backend", "torch-cpu"]) == 0
-    assert Engine.load(tiny_bf16_dir, verify=False, backend=factory("cpu")).backend.precision == "bf16"
+    assert Engine.load(tiny_bf16_dir, verify=False, backend=factory("torch-cpu")).backend.precision == "bf16"
 
 
 def test_bf16_gemms_on_smollm2_stay_close_to_fp32(engine):

@@ -1,6 +1,6 @@
 """Every command the README shows exists: `onepass ...` lines parse with the real CLI parser, `make ...` targets
-are in the Makefile, and the Python snippets compile and run on the test engine (issue 12: a README that stays
-current with the code)."""
+are in the Makefile, and the Python snippets compile and run on the test engine: the README stays
+current with the code."""
 
 import re
 import shlex

@@ -22,7 +22,8 @@ from trt_double import HostDevice, fake_tensorrt, write_plan
 
 from onepass import Choice, Engine, Noul, Score
 from onepass.runtime import manifest as mf
-from onepass.runtime.backends.tensorrt import TensorRTBackend, factory, select_plan
+from onepass.runtime.backends import factory as open_backend
+from onepass.runtime.backends.tensorrt import TensorRTBackend, select_plan
 from onepass.runtime.errors import BackendUnavailable, EngineFileError
 from onepass.runtime.selfcheck import check_golden
 
@@ -61,7 +62,7 @@ def plan_dir(tiny_engine_dir, tmp_path_factory):
 def load(root, device=None, capture_after=1, **options) -> Engine:
     """The plan dir on the stand-in; graphs captured at a key's first pass (the default waits for its second)."""
     device = device or HostDevice()
-    return Engine.load(root, backend=factory(device=device, tensorrt=fake_tensorrt(root, device),
+    return Engine.load(root, backend=open_backend("tensorrt", device=device, tensorrt=fake_tensorrt(root, device),
                                              capture_after=capture_after, **options))
 
 
@@ -230,7 +231,7 @@ def test_no_cuda_driver_is_a_clear_error():
 
 
 def test_cuda_bindings_newer_than_the_driver_is_a_clear_error(monkeypatch):
-    """Issue 16 item 10: cuda-bindings 13 on a CUDA 12 driver (JetPack 6, R570) is refused at start, by name,
+    """cuda-bindings 13 on a CUDA 12 driver (JetPack 6, R570) is refused at start, by name,
     with the pip line that fits; a matching driver passes the check."""
     import types
 
@@ -321,12 +322,12 @@ def test_real_tensorrt_plan_on_this_gpu_reproduces_the_golden_file(request, tmp_
 
     root = mf.copy_engine(request.getfixturevalue("engine_dir"), tmp_path / "engine")
     assert main(["build-trt", "--engine", str(root), "--arch", "native"]) == 0
-    trt = Engine.load(root, backend=factory())
+    trt = Engine.load(root, backend=open_backend("tensorrt"))
     assert check_golden(trt)["target_logprob"] <= 1e-3
 
 
 def test_a_failed_capture_falls_back_to_plain_enqueue_once(plan_dir, engine, caplog):
-    """Issue 16 item 6: an engine whose pass cannot be captured (an injected non-capturable op) still answers,
+    """An engine whose pass cannot be captured (an injected non-capturable op) still answers,
     equal to ONNX Runtime; the capture is tried once per shape, never again, and says so in a log line."""
     device = HostDevice(uncapturable=True)
     trt = load(plan_dir, device)
@@ -353,7 +354,7 @@ def _alternate(trt, engine, rounds: int = 2):
 
 
 def test_each_graph_replays_on_its_own_context_in_one_shared_activation_buffer(plan_dir, engine):
-    """Issue 16 item 5: graphs of several keys, replayed in turn, give ONNX Runtime's answers; each has its own
+    """Graphs of several keys, replayed in turn, give ONNX Runtime's answers; each has its own
     execution context, and every context runs in the backend's single activation buffer (no STATIC memory)."""
     device = HostDevice()
     trt = load(plan_dir, device)
@@ -446,7 +447,7 @@ def test_200_distinct_states_capture_at_most_slots_x_buckets_graphs(plan_dir, en
     device = HostDevice()
     slots = 2
     manifest = mf.load(plan_dir)
-    backend = factory(device=device, tensorrt=fake_tensorrt(plan_dir, device), slots=slots,
+    backend = open_backend("tensorrt", device=device, tensorrt=fake_tensorrt(plan_dir, device), slots=slots,
                       pool_bytes=0)(plan_dir, manifest)
     cache = backend.reserved_bytes + (256 << 10)  # the slots, and room for a few of the 200 states
     trt = Engine(plan_dir, manifest, backend, cache)
@@ -497,7 +498,7 @@ def test_a_state_length_seen_once_is_never_captured(plan_dir, engine):
     """By default a (slot, length, bucket) key is captured at its second pass: states of lengths that never repeat
     cost no capture and no execution context."""
     device = HostDevice()
-    trt = Engine.load(plan_dir, backend=factory(device=device, tensorrt=fake_tensorrt(plan_dir, device)))
+    trt = Engine.load(plan_dir, backend=open_backend("tensorrt", device=device, tensorrt=fake_tensorrt(plan_dir, device)))
     encoded = engine.encode_questions(QUESTIONS)
     contexts = trt.backend.engine.contexts_created
     for i in range(6):
@@ -560,7 +561,7 @@ def test_build_native_plan_if_missing_records_this_devices_plan_through_the_libr
     assert tensorrt_build.build_native_plan_if_missing(root) is None and len(built) == 1  # present: not rebuilt
     plans = {p["compute_capability"] for p in mf.load(root).plans}
     assert plans == {"sm90", "sm87"}
-    trt = Engine.load(root, backend=factory(device=device, tensorrt=module))
+    trt = Engine.load(root, backend=open_backend("tensorrt", device=device, tensorrt=module))
     assert trt.backend.plan["compute_capability"] == "sm87"
 
 

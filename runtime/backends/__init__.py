@@ -1,8 +1,10 @@
-"""Inference backends: one table from a backend's name to its factory, each module imported only when asked for.
+"""Inference backends: one table from a backend's name to its class and fixed options, each module imported only
+when asked for.
 
 ``factory(name, **options)`` gives the ``Engine.load(backend=...)`` factory ``(root, manifest, threads) ->
-Backend``; ``Engine.load(backend="torch-cuda")`` takes the name directly. Every backend module is imported on
-first use only: the PyTorch backend (``torch_backend``, with its packed decoder ``torch_decoder``, which export
+Backend``: the class's ``open`` with the backend's name and options (every backend has that one shape:
+``base.Backend``); ``Engine.load(backend="torch-cuda")`` takes the name directly. Every backend module is imported
+on first use only: the PyTorch backend (``torch_backend``, with its packed decoder ``torch_decoder``, which export
 also builds its graphs from) imports torch, which the rest of the runtime never does.
 
 ``default`` (the name ``auto``, what ``Engine.load`` uses when given no backend) picks the fastest CPU path that
@@ -14,6 +16,7 @@ process); otherwise ONNX Runtime on CPU, the reference.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -23,40 +26,41 @@ from ..errors import BackendUnavailable
 
 log = logging.getLogger("onepass.backends")
 
-# name -> (module, factory attribute, fixed options)
+# name -> (module, class, fixed options)
 TABLE = {
-    "onnxruntime": ("onepass.runtime.backends.ort", "factory", {"device": "cpu"}),
-    "onnxruntime-gpu": ("onepass.runtime.backends.ort", "factory", {"device": "cuda"}),
-    "tensorrt": ("onepass.runtime.backends.tensorrt", "factory", {}),
-    "torch-cpu": ("onepass.runtime.backends.torch_backend", "factory", {"device": "cpu"}),
-    "torch-cuda": ("onepass.runtime.backends.torch_backend", "factory", {"device": "cuda"}),
-    "openvino-cpu": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "f32"}),
-    "openvino-cpu-bf16": ("onepass.runtime.backends.openvino_cpu", "factory", {"precision": "bf16"}),
+    "onnxruntime": ("onepass.runtime.backends.ort", "OrtBackend", {"device": "cpu"}),
+    "onnxruntime-gpu": ("onepass.runtime.backends.ort", "OrtBackend", {"device": "cuda"}),
+    "tensorrt": ("onepass.runtime.backends.tensorrt", "TensorRTBackend", {}),
+    "torch-cpu": ("onepass.runtime.backends.torch_backend", "TorchBackend", {"device": "cpu"}),
+    "torch-cuda": ("onepass.runtime.backends.torch_backend", "TorchBackend", {"device": "cuda"}),
+    "openvino-cpu": ("onepass.runtime.backends.openvino_cpu", "OpenVinoCpuBackend", {"precision": "f32"}),
+    "openvino-cpu-bf16": ("onepass.runtime.backends.openvino_cpu", "OpenVinoCpuBackend", {"precision": "bf16"}),
 }
 BACKENDS = tuple(TABLE)
 AUTO = "auto"  # the default: see ``default``
 FASTEST_EXACT_CPU = "openvino-cpu"
 
 
-def factory(name: str, **options):
-    """The Engine.load factory of the backend called ``name`` (see ``BACKENDS``), with ``options``."""
+def backend_class(name: str):
+    """The class of the backend called ``name`` (see ``BACKENDS``), its module imported now."""
     if name not in TABLE:
         raise BackendUnavailable(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
-    module, attr, fixed = TABLE[name]
+    module, cls, _ = TABLE[name]
     try:
-        make = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), cls)
     except ImportError as err:
         extra = "openvino" if "openvino" in module else "trt"
         need = "PyTorch and onnx: pip install torch==2.13.0 'onepass[export]'" if module.endswith(
             "torch_backend") else f"its extra: pip install 'onepass[{extra}]'"
         raise BackendUnavailable(f"the {name} backend needs {need} ({err.name} is missing)") from None
-    made = make(**fixed, **options)
 
-    def named(root, manifest, threads=None):
-        backend = made(root, manifest, threads)
-        backend.name = name
-        return backend
-    return named
+
+def factory(name: str, **options):
+    """The Engine.load factory ``(root, manifest, threads=None) -> Backend`` of the backend called ``name`` (see
+    ``BACKENDS``), with ``options`` for its constructor over the table's fixed ones (``factory("torch-cpu",
+    precision="fp16")``, ``factory("tensorrt", cuda_graphs=False)``)."""
+    cls = backend_class(name)
+    return functools.partial(cls.open, name=name, **{**TABLE[name][2], **options})
 
 
 _verdicts: dict = {}  # the sha256s of graph, weights and golden file -> None (OpenVINO passed) or why it did not

@@ -6,12 +6,16 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..manifest import ModelInfo
+from ..errors import BackendUnavailable
+from ..manifest import Manifest, ModelInfo
 from ..tree import PackedBatch, causal
+
+ENGINE_PRECISIONS = ("fp32", "fp16", "bf16")  # what an engine's block GEMMs may be (the manifest's ``precision``)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class StateKV:
 class Backend(ABC):
     """Runs the decoder graph. Subclasses implement ``_run``; callers use prefill/score.
 
+    One shape for every backend: built by ``open(root, manifest, threads, name=..., **options)`` (what the backend
+    table calls), which refuses an engine whose precision the backend does not run (``runs``), then calls the
+    constructor ``(root, manifest, threads=None, *, name=None, **options)``.
+
     ``concurrent``: whether passes may run from several threads at once. A backend with per-pass
     state of its own (device buffers, a stream, captured graphs) leaves it False, and callers run
     its passes one at a time under ``serial()``: that is what makes ``Engine.ask`` thread-safe.
@@ -40,7 +48,9 @@ class Backend(ABC):
     # max_packed_tokens, i.e. as few passes as possible). CPU backends set what measures fastest
     # (benchmarks/results/blocks.md): attention is dense within a pass, so smaller blocks do less work.
     block_tokens: int | None = None
-    name = "custom"  # the backend table's name of this backend, set by ``backends.factory`` (``/readyz`` reports it)
+    name = "custom"  # the backend table's name of this backend, given to the constructor (``/readyz`` reports it)
+    precisions = ENGINE_PRECISIONS  # the engine precisions this backend runs (``runs`` may narrow it per option)
+    instead = ""  # what to use for an engine whose precision this backend does not run
     # device bytes of state K/V the backend holds beyond the engine's state cache (the GPU backends' graph slots):
     # the engine takes them out of the cache's budget, so the two together stay within it
     reserved_bytes = 0
@@ -49,10 +59,28 @@ class Backend(ABC):
     graphs = None
     slots = None
 
-    def __init__(self, model: ModelInfo):
+    def __init__(self, model: ModelInfo, name: str | None = None):
         self.model = model
+        if name is not None:
+            self.name = name
         self._serial = threading.RLock()
         self._local = threading.local()
+
+    @classmethod
+    def runs(cls, **options) -> tuple:
+        """The engine precisions (``fp32``, ``fp16``, ``bf16``) this backend runs with ``options``."""
+        return cls.precisions
+
+    @classmethod
+    def open(cls, root, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+             **options) -> "Backend":
+        """This backend for the engine directory ``root`` (the backend table's factory): BackendUnavailable when it
+        does not run the engine's precision, else the constructor's backend."""
+        runs = cls.runs(**options)
+        if manifest.precision not in runs:
+            raise BackendUnavailable(f"{root}: the {name or cls.__name__} backend runs {' and '.join(runs)} engines, "
+                                     f"and this one is {manifest.precision}{'; ' + cls.instead if cls.instead else ''}")
+        return cls(Path(root), manifest, threads, name=name, **options)
 
     @property
     def spans(self) -> list | None:

@@ -20,13 +20,14 @@ cores) and lets the old one go, which returns RSS to its warm size (``benchmarks
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from .. import contract
 from ..errors import BackendUnavailable
-from ..manifest import ModelInfo
+from ..manifest import Manifest
 from ..tree import PackedBatch
 from .base import Backend, StateKV
 
@@ -41,8 +42,13 @@ class OpenVinoCpuBackend(Backend):
     # on 13-500 questions and a 255-option choice (benchmarks/results/blocks_openvino.md; ONNX Runtime's is 256)
     block_tokens = 512
 
-    def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, precision: str = "f32"):
-        super().__init__(model)
+    precisions = ("fp32",)  # an fp32 graph; ``precision`` chooses the precision OpenVINO computes it in
+    instead = "choose the inference precision with the backend: openvino-cpu (f32) or openvino-cpu-bf16"
+
+    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+                 precision: str = "f32"):
+        model, graph_path = manifest.model, str(Path(root) / manifest.graph)
+        super().__init__(model, name)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.graph_path = graph_path
@@ -99,14 +105,3 @@ class OpenVinoCpuBackend(Backend):
     def to_host(self, value) -> np.ndarray:
         """One K/V tensor as float32 numpy (it already is one)."""
         return np.asarray(value, dtype=np.float32)
-
-
-def factory(precision: str = "f32"):
-    """The Engine.load factory of this backend at ``precision`` (threads from Engine.load)."""
-    def make(root, manifest, threads=None):
-        if manifest.precision != "fp32":
-            raise BackendUnavailable(f"the OpenVINO backends run fp32 engines (this one is {manifest.precision}); "
-                                     "choose the inference precision with the backend: openvino-cpu (f32) or "
-                                     "openvino-cpu-bf16")
-        return OpenVinoCpuBackend(str(root / manifest.graph), manifest.model, threads=threads, precision=precision)
-    return make

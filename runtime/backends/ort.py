@@ -12,12 +12,14 @@ CUDA events (``device_timer``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 
 from .. import contract
 from ..errors import BackendUnavailable
-from ..manifest import ModelInfo
+from ..manifest import Manifest
 from ..tree import PackedBatch
 from .base import Backend, StateKV
 
@@ -29,10 +31,19 @@ class OrtBackend(Backend):
 
     concurrent = True  # InferenceSession.run is thread-safe and every pass has its own bound values
     block_tokens = 256  # packed tokens per pass of a split request: fastest on CPU (benchmarks/results/blocks.md)
+    instead = ("ONNX Runtime's CPU provider has no bf16 GEMMs: use the TensorRT backend (onepass build-trt --precision bf16, then --backend tensorrt) or the PyTorch "
+               "backend (--backend torch-cpu / torch-cuda)")
 
-    def __init__(self, graph_path: str, model: ModelInfo, threads: int | None = None, device: str = "cpu",
-                 device_id: int = 0):
-        super().__init__(model)
+    @classmethod
+    def runs(cls, device: str = "cpu", **options) -> tuple:
+        """fp32 and fp16 engines; bf16 ones on CUDA only (the CPU provider has no bf16 GEMMs)."""
+        return cls.precisions if device == "cuda" else ("fp32", "fp16")
+
+    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+                 device: str = "cpu", device_id: int = 0):
+        model = manifest.model
+        graph_path = str(Path(root) / manifest.graph)
+        super().__init__(model, name)
         if device not in PROVIDERS:
             raise ValueError(f"device must be one of {sorted(PROVIDERS)}, got {device!r}")
         missing = [p for p in PROVIDERS[device] if p not in ort.get_available_providers()]
@@ -117,15 +128,3 @@ def _own_stream(device_id: int):
     except BackendUnavailable:
         return None, None
     return device, device.stream()
-
-
-def factory(device: str = "cpu", device_id: int = 0):
-    """The Engine.load factory of this backend on ``device`` (threads from Engine.load)."""
-    def make(root, manifest, threads=None):
-        if manifest.precision == "bf16" and device == "cpu":
-            raise BackendUnavailable(f"{root}: this engine's block GEMMs are bf16, which ONNX Runtime's CPU provider "
-                                     "cannot run; use the TensorRT backend (onepass build-trt --precision bf16, then "
-                                     "--backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
-        return OrtBackend(str(root / manifest.graph), manifest.model, threads=threads, device=device,
-                          device_id=device_id)
-    return make

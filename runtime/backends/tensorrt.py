@@ -168,10 +168,11 @@ class DeviceTensor:
 class TensorRTBackend(Backend):
     """The manifest's TensorRT plan for this device. ``device``/``tensorrt`` default to the real ones."""
 
-    def __init__(self, root: Path, manifest: Manifest, *, device=None, tensorrt=None, ordinal: int = 0,
-                 cuda_graphs: bool = True, pool_bytes: int = 1 << 30, slots: int = SLOTS, capture_after: int = 2,
-                 slot_tokens: int = SLOT_TOKENS, max_graphs: int = MAX_GRAPHS):
-        super().__init__(manifest.model)
+    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+                 device=None, tensorrt=None, ordinal: int = 0, cuda_graphs: bool = True, pool_bytes: int = 1 << 30,
+                 slots: int = SLOTS, capture_after: int = 2, slot_tokens: int = SLOT_TOKENS,
+                 max_graphs: int = MAX_GRAPHS):
+        super().__init__(manifest.model, name)  # threads: CPU threads, which a TensorRT plan does not use
         trt = tensorrt or import_tensorrt()
         if device is None:
             from .cuda_device import CudaDevice
@@ -486,12 +487,3 @@ class TensorRTBackend(Backend):
         if self._activation is not None:
             self.device.free(self._activation)
             self._activation = None
-
-
-def factory(ordinal: int = 0, **options):
-    """An ``Engine.load`` backend factory for the TensorRT backend on GPU ``ordinal``; ``options``: ``cuda_graphs``,
-    ``pool_bytes``, ``slots``, ``slot_tokens``, ``capture_after``, ``max_graphs`` (and ``device``/``tensorrt`` to
-    substitute them)."""
-    def make(root, manifest, threads=None):
-        return TensorRTBackend(root, manifest, ordinal=ordinal, **options)
-    return make

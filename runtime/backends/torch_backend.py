@@ -8,8 +8,8 @@ the architecture. Same packed tree, same contract, same answers as the ONNX Runt
 its full length (chunks are written in place); a score pass reads them without copying
 them to the host.
 
-Lives beside the exporter (it is the exporter's module) so that the runtime never imports
-torch; ``onepass serve --backend torch-cpu`` (or ``torch-cuda``) loads it lazily.
+The backend table imports it only when ``torch-cpu`` or ``torch-cuda`` is asked for, so the rest of the runtime
+never imports torch; export builds its graphs from the same decoder module (torch_decoder.py).
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ class TorchBackend(Backend):
 
     graph_devices = ("cuda",)  # where ``_capture_graph`` works (a test stand-in adds "cpu")
 
-    def __init__(self, root: Path, manifest, device: str = "cpu", threads: int | None = None,
-                 precision: str | None = None, buckets: bool | None = None, cuda_graphs: bool | None = None,
-                 slots: int = SLOTS, slot_tokens: int = SLOT_TOKENS, max_graphs: int = MAX_GRAPHS):
-        super().__init__(manifest.model)
+    def __init__(self, root: Path, manifest, threads: int | None = None, *, name: str | None = None,
+                 device: str = "cpu", precision: str | None = None, buckets: bool | None = None,
+                 cuda_graphs: bool | None = None, slots: int = SLOTS, slot_tokens: int = SLOT_TOKENS,
+                 max_graphs: int = MAX_GRAPHS):
+        super().__init__(manifest.model, name)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
@@ -272,11 +273,3 @@ class CudaEvents:
         self.end.record()
         self.end.synchronize()
         return self.begin.elapsed_time(self.end)
-
-
-def factory(device: str = "cpu", precision: str | None = None, **options):
-    """An Engine.load backend factory for this backend on ``device`` at ``precision`` (default: the engine's);
-    ``options``: ``buckets``, ``cuda_graphs``, ``slots``, ``max_graphs``."""
-    def make(root, manifest, threads=None):
-        return TorchBackend(root, manifest, device=device, threads=threads, precision=precision, **options)
-    return make
