@@ -435,58 +435,99 @@ class Engine:
     def run_many(self, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
 
-        Each request's questions are separate subtrees of the packed tree, so every answer
-        equals its request run alone. Returns, per request, a Result or the exception it
-        raised (OnepassError for bad input): a bad or failing request never fails the others —
-        when a merged pass fails, its requests are run again one by one. ``deadline`` (monotonic
-        seconds, the latest of the waiters'): past it, no further pass of a group starts, and its
-        requests get ``DeadlineExceeded`` (a request split into blocks stops between blocks).
+        The requests are grouped here by their state's text (``state_text``), once, and each group answered by
+        :meth:`run_group`. Returns, per request, a Result or the exception it raised (OnepassError for bad input): a
+        bad or failing request never fails the others. ``deadline``: as :meth:`run_group`'s.
         """
         out: list = [None] * len(requests)
         groups: dict = {}
-        clocks: list = [{} for _ in requests]
-        hits: list = [False] * len(requests)
-        for i, (raw, questions) in enumerate(requests):
+        for i, (raw, _) in enumerate(requests):
             try:
-                encoded, state, hits[i], clocks[i] = self._prepare(raw, questions)
-                t0 = time.perf_counter()
-                # its own size and limits, as alone: counted, never packed (the merged pass packs it once)
-                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded, plan_only=True))
-                clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
-                groups.setdefault(state.ids, []).append((i, state, questions, encoded, own))
+                state = raw if isinstance(raw, State) else state_text(raw)
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err
-        for members in groups.values():
-            state = members[0][1]
-            shared: dict = {}  # the merged pass's pack and score, the same for every member
+                continue
+            groups.setdefault(state.ids if isinstance(state, State) else state, (state, []))[1].append(i)
+        for state, members in groups.values():
+            for i, result in zip(members, self.run_group(state, [requests[i][1] for i in members], readout,
+                                                          deadline=deadline)):
+                out[i] = result
+        return out
+
+    def run_group(self, state, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
+        """Answer several requests' questions (``requests``: one {id: Question} each) about ONE state in one merged
+        pass (or the blocks it splits into): the server's dispatcher groups requests by their state's text and hands
+        each group here, so a request is grouped once. The state is tokenised and prefilled (or taken from the cache)
+        once for the group, after the questions are checked.
+
+        Each request's questions are separate subtrees of the packed tree, so every answer equals its request run
+        alone. Returns, per request, a Result or the exception it raised (OnepassError for bad input): a bad or
+        failing request never fails the others — when a merged pass fails, its requests are run again one by one.
+        ``deadline`` (monotonic seconds, the latest of the waiters'): past it, no further pass starts, and the
+        requests get ``DeadlineExceeded`` (a request split into blocks stops between blocks).
+        """
+        out: list = [None] * len(requests)
+        clocks: list = [{} for _ in requests]
+        encoded: list = [None] * len(requests)
+        for i, questions in enumerate(requests):
             try:
-                scored = self._score_merged(state, members, shared, deadline)
-            except DeadlineExceeded as err:
-                for i, *_ in members:
-                    out[i] = err
-                continue
-            if scored is None:  # the pass failed: each request alone, so that it can only fail itself
-                for i, _, questions, _, _ in members:
-                    try:
-                        out[i] = self.run(state, questions, readout)
-                    except Exception as err:  # noqa: BLE001 - its failure is its own answer
-                        out[i] = err
-                continue
-            merged, merged_heads = scored
-            logprobs = iter(merged)
-            heads = iter(merged_heads) if merged_heads is not None else None
-            for i, _, questions, encoded, own in members:
-                mine = [next(logprobs) for _ in encoded]
-                my_heads = [next(heads) for _ in encoded] if heads is not None else None
+                t0 = time.perf_counter()
+                encoded[i] = self.encode_questions(questions)
+                clocks[i]["tokenize"] = (time.perf_counter() - t0) * 1000
+            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
+                out[i] = err
+        valid = [i for i in range(len(requests)) if out[i] is None]
+        if not valid:
+            return out
+        first = clocks[valid[0]]  # the state's tokenize and prefill are the first request's; the others reuse them
+        try:
+            state, hit = self._state(state, first)
+        except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
+            for i in valid:
+                out[i] = err
+            return out
+        members = []
+        for i in valid:
+            clocks[i].setdefault("prefill", 0.0)
+            try:
+                t0 = time.perf_counter()
+                # its own size and limits, as alone: counted, never packed (the merged pass packs it once)
+                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded[i], plan_only=True))
+                clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
+                members.append((i, state, requests[i], encoded[i], own))
+            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
+                out[i] = err
+        if not members:
+            return out
+        shared: dict = {}  # the merged pass's pack and score, the same for every member
+        try:
+            scored = self._score_merged(state, members, shared, deadline)
+        except DeadlineExceeded as err:
+            for i, *_ in members:
+                out[i] = err
+            return out
+        if scored is None:  # the pass failed: each request alone, so that it can only fail itself
+            for i, _, questions, _, _ in members:
                 try:
-                    t2 = time.perf_counter()
-                    answers = self._answers(questions, encoded, mine, readout, heads=my_heads)
-                    clocks[i].update(pack=clocks[i]["pack"] + shared["pack"], score=shared["score"],
-                                     readout=(time.perf_counter() - t2) * 1000)
-                    out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if hits[i] else 0,
-                                    clocks[i])
+                    out[i] = self.run(state, questions, readout)
                 except Exception as err:  # noqa: BLE001 - its failure is its own answer
                     out[i] = err
+            return out
+        merged, merged_heads = scored
+        logprobs = iter(merged)
+        heads = iter(merged_heads) if merged_heads is not None else None
+        for i, _, questions, mine_encoded, own in members:
+            mine = [next(logprobs) for _ in mine_encoded]
+            my_heads = [next(heads) for _ in mine_encoded] if heads is not None else None
+            try:
+                t2 = time.perf_counter()
+                answers = self._answers(questions, mine_encoded, mine, readout, heads=my_heads)
+                clocks[i].update(pack=clocks[i]["pack"] + shared["pack"], score=shared["score"],
+                                 readout=(time.perf_counter() - t2) * 1000)
+                reused = hit or i != valid[0]  # the first request's prefill served the others
+                out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if reused else 0, clocks[i])
+            except Exception as err:  # noqa: BLE001 - its failure is its own answer
+                out[i] = err
         return out
 
     def _score_merged(self, state: State, members: list, clock: dict, deadline: float | None = None):

@@ -71,8 +71,18 @@ def render(template: str, **values) -> list[Piece]:
     return pieces
 
 
-def state_text(state) -> str:
-    """A state as text: strings as they are, JSON values serialised canonically (sorted keys)."""
+class StateText(str):
+    """A state's text as the engine reads it, already checked (what :func:`state_text` returns): a request's state is
+    made text once, when it is parsed, and carried as this through grouping, the cache and the prefill."""
+
+    __slots__ = ()
+
+
+def state_text(state) -> StateText:
+    """A state as text: strings as they are, JSON values serialised canonically (sorted keys); checked (UTF-8, not
+    empty) once: a StateText is returned as it is."""
+    if isinstance(state, StateText):
+        return state
     if isinstance(state, bytes):
         try:
             state = state.decode("utf-8")
@@ -90,7 +100,7 @@ def state_text(state) -> str:
     check_utf8(text, "the state", "state")
     if not text.strip():
         raise InvalidRequest("the state must not be empty", "state")
-    return text
+    return StateText(text)
 
 
 COUNT_CHUNK = 16384  # characters tokenised at a time when counting a long text against a limit

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .errors import InvalidRequest
+from .prompt import state_text
 from .questions import check_visible, distinct, from_wire
 
 MAX_QUESTION_ID_CHARS = 256
@@ -29,8 +30,9 @@ def check_question_id(qid) -> None:
 
 
 def parse_request(body: Mapping) -> tuple:
-    """(state, {id: Question}) of a TypeSafe System One request body: the one parse of a request (the server's too),
-    every check of its form and values; InvalidRequest names the field."""
+    """(state text, {id: Question}) of a TypeSafe System One request body: the one parse of a request (the server's
+    too), every check of its form and values; InvalidRequest names the field (NotText for a state of bytes that are
+    not UTF-8)."""
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
     if "state" not in body:
@@ -50,7 +52,8 @@ def parse_request(body: Mapping) -> tuple:
     for qid in raw:
         check_question_id(qid)
     distinct(list(raw), "question ids", "questions")
-    return body["state"], {qid: from_wire(qid, q) for qid, q in raw.items()}
+    questions = {qid: from_wire(qid, q) for qid, q in raw.items()}
+    return state_text(body["state"]), questions  # the state's text once: grouping and the engine read it as it is
 
 
 def response_body(body: Mapping, name: str, result) -> dict:

@@ -41,22 +41,22 @@ def _submit_all(dispatcher: Dispatcher, requests: list, gap_s: float = 0.0) -> l
 
 
 class _Spy:
-    """Counts the engine's score passes (one packed forward each) and run_many's groups."""
+    """Counts the engine's score passes (one packed forward each) and the groups the dispatcher hands it."""
 
     def __init__(self, engine, monkeypatch):
         self.passes, self.batches = 0, []
-        real_score, real_many = engine.backend.score_all, engine.run_many
+        real_score, real_group = engine.backend.score_all, engine.run_group
 
         def score_all(kv, batch):
             self.passes += 1
             return real_score(kv, batch)
 
-        def run_many(requests, readout=None, **options):
+        def run_group(state, requests, readout=None, **options):
             self.batches.append(len(requests))
-            return real_many(requests, readout, **options)
+            return real_group(state, requests, readout, **options)
 
         monkeypatch.setattr(engine.backend, "score_all", score_all)
-        monkeypatch.setattr(engine, "run_many", run_many)
+        monkeypatch.setattr(engine, "run_group", run_group)
         # one block as large as a pass may be, so that a merge that fits is ONE pass (how a merge is split into
         # blocks of whole questions when it is larger is tests/test_blocks.py's subject)
         monkeypatch.setattr(engine.backend, "block_tokens", None, raising=False)
@@ -102,12 +102,12 @@ def test_a_merge_too_large_for_the_limits_falls_back_to_one_pass_each(engine, mo
 
 
 class _FaultyEngine:
-    """An engine whose passes fail (a device fault): run_many raises for the whole batch."""
+    """An engine whose passes fail (a device fault): run_group raises for the whole group."""
 
     def __init__(self):
         self.calls = 0
 
-    def run_many(self, requests, readout=None, deadline=None):
+    def run_group(self, state, requests, readout=None, deadline=None):
         self.calls += 1
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -133,7 +133,7 @@ class _HeldEngine:
     def __init__(self):
         self.release, self.calls = threading.Event(), []
 
-    def run_many(self, requests, readout=None, deadline=None):
+    def run_group(self, state, requests, readout=None, deadline=None):
         self.calls.append(len(requests))
         self.release.wait(30)
         return [RuntimeError("not answered: the test only checks admission")] * len(requests)
@@ -294,9 +294,9 @@ class _AnsweringEngine:
     def __init__(self):
         self.calls = 0
 
-    def run_many(self, requests, readout=None, deadline=None):
+    def run_group(self, state, requests, readout=None, deadline=None):
         self.calls += 1
-        return [state for state, _ in requests]
+        return [state] * len(requests)
 
 
 def test_idle_housekeeping_runs_after_the_answers_are_out_and_only_when_nobody_waits():

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from onepass import Engine, Noul
-from onepass.runtime.errors import LimitExceeded
+from onepass.runtime.errors import InvalidRequest, LimitExceeded
 from onepass.runtime.tree import PackedBatch
 
 
@@ -60,8 +60,8 @@ class _Engine:
     def __init__(self, hold_s: float):
         self.hold_s, self.ran = hold_s, []
 
-    def run_many(self, requests, readout=None, deadline=None):
-        self.ran.extend(state for state, _ in requests)
+    def run_group(self, state, requests, readout=None, deadline=None):
+        self.ran.extend(state for _ in requests)
         time.sleep(self.hold_s)
         return [RuntimeError("answered")] * len(requests)
 
@@ -417,6 +417,35 @@ def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, m
                 assert abs((a.get("probabilities") or {"noul": a.get("noul")})[k] - v) <= 1e-5
 
 
+def test_run_many_groups_by_the_states_text_once_and_tokenises_each_state_once(tiny, monkeypatch):
+    """A JSON state, the same state as its canonical text and a third request about it are one group: the state is
+    tokenised once and prefilled at most once for the three, whose answers equal each alone; a different state is
+    its own group. A bad request (an empty state) fails alone."""
+    from onepass.runtime import prompt
+    from onepass.runtime.prompt import state_text
+
+    ticket = {"ticket": "The parcel arrived late.", "order": 12}
+    requests = [(ticket, {"a": Noul("Is the parcel late?")}), (str(state_text(ticket)), {"b": Noul("Is it an order?")}),
+                (ticket, {"c": Noul("Is the parcel damaged?")}), ("Another text.", {"d": Noul("Is it late?")}),
+                ("  ", {"e": Noul("Is it late?")})]
+    alone = [tiny.run(s, q).answers for s, q in requests[:4]]
+    tiny.cache.clear()
+    tokenised, groups = [], []
+    real_state, real_group = prompt.PromptEncoder.state, tiny.run_group
+    monkeypatch.setattr(prompt.PromptEncoder, "state", lambda self, text: tokenised.append(text) or
+                        real_state(self, text))
+    monkeypatch.setattr(tiny, "run_group", lambda state, qs, *a, **k: groups.append(len(qs)) or
+                        real_group(state, qs, *a, **k))
+    results = tiny.run_many(requests)
+    assert sorted(groups) == [1, 3] and len(tokenised) == 2  # two states, each tokenised once
+    assert results[0].cached_tokens == 0 and results[1].cached_tokens == results[1].input_tokens - \
+        results[1].packed_tokens  # the first request's prefill served the others
+    assert isinstance(results[4], InvalidRequest) and "empty" in str(results[4])
+    for got, want in zip(results, alone):
+        for qid, answer in want.items():
+            assert abs(got.answers[qid].noul - answer.noul) <= 1e-5
+
+
 def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
     """The cascade's re-asked questions are queued on a dispatcher of their own with the request's deadline (they
     ran in a bare thread pool, past every deadline); a deadline already spent is refused before any cascade pass."""
@@ -431,10 +460,10 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
         questions = {"q": Noul("Is the parcel late?")}
         result = tiny.run("The parcel arrived late.", questions)
         seen, ran = [], []
-        real_submit, real_many = server.cascade_dispatcher.submit, tiny.run_many
+        real_submit, real_group = server.cascade_dispatcher.submit, tiny.run_group
         server.cascade_dispatcher.submit = lambda s, q, deadline, budget=None: seen.append(deadline) or real_submit(
             s, q, deadline, budget)
-        tiny.run_many = lambda *a, **k: ran.append(1) or real_many(*a, **k)
+        tiny.run_group = lambda *a, **k: ran.append(1) or real_group(*a, **k)
         request = types.SimpleNamespace(state=types.SimpleNamespace(deadline=time.monotonic() + 60), headers={})
         out = asyncio.run(server.escalate(request, "The parcel arrived late.", questions, result, {}))
         assert seen == [request.state.deadline] and ran == [1] and request.state.answered_by == "q=" + tiny.name
@@ -444,7 +473,7 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
             asyncio.run(server.escalate(late, "The parcel arrived late.", questions, result, {}))
         assert err.value.status in (413, 429, 503) and ran == [1]  # refused: no cascade pass ran
     finally:
-        del tiny.run_many
+        del tiny.run_group
         server.dispatcher.close()
         server.cascade_dispatcher.close()
 

@@ -311,17 +311,48 @@ def tiny_url(tiny_engine_dir):
         yield base
 
 
-def test_a_request_is_parsed_once(tiny_url, monkeypatch):
-    """One parse per request on the HTTP path: parse_request once, each question built once."""
+def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
+    """One HTTP request, one of each step: parse_request once, each question built once, the state made text once
+    (then carried as a StateText: the dispatcher's grouping and the engine read it as it is) and tokenised once,
+    grouped once (by the dispatcher; the engine's run_group does not group again, run_many is not called) and
+    packed once (one tree mask for its one pass)."""
+    from onepass.runtime import engine as engine_module
+    from onepass.runtime import prompt, tree
     from onepass.runtime import wire as wire_module
     from onepass.runtime.server import app as app_module
+    from onepass.runtime.server import dispatch
 
-    parses, questions = [], []
-    parse, build = app_module.parse_request, wire_module.from_wire
-    monkeypatch.setattr(app_module, "parse_request", lambda body: parses.append(1) or parse(body))
-    monkeypatch.setattr(wire_module, "from_wire", lambda qid, body: questions.append(qid) or build(qid, body))
-    status, _, _ = post(tiny_url, {"state": "A ticket.", "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}})
-    assert status == 200 and parses == [1] and sorted(questions) == ["a", "b"]
+    calls: dict = {}
+
+    def count(owner, name):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+    class Counted(prompt.StateText):
+        __slots__ = ()
+
+        def __new__(cls, text):
+            calls["state text"] = calls.get("state text", 0) + 1
+            return super().__new__(cls, text)
+
+    monkeypatch.setattr(prompt, "StateText", Counted)
+    count(app_module, "parse_request")
+    count(wire_module, "from_wire")
+    count(prompt.PromptEncoder, "state")
+    count(dispatch, "_by_state")
+    count(engine_module.Engine, "run_group")
+    count(engine_module.Engine, "run_many")
+    count(tree, "ancestor_mask")
+    body = {"state": {"ticket": "A parcel arrived late.", "id": 7},  # a JSON state: made text once
+            "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}}
+    status, _, _ = post(tiny_url, body)
+    assert status == 200
+    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "_by_state": 1,
+                     "run_group": 1, "ancestor_mask": 1}, calls
 
 
 def test_fuzzed_bodies_never_yield_5xx(tiny_url):

@@ -243,8 +243,8 @@ class Server:
         request.state.cached_tokens = result.cached_tokens
         if self.cascade is not None:
             result = await self.escalate(request, state, questions, result, timing)
-        if self.teaching is not None:
-            result = await self.teach(request, state, questions, result, timing)
+        if self.teaching is not None:  # the teacher gets the state as it was sent (a JSON state stays JSON)
+            result = await self.teach(request, data["state"], questions, result, timing)
         return response_body(data, self.engine.name, result)
 
     async def teach(self, request: Request, state, questions: dict, result, timing: dict):

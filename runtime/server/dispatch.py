@@ -2,8 +2,9 @@
 
 The HTTP layer never runs inference on the event loop: it submits a request and awaits
 a future. The worker takes the first waiting request, waits up to the batch window for
-more, and hands them to ``Engine.run_many`` — requests about the same state share one
-packed pass, each as its own subtrees, and a failing request fails only itself.
+more, groups them by their state's text (once: the engine does not group them again) and hands
+each group to ``Engine.run_group`` — requests about the same state share one packed pass, each as
+its own subtrees, and a failing request fails only itself.
 
 Every request carries a deadline (monotonic seconds). Admission refuses a request whose
 deadline cannot be met given the work ahead of it, and the worker drops a queued request
@@ -220,9 +221,10 @@ class Dispatcher:
     def _run(self, group: list) -> None:
         start = time.monotonic()
         try:
-            results = self.engine.run_many([(item.state, item.questions) for item in group],
-                                           deadline=max(item.deadline for item in group))
-        except Exception as err:  # noqa: BLE001 - run_many isolates requests; this is a last guard
+            # grouped once, here: the engine answers the group about its one state without grouping again
+            results = self.engine.run_group(group[0].state, [item.questions for item in group],
+                                            deadline=max(item.deadline for item in group))
+        except Exception as err:  # noqa: BLE001 - run_group isolates requests; this is a last guard
             results = [err] * len(group)
         self.measured(time.monotonic() - start, sum(item.tokens for item in group))
         self.on_batch(len(group))
@@ -276,7 +278,7 @@ def _options(question) -> int:
 
 def _state_key(state):
     """Requests with equal keys are about the same state (and share a pass): the state's text as the engine
-    reads it."""
+    reads it (a parsed request's state already is that text: ``prompt.StateText``)."""
     try:
         return as_text(state)
     except (TypeError, ValueError, RecursionError):
