@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .flags import parser
-from .runtime.errors import OnepassError
+from .runtime.core.errors import OnepassError
 
 
 # what each command needs beyond the runtime: a missing import is one line naming the extra to install
@@ -25,8 +25,8 @@ def _limits(args) -> dict:
 
 def cmd_ask(args) -> int:
     """Answer a TypeSafe request and print the response JSON (stdout: the JSON alone; the backend on stderr)."""
-    from .runtime.engine import Engine
-    from .runtime.request_files import request_body
+    from .runtime.core.engine import Engine
+    from .runtime.tools.request_files import request_body
 
     body = request_body(args.questions, args.state, args.json_state)
     engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
@@ -38,8 +38,8 @@ def cmd_ask(args) -> int:
 
 def cmd_bench(args) -> int:
     """Latency percentiles of an engine in process (per backend) or of a server over HTTP, open or closed loop."""
-    from .runtime.bench import bench
-    from .runtime.request_files import request_body, states
+    from .runtime.tools.bench import bench
+    from .runtime.tools.request_files import request_body, states
 
     body = request_body(args.questions, args.state, args.json_state)
     report = bench(body, states(args.states, body), engine=args.engine, url=args.url, backends=args.backend,
@@ -52,8 +52,8 @@ def cmd_bench(args) -> int:
 
 def cmd_check(args) -> int:
     """Verify an engine's files (sha256) and run its golden file through the graph."""
-    from .runtime.engine import Engine
-    from .runtime.selfcheck import report_lines
+    from .runtime.core.engine import Engine
+    from .runtime.core.selfcheck import report_lines
 
     engine = Engine.load(args.engine, threads=args.threads, backend=args.backend)
     print("\n".join(report_lines(engine) + [f"ok: {args.engine} verified on {engine.backend.name}"]))
@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
 def cmd_distill(args) -> int:
     """Label unlabelled states with a teacher, tune on its answers, write the engine with its gate."""
     from .calibration.distill import distill, summary_lines
-    from .runtime.teacher import connect
+    from .runtime.tools.teacher import connect
 
     with connect(args.teacher, **_teacher_client(args)) as teacher:
         report = distill(args.engine, teacher, args.states, args.questions, args.out,
@@ -136,7 +136,7 @@ def cmd_cluster(args) -> int:
 def cmd_mcp(args) -> int:
     """Run the MCP tool server on stdio."""
     from .runtime.server.mcp_tools import serve_stdio
-    from .runtime.engine import Engine
+    from .runtime.core.engine import Engine
 
     serve_stdio(Engine.load(args.engine, threads=args.threads, backend=args.backend))
     return 0
@@ -187,7 +187,7 @@ def cmd_tune(args) -> int:
 
 def cmd_plan(args) -> int:
     """Print the memory budget and latency floor of an engine on a device."""
-    from .runtime.plan import plan, render
+    from .runtime.tools.plan import plan, render
 
     result = plan(args.engine, args.device, args.precision, args.state_tokens, args.packed_tokens)
     print(json.dumps(result, indent=2) if args.json else render(result))

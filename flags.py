@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .runtime.backends import BACKENDS
-from .runtime.plan import DEVICES
+from .runtime.backends.devices import DEVICES
 
 
 THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"

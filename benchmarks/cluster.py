@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from onepass.runtime.loadgen import closed_loop, open_loop  # noqa: E402
+from onepass.runtime.tools.loadgen import closed_loop, open_loop  # noqa: E402
 from onepass.runtime.server.cluster import build  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -31,9 +31,9 @@ from onepass.calibration.fit import fit
 from onepass.calibration.head_features import OptionFeatures, extract
 from onepass.calibration.metrics import accuracy, brier, ece, nll
 from onepass.export.model_source import cache_root
-from onepass.runtime import manifest as mf
-from onepass.runtime.prompt import PromptEncoder
-from onepass.runtime.readout import softmax
+from onepass.runtime.core import manifest as mf
+from onepass.runtime.core.prompt import PromptEncoder
+from onepass.runtime.core.readout import softmax
 
 RESULTS = Path(__file__).parent / "results"
 GRID = [hd.HeadConfig(width=w, rlcd_weight=r, lr=1e-3, weight_decay=wd, epochs=10)

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from onepass.calibration.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
-from onepass.runtime.questions import from_wire  # noqa: E402
+from onepass.runtime.core.questions import from_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TASKS = ("tweets", "speeches", "tweets_score", "bbc")
@@ -111,7 +111,7 @@ def students(args) -> None:
 
     from onepass.calibration.distill import distill, summary_lines
     from onepass.calibration.tune import TuneConfig
-    from onepass.runtime.teacher import connect
+    from onepass.runtime.tools.teacher import connect
 
     for task in args.tasks:
         root = Path(args.work) / task
@@ -141,7 +141,7 @@ def students(args) -> None:
 
 
 def _probs(engine, rows: list[dict]) -> list:
-    from onepass.runtime.teacher import answer_distribution
+    from onepass.runtime.tools.teacher import answer_distribution
 
     out = []
     for r in rows:
@@ -155,8 +155,8 @@ def evaluate_task(args, task: str) -> dict:
     import numpy as np
 
     from onepass import Engine
-    from onepass.runtime.cascade import Gate
-    from onepass.runtime.teacher import option_keys
+    from onepass.runtime.core.cascade import Gate
+    from onepass.runtime.tools.teacher import option_keys
 
     root = Path(args.work) / task
     _, _, test = split(task)

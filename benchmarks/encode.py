@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime.prompt import PromptEncoder
+from onepass.runtime.core.prompt import PromptEncoder
 
 RESULTS = Path(__file__).parent / "results"
 

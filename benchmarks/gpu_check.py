@@ -48,8 +48,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.loadgen import closed_loop  # noqa: E402
-from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden  # noqa: E402
+from onepass.runtime.tools.loadgen import closed_loop  # noqa: E402
+from onepass.runtime.core.selfcheck import TOLERANCES_BY_PRECISION, run_golden  # noqa: E402
 
 TARGETS = ("H200 targets (torch-cuda, CUDA graphs, fp16/bf16, real weights): 13 questions on a ~512-token state GPU "
            "time p50 <= 2 ms, p99 <= 3 ms; prefill of 512 tokens <= 3 ms; answers equal the CPU reference within "
@@ -142,8 +142,8 @@ def backends(device: str, engine: Path) -> tuple[dict, dict]:
             ok[f"torch-{device}-fp16"] = (engine, torch_on("fp16"), "fp16")
             ok[f"torch-{device}-bf16"] = (engine, torch_on("bf16"), "bf16")
     if device.startswith("cuda"):  # ONNX Runtime's CUDA provider: needs onnxruntime-gpu in place of onnxruntime
-        from onepass.runtime import manifest as mf
-        from onepass.runtime.errors import BackendUnavailable
+        from onepass.runtime.core import manifest as mf
+        from onepass.runtime.core.errors import BackendUnavailable
 
         try:
             make = factory("onnxruntime-gpu")
@@ -162,7 +162,7 @@ def backends(device: str, engine: Path) -> tuple[dict, dict]:
 
 def tensorrt_engine(engine: Path, copy: Path) -> Path:
     """A copy of ``engine`` with a TensorRT plan built on this GPU (the images' ``--build-trt-if-missing`` path)."""
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends.cuda_device import CudaDevice
     from onepass.runtime.backends.tensorrt_build import build_native_plan_if_missing, import_tensorrt
 

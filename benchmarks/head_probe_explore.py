@@ -28,8 +28,8 @@ from onepass.calibration import head as hd
 from onepass.calibration.head_features import OptionFeatures, example_pass, extract, last_readouts
 from onepass.export.model_source import cache_root
 from onepass.runtime.backends.torch_backend import decoder_from_engine
-from onepass.runtime import manifest as mf
-from onepass.runtime.prompt import PromptEncoder
+from onepass.runtime.core import manifest as mf
+from onepass.runtime.core.prompt import PromptEncoder
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (6, 10, 14, 18, 22, 26)

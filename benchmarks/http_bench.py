@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET, THREADS, percentiles  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.questions import to_wire  # noqa: E402
+from onepass.runtime.core.questions import to_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LEVELS = (1, 4, 16)

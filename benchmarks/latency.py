@@ -24,7 +24,7 @@ import platform
 from pathlib import Path
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime.loadgen import Run, closed_loop
+from onepass.runtime.tools.loadgen import Run, closed_loop
 
 RESULTS = Path(__file__).parent / "results"
 THREADS = 2
@@ -81,7 +81,7 @@ def _short(summary: dict) -> dict:
 
 def percentiles(samples: list[float]) -> dict:
     """p50/p90/p99, min, max, mean and stdev (ms) of samples in seconds, from the HdrHistogram `onepass bench`
-    uses (runtime/loadgen.py: one measurement core)."""
+    uses (runtime/tools/loadgen.py: one measurement core)."""
     run = Run("samples")
     for seconds in samples:
         run.record(seconds)
@@ -186,7 +186,7 @@ class HFBaselines:
 
 def _label(answer) -> str:
     """An answer as the word a generating model would write: yes/no, the option, or the level's description."""
-    from onepass.runtime.questions import ChoiceAnswer, NoulAnswer
+    from onepass.runtime.core.questions import ChoiceAnswer, NoulAnswer
 
     if isinstance(answer, NoulAnswer):
         return "yes" if answer.noul >= 0.5 else "no"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from readout_eval import bbc, tweets  # noqa: E402
 
 from onepass import Choice, Engine  # noqa: E402
-from onepass.runtime.prompt import OLD_OPTION_LINE as OLD_LINE, PromptTemplate  # noqa: E402
+from onepass.runtime.core.prompt import OLD_OPTION_LINE as OLD_LINE, PromptTemplate  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DESCRIPTIONS = {

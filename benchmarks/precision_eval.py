@@ -28,8 +28,8 @@ from latency import QUESTIONS, cpu_name, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends import factory  # noqa: E402
-from onepass.runtime import manifest as mf  # noqa: E402
-from onepass.runtime.errors import BackendUnavailable  # noqa: E402
+from onepass.runtime.core import manifest as mf  # noqa: E402
+from onepass.runtime.core.errors import BackendUnavailable  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

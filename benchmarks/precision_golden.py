@@ -2,7 +2,7 @@
 
     python benchmarks/precision_golden.py --engine engines/smollm2 [--random-engine DIR]
 
-The GPU check's tolerances by precision (``runtime/selfcheck.py: TOLERANCES_BY_PRECISION``) must come from the
+The GPU check's tolerances by precision (``runtime/core/selfcheck.py: TOLERANCES_BY_PRECISION``) must come from the
 real model: random weights keep activations small and hide precision error. For each engine, the PyTorch backend
 on this CPU at fp32 / fp16 / bf16 (block GEMMs in that precision, everything else float32: the same recipe as on
 CUDA) runs the engine's golden file; the max |difference| of each output is reported, with the tolerance in force.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from onepass import Engine
 from onepass.runtime.backends import factory
-from onepass.runtime.selfcheck import TOLERANCES_BY_PRECISION, run_golden
+from onepass.runtime.core.selfcheck import TOLERANCES_BY_PRECISION, run_golden
 
 OUT = Path(__file__).parent / "results" / "gpu"
 

@@ -32,8 +32,8 @@ from onepass.calibration.head_features import OptionFeatures, extract
 from onepass.calibration.mixture import heldout_rows, write_jsonl
 from onepass.calibration.run import load_rows
 from onepass.runtime.backends.torch_backend import decoder_from_engine
-from onepass.runtime import manifest as mf
-from onepass.runtime.prompt import PromptEncoder
+from onepass.runtime.core import manifest as mf
+from onepass.runtime.core.prompt import PromptEncoder
 
 RESULTS = Path(__file__).parent / "results"
 L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)

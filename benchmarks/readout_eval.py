@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime.prompt import PromptTemplate
-from onepass.runtime.readout import option_scores, softmax
+from onepass.runtime.core.prompt import PromptTemplate
+from onepass.runtime.core.readout import option_scores, softmax
 
 RESULTS = Path(__file__).parent / "results"
 READOUTS = ("sum", "mean", "prior")

@@ -38,7 +38,7 @@ def _tiny_engine() -> Path:
     """The tests' tiny Llama engine (made and cached as the tests make it)."""
     import conftest
 
-    from onepass.runtime.paths import cache_root
+    from onepass.runtime.core.paths import cache_root
 
     cached = cache_root() / "test-engines" / f"llama-tiny-{conftest._tiny_fingerprint()}"
     model, engine = cached / "model", cached / "engine"
@@ -89,8 +89,8 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Teacher).serve_forever()
 def main(argv=None) -> None:
     from conftest import serve_process
 
-    from onepass.runtime.bench import bench
-    from onepass.runtime.request_files import request_body
+    from onepass.runtime.tools.bench import bench
+    from onepass.runtime.tools.request_files import request_body
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default="engines/smollm2")

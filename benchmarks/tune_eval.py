@@ -37,7 +37,7 @@ from onepass.calibration.mixture import heldout_rows, write_jsonl  # noqa: E402
 from onepass.calibration.run import cross_fitted, evaluate, load_rows, probabilities, score_rows  # noqa: E402
 from onepass.calibration.tune import TuneConfig  # noqa: E402
 from onepass.calibration.tune_engine import tune  # noqa: E402
-from onepass.runtime.questions import from_wire, to_wire  # noqa: E402
+from onepass.runtime.core.questions import from_wire, to_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TEST_ROWS = 300

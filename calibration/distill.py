@@ -2,7 +2,7 @@
 
     onepass distill --engine DIR --teacher URL --states states.jsonl --questions q.json --out DIR
 
-1. **Label**: every state is asked every question of ``q.json`` by the teacher (:mod:`onepass.runtime.teacher`,
+1. **Label**: every state is asked every question of ``q.json`` by the teacher (:mod:`onepass.runtime.tools.teacher`,
    a System One server or an OpenAI-compatible one), ``concurrency`` states at a time, with a progress bar.
    Each state's rows are appended to ``<out>.distill/labels.jsonl`` in one write once all its answers are in,
    so an interrupted run resumes where it stopped (the states already labelled are skipped; a last line cut
@@ -34,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime import manifest as mf
-from ..runtime.errors import InvalidRequest, LimitExceeded, OnepassError
-from ..runtime.prompt import state_text
-from ..runtime.questions import from_wire, to_wire
-from ..runtime.request_files import json_lines, read_text
-from ..runtime.teacher import TeacherError, TeacherRefused, answer_distribution, dumps, option_keys, wire_probabilities
+from ..runtime.core import manifest as mf
+from ..runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
+from ..runtime.core.prompt import state_text
+from ..runtime.core.questions import from_wire, to_wire
+from ..runtime.tools.request_files import json_lines, read_text
+from ..runtime.tools.teacher import (TeacherError, TeacherRefused, answer_distribution, dumps, option_keys,
+                                     wire_probabilities)
 from . import metrics
 from .tune import TuneConfig
 
@@ -251,7 +252,7 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
             target_agreement: float = 0.95, holdout: float = 0.2, config: TuneConfig = TuneConfig(),
             concurrency: int = 4, resume: bool = False, name: str | None = None, log=print) -> dict:
     """Label ``states`` with ``teacher``, tune ``engine_dir`` on its answers, fit the gate; the report."""
-    from ..runtime.engine import Engine
+    from ..runtime.core.engine import Engine
     from .tune_engine import point_adapter_at, tune
 
     if not 0.5 <= target_agreement < 1.0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.engine import Engine
+from ..runtime.core.engine import Engine
 from . import metrics
 from .run import load_rows, probabilities, score_rows
 

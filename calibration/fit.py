@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import minimize
 
-from ..runtime.readout_calibration import Calibration, GroupCalibration, group_key
+from ..runtime.core.readout_calibration import Calibration, GroupCalibration, group_key
 
 MIN_ROWS = 20  # a group with fewer training rows stays uncalibrated
 BIAS_L2 = 1e-3

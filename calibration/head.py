@@ -172,8 +172,8 @@ def load(path) -> tuple[HeadModel, dict]:
 
 def load_head_info(path) -> tuple:
     """(DecisionHead, manifest HeadInfo) of a saved head; a missing or broken file is an OnepassError."""
-    from ..runtime.errors import OnepassError
-    from ..runtime.manifest import HeadInfo
+    from ..runtime.core.errors import OnepassError
+    from ..runtime.core.manifest import HeadInfo
 
     try:
         model, info = load(path)

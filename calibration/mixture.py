@@ -27,9 +27,9 @@ import random
 import sys
 from pathlib import Path
 
-from ..runtime.errors import OnepassError
-from ..runtime.paths import cache_root
-from ..runtime.questions import Choice, Noul, Score, to_wire
+from ..runtime.core.errors import OnepassError
+from ..runtime.core.paths import cache_root
+from ..runtime.core.questions import Choice, Noul, Score, to_wire
 from . import bigbench as bb
 from . import synthetic
 

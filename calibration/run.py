@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime import manifest as mf
-from ..runtime.engine import Engine
-from ..runtime.errors import InvalidRequest, OnepassError
-from ..runtime.questions import Noul, Score, as_text, from_wire
-from ..runtime.readout import softmax
+from ..runtime.core import manifest as mf
+from ..runtime.core.engine import Engine
+from ..runtime.core.errors import InvalidRequest, OnepassError
+from ..runtime.core.questions import Noul, Score, as_text, from_wire
+from ..runtime.core.readout import softmax
 from . import metrics
 from .fit import MIN_ROWS, fit, too_small
 

@@ -2,7 +2,7 @@
 
 What is trained is what is served: a state is prefilled once, all the questions of the rows
 that share it (with all their options) go through one tree-masked pass of the export decoder
-(:class:`onepass.runtime.backends.torch_decoder.PackedDecoder`, built by :func:`onepass.runtime.tree.pack` from
+(:class:`onepass.runtime.backends.torch_decoder.PackedDecoder`, built by :func:`onepass.runtime.core.tree.pack` from
 the engine's own prompt encoder), and an option's score is the same exact chain-rule
 log-likelihood and read-out (``mean`` or ``sum``) the runtime soft-maxes. The loss is
 cross-entropy over each question's options (or against a teacher distribution) plus the RLCD
@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime import manifest as mf
-from ..runtime.errors import LimitExceeded, OnepassError
-from ..runtime.prompt import PromptEncoder
-from ..runtime.questions import Score
-from ..runtime.tree import causal, pack
+from ..runtime.core import manifest as mf
+from ..runtime.core.errors import LimitExceeded, OnepassError
+from ..runtime.core.prompt import PromptEncoder
+from ..runtime.core.questions import Score
+from ..runtime.core.tree import causal, pack
 from .rlcd import rlcd_loss
 from .tune_data import TuneRow
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..runtime.errors import InvalidRequest, OnepassError
-from ..runtime.prompt import state_text
-from ..runtime.request_files import json_lines
-from ..runtime.questions import Noul, Question, from_wire
-from ..runtime.teacher import distribution_problem, option_keys
+from ..runtime.core.errors import InvalidRequest, OnepassError
+from ..runtime.core.prompt import state_text
+from ..runtime.tools.request_files import json_lines
+from ..runtime.core.questions import Noul, Question, from_wire
+from ..runtime.tools.teacher import distribution_problem, option_keys
 from .run import label_index
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import manifest as mf
-from ..runtime.engine import Engine
-from ..runtime.errors import OnepassError
-from ..runtime.prompt import PromptEncoder
+from ..runtime.core import manifest as mf
+from ..runtime.core.engine import Engine
+from ..runtime.core.errors import OnepassError
+from ..runtime.core.prompt import PromptEncoder
 from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 

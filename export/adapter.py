@@ -14,8 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..runtime.errors import ModelSourceError
-from ..runtime.manifest import sha256_file
+from ..runtime.core.errors import ModelSourceError
+from ..runtime.core.manifest import sha256_file
 
 ADAPTERS = Path(__file__).parent / "adapters"
 DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"

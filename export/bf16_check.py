@@ -26,10 +26,10 @@ import onnx
 import torch
 from onnx import TensorProto, numpy_helper
 
-from ..runtime import manifest as mf
-from ..runtime.engine import Engine
-from ..runtime.prompt import PromptEncoder
-from ..runtime.selfcheck import check_golden
+from ..runtime.core import manifest as mf
+from ..runtime.core.engine import Engine
+from ..runtime.core.prompt import PromptEncoder
+from ..runtime.core.selfcheck import check_golden
 from ..runtime.backends.torch_decoder import PackedDecoder
 from .golden import write_golden
 

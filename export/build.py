@@ -12,11 +12,11 @@ from pathlib import Path
 import onnx
 import torch
 
-from ..runtime import contract
-from ..runtime import manifest as mf
-from ..runtime.engine import Engine
-from ..runtime.prompt import PromptEncoder, PromptTemplate
-from ..runtime.selfcheck import check_golden
+from ..runtime.core import contract
+from ..runtime.core import manifest as mf
+from ..runtime.core.engine import Engine
+from ..runtime.core.prompt import PromptEncoder, PromptTemplate
+from ..runtime.core.selfcheck import check_golden
 from ..runtime.backends.torch_decoder import PackedDecoder, lower_precision
 from .adapter import card, resolve
 from .golden import write_golden

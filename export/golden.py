@@ -1,6 +1,6 @@
 """Golden file: a real packed request's graph inputs and the PyTorch float32 outputs, versioned.
 
-The runtime's graph is checked against it (runtime/selfcheck.py, at export and by ``onepass check``;
+The runtime's graph is checked against it (runtime/core/selfcheck.py, at export and by ``onepass check``;
 tests/test_graph.py): prefill K/V of the
 state, then the packed score pass over that state.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.prompt import PromptEncoder
-from ..runtime.questions import Choice, Noul, Score
-from ..runtime.selfcheck import GOLDEN_VERSION
-from ..runtime.tree import causal, pack
+from ..runtime.core.prompt import PromptEncoder
+from ..runtime.core.questions import Choice, Noul, Score
+from ..runtime.core.selfcheck import GOLDEN_VERSION
+from ..runtime.core.tree import causal, pack
 
 SAMPLE_STATE = ("Hi, I was charged twice for my subscription this month and nobody answers my emails. "
                 "Please refund the second payment today.")

@@ -14,9 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.errors import ModelSourceError
-from ..runtime.manifest import sha256_file
-from ..runtime.paths import cache_root
+from ..runtime.core.errors import ModelSourceError
+from ..runtime.core.manifest import sha256_file
+from ..runtime.core.paths import cache_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -82,7 +82,7 @@ def engine_dir(tmp_path_factory) -> Path:
     if prebuilt:
         return Path(prebuilt)
     from onepass.export.build import export_engine
-    from onepass.runtime.paths import cache_root
+    from onepass.runtime.core.paths import cache_root
 
     cached = cache_root() / "test-engines" / f"smollm2-{export_fingerprint()}"
     _cached(cached, cached, lambda: export_engine(cached))
@@ -95,8 +95,8 @@ def _cached(folder: Path, engine: Path, build, also: tuple = ()) -> None:
     builds and the others wait and find it done."""
     from filelock import FileLock
 
-    from onepass.runtime import manifest as mf
-    from onepass.runtime.errors import OnepassError
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core.errors import OnepassError
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{folder}.lock"):
@@ -180,7 +180,7 @@ def tiny_models() -> tuple[Path, Path]:
     import shutil
 
     from onepass.export.build import export_engine
-    from onepass.runtime.paths import cache_root
+    from onepass.runtime.core.paths import cache_root
 
     cached = cache_root() / "test-engines" / f"llama-tiny-{_tiny_fingerprint()}"
     model, engine = cached / "model", cached / "engine"

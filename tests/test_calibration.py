@@ -11,10 +11,10 @@ pytest.importorskip("scipy")
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 from onepass.calibration import metrics  # noqa: E402
 from onepass.calibration.fit import fit, fit_group  # noqa: E402
-from onepass.runtime.readout_calibration import Calibration, GroupCalibration, group_key  # noqa: E402
-from onepass.runtime.errors import InvalidRequest  # noqa: E402
-from onepass.runtime.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
-from onepass.runtime.readout import option_scores, softmax  # noqa: E402
+from onepass.runtime.core.readout_calibration import Calibration, GroupCalibration, group_key  # noqa: E402
+from onepass.runtime.core.errors import InvalidRequest  # noqa: E402
+from onepass.runtime.core.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
+from onepass.runtime.core.readout import option_scores, softmax  # noqa: E402
 
 
 def _sample(rng, scores, true_scores):
@@ -202,7 +202,7 @@ def test_every_calibration_kind_applied_through_the_engine_gives_the_hand_comput
     to the uncalibrated mean read-out: noul T + yes bias, choice T, score T + per-level bias, a question group's
     option-name bias, a question group's matrix. Controls: other instructions fall back to the type group, and
     reordered options keep each name's probability."""
-    from onepass.runtime.readout_calibration import question_key
+    from onepass.runtime.core.readout_calibration import question_key
 
     text = "I was charged twice for my order and want the second payment back today."
     qs = {"n": Noul("Does the customer want money back?"),
@@ -306,7 +306,7 @@ def _recalibrated_copy(src, dst, name: str):
     second engine whose numbers differ from the first's."""
     from test_engine import _copy_engine
 
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
 
     copy = _copy_engine(src, dst)
     manifest = Engine.load(copy, backend="onnxruntime").manifest
@@ -323,7 +323,7 @@ def test_eval_compare_puts_two_engines_side_by_side_and_its_thresholds_feed_a_ga
     default; a report without thresholds is refused. On the tiny Llama and a recalibrated, renamed copy of it."""
     from onepass.calibration.evaluate import evaluate_engine
     from onepass.cli import main
-    from onepass.runtime.cascade import Gate
+    from onepass.runtime.core.cascade import Gate
 
     engine_dir = tiny_engine_dir
     second = _recalibrated_copy(engine_dir, tmp_path / "second", "llama-tiny-recalibrated")

@@ -1,10 +1,10 @@
-"""Gates and cascades (runtime/cascade.py) with stand-in engines that count what they are asked."""
+"""Gates and cascades (runtime/core/cascade.py) with stand-in engines that count what they are asked."""
 
 import pytest
 
-from onepass.runtime.cascade import Cascade, Gate
-from onepass.runtime.errors import InvalidRequest
-from onepass.runtime.questions import ChoiceAnswer, NoulAnswer
+from onepass.runtime.core.cascade import Cascade, Gate
+from onepass.runtime.core.errors import InvalidRequest
+from onepass.runtime.core.questions import ChoiceAnswer, NoulAnswer
 
 
 class CountingEngine:

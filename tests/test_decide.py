@@ -1,4 +1,4 @@
-"""Pydantic models as questions (runtime/decide.py): mapping, one packed pass, values, abstention, the HTTP
+"""Pydantic models as questions (runtime/core/decide.py): mapping, one packed pass, values, abstention, the HTTP
 helpers, and refusals that name the field."""
 
 import enum
@@ -9,8 +9,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from onepass import Choice, Noul, Score
-from onepass.runtime.decide import Levels, parse_response, plan, request_body
-from onepass.runtime.errors import InvalidRequest
+from onepass.runtime.core.decide import Levels, parse_response, plan, request_body
+from onepass.runtime.core.errors import InvalidRequest
 
 TICKET = (Path(__file__).parent / "data" / "ticket.txt").read_text()
 

@@ -209,7 +209,7 @@ def test_an_estimate_over_a_limit_counts_as_that_limit_and_a_request_that_cannot
     finish before its deadline is refused at admission (NeverFits: 413), before any queue or pass."""
     from types import SimpleNamespace
 
-    from onepass.runtime.manifest import Limits
+    from onepass.runtime.core.manifest import Limits
     from onepass.runtime.server.dispatch import NeverFits, QueueFull
 
     engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096, max_state_tokens=7168)))
@@ -266,7 +266,7 @@ def test_a_request_split_into_blocks_stops_between_blocks_once_every_deadline_pa
     split into many blocks stops before the next block, answers DeadlineExceeded (503), and nothing is re-run
     request by request. The control: with no deadline every block runs."""
     from onepass import Engine
-    from onepass.runtime.errors import DeadlineExceeded
+    from onepass.runtime.core.errors import DeadlineExceeded
 
     engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
     monkeypatch.setattr(engine.backend, "block_tokens", 32, raising=False)  # a block of a question or two

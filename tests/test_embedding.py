@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime.errors import LimitExceeded
+from onepass.runtime.core.errors import LimitExceeded
 
 TICKET = "I was charged twice for my subscription this month. Please refund the second payment."
 QUESTIONS = {"refund": Noul("Does the customer ask for a refund?"),

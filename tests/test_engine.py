@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime.errors import EngineFileError, InvalidRequest, LimitExceeded
+from onepass.runtime.core.errors import EngineFileError, InvalidRequest, LimitExceeded
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
@@ -106,7 +106,7 @@ def test_request_response_and_usage(engine):
 
 
 def _copy_engine(src: Path, dst: Path) -> Path:
-    from onepass.runtime.manifest import copy_engine
+    from onepass.runtime.core.manifest import copy_engine
 
     return copy_engine(src, dst)
 
@@ -150,7 +150,7 @@ def test_cli_errors_are_one_line_not_a_traceback(engine_dir, tmp_path):
 
 
 def test_a_graph_that_misses_its_golden_file_is_refused(engine_dir, tmp_path):
-    from onepass.runtime.selfcheck import check_golden
+    from onepass.runtime.core.selfcheck import check_golden
 
     copy = _copy_engine(engine_dir, tmp_path / "engine")
     golden = dict(np.load(copy / "golden.npz"))
@@ -234,7 +234,7 @@ def test_sum_mean_and_prior_read_outs_compute_what_they_claim(engine, monkeypatc
     """Each read-out against its definition, from the pass's summed log-likelihoods: sum = softmax(lp), mean =
     softmax(lp / option tokens), prior = softmax(lp - lp on the template's null state); the prior pass runs
     once per question (cached), and the three differ on options of unequal length (control)."""
-    from onepass.runtime.readout import softmax
+    from onepass.runtime.core.readout import softmax
 
     q = {"team": Choice("Which team?", {"billing": None, "technical support": None, "fraud review desk": None})}
     encoded = engine.encode_questions(q)

@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("fastapi")
 zstandard = pytest.importorskip("zstandard")
 
-from onepass.runtime.errors import OnepassError  # noqa: E402
-from onepass.runtime.prompt import state_text  # noqa: E402
+from onepass.runtime.core.errors import OnepassError  # noqa: E402
+from onepass.runtime.core.prompt import state_text  # noqa: E402
 from onepass.runtime.server.app import Server  # noqa: E402
 from onepass.runtime.server.body import MAX_DEPTH, HTTPError, decode, nesting_depth, parse_json  # noqa: E402
 from onepass.runtime.server.config import ServerConfig  # noqa: E402
@@ -347,7 +347,7 @@ def test_a_failing_merged_pass_is_rerun_request_by_request(engine):
     """The backend fails every pass that contains the 'poison' question (as an out-of-memory would): the
     merged pass fails, its members are re-run alone, and only the poisoned request gets the error; the
     others equal their requests run alone."""
-    from onepass.runtime.wire import parse_request
+    from onepass.runtime.core.wire import parse_request
 
     poison = engine.encode_questions(parse_request({"state": TICKET, "questions": {
         "p": {"type": "noul", "instructions": "Poison?"}}})[1])[0]

@@ -14,8 +14,8 @@ from onepass.calibration import bigbench as bb  # noqa: E402
 from onepass.calibration import head as hd  # noqa: E402
 from onepass.calibration import rlcd  # noqa: E402
 from onepass.calibration.head_features import OptionFeatures  # noqa: E402
-from onepass.runtime import manifest as mf  # noqa: E402
-from onepass.runtime.errors import InvalidRequest  # noqa: E402
+from onepass.runtime.core import manifest as mf  # noqa: E402
+from onepass.runtime.core.errors import InvalidRequest  # noqa: E402
 
 
 def test_spherical_and_ranked_probability_scores_match_hand_computations():
@@ -165,6 +165,6 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     a, b = rebuilt.ask(ex.state, {"q": ex.question})["q"], engine.ask(ex.state, {"q": ex.question})["q"]
     assert max(abs(a.probabilities[n] - b.probabilities[n]) for n in ex.question.criteria) < 1e-4
     # the golden file carries head scores and the check holds them to their tolerance
-    from onepass.runtime.selfcheck import check_golden
+    from onepass.runtime.core.selfcheck import check_golden
 
     assert check_golden(engine)["head_score"] <= 1e-3

@@ -12,7 +12,7 @@ from onepass import Choice, Engine, Noul  # noqa: E402
 from onepass.export.build import export_engine  # noqa: E402
 from onepass.runtime.backends.torch_decoder import DecoderDims  # noqa: E402
 from onepass.export.model_source import default_gguf, default_tokenizer, load_model  # noqa: E402
-from onepass.runtime.errors import ModelSourceError  # noqa: E402
+from onepass.runtime.core.errors import ModelSourceError  # noqa: E402
 from reference import option_logprobs_alone  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
     # backend (which rebuilds the decoder from the graph's initializers by name) refuses clearly, not with a
     # NoneType error deep inside (found by the one-call GPU check's random-weight model)
     from onepass.runtime.backends import factory
-    from onepass.runtime.errors import EngineFileError
+    from onepass.runtime.core.errors import EngineFileError
 
     with pytest.raises(EngineFileError, match="identical weights were merged at export"):
         Engine.load(out, backend=factory("torch-cpu"), verify=False)
@@ -69,7 +69,7 @@ def test_export_refuses_to_finish_unless_onnx_runtime_reproduces_the_golden_file
     50x the tolerance) stops the export with a typed error; nothing is left on disk and an engine already at
     ``--out`` is untouched. Control: the same export without the shift finishes."""
     from onepass.export import build
-    from onepass.runtime.errors import EngineFileError
+    from onepass.runtime.core.errors import EngineFileError
 
     real = build.write_golden
 

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from onepass import Engine, Noul
-from onepass.runtime.errors import InvalidRequest, LimitExceeded
-from onepass.runtime.tree import PackedBatch
+from onepass.runtime.core.errors import InvalidRequest, LimitExceeded
+from onepass.runtime.core.tree import PackedBatch
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,8 @@ def test_priors_partly_cached_give_each_question_its_own(tiny_engine_dir):
 def test_the_packed_token_limit_is_counted_before_the_tree_mask_is_built(monkeypatch):
     """Over max_tokens, pack refuses with no N x N mask built (the quadratic work the count guards); exactly at
     the limit it packs. (Built after the count, the mask of a huge request was caught only as a MemoryError.)"""
-    from onepass.runtime import tree
-    from onepass.runtime.prompt import QuestionTokens
+    from onepass.runtime.core import tree
+    from onepass.runtime.core.prompt import QuestionTokens
 
     built = []
     real = tree.ancestor_mask
@@ -391,7 +391,7 @@ def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, m
     counts (no tree mask, no prefill), so three requests about one state build ONE mask, not one each plus the
     merged one; a long question's trunk is prefilled once. Answers equal each request alone."""
     from onepass import Choice
-    from onepass.runtime import tree
+    from onepass.runtime.core import tree
 
     state = "The parcel arrived late and the box was damaged."
     requests = [(state, {"a": Noul("Is the parcel late?")}), (state, {"b": Noul("Is the box damaged?")}),
@@ -421,8 +421,8 @@ def test_run_many_groups_by_the_states_text_once_and_tokenises_each_state_once(t
     """A JSON state, the same state as its canonical text and a third request about it are one group: the state is
     tokenised once and prefilled at most once for the three, whose answers equal each alone; a different state is
     its own group. A bad request (an empty state) fails alone."""
-    from onepass.runtime import prompt
-    from onepass.runtime.prompt import state_text
+    from onepass.runtime.core import prompt
+    from onepass.runtime.core.prompt import state_text
 
     ticket = {"ticket": "The parcel arrived late.", "order": 12}
     requests = [(ticket, {"a": Noul("Is the parcel late?")}), (str(state_text(ticket)), {"b": Noul("Is it an order?")}),

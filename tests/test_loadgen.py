@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from onepass.runtime.loadgen import closed_loop, open_loop, poisson_schedule
+from onepass.runtime.tools.loadgen import closed_loop, open_loop, poisson_schedule
 
 SERVICE_S, STALL_AT, STALL_S = 0.005, 0.5, 0.6
 
@@ -89,7 +89,7 @@ def test_summary_percentiles_from_known_latencies():
 
 
 def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
-    from onepass.runtime.loadgen import comparable, compare
+    from onepass.runtime.tools.loadgen import comparable, compare
 
     old = {"machine": {"cpu": "x"}, "workload": {"sha256": "a"},
            "runs": [{"mode": "open", "offered": 5.0, "requests": 10, "p50": 10.0, "p90": 20.0, "p99": 40.0,
@@ -107,7 +107,7 @@ def test_compare_gives_new_over_old_per_percentile_for_matching_runs():
 def test_runs_of_one_workload_that_differ_only_in_length_compare_with_a_note():
     """Two bench runs of the same workload for 10 s and 30 s (or other request counts or warm-ups) are comparable:
     the run length is not the workload. A note says the shorter's tails are noisier; the same length has none."""
-    from onepass.runtime.loadgen import comparable, length_differs
+    from onepass.runtime.tools.loadgen import comparable, length_differs
 
     machine = {"cpu": "x"}
     work = {"sha256": "a", "questions": 3, "states": 1, "cold_fraction": 0.0}
@@ -197,7 +197,7 @@ def test_exact_histogram_reads_the_percentiles_hdrhistogram_reads():
     import random
 
     hdr_module = pytest.importorskip("hdrh.histogram")
-    from onepass.runtime.loadgen import MAX_MICROS, ExactHistogram
+    from onepass.runtime.tools.loadgen import MAX_MICROS, ExactHistogram
 
     rng = random.Random(0)
     values = [int(rng.lognormvariate(8, 1)) + 1 for _ in range(5000)]

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("openvino", reason="OpenVINO is not installed (pip install 'onepass[openvino]')")
 
 from onepass import Engine  # noqa: E402
-from onepass.runtime.errors import BackendUnavailable  # noqa: E402
-from onepass.runtime.questions import from_wire  # noqa: E402
-from onepass.runtime.selfcheck import TOLERANCES, check_golden  # noqa: E402
+from onepass.runtime.core.errors import BackendUnavailable  # noqa: E402
+from onepass.runtime.core.questions import from_wire  # noqa: E402
+from onepass.runtime.core.selfcheck import TOLERANCES, check_golden  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 STATE = (DATA / "ticket.txt").read_text()
@@ -72,7 +72,7 @@ def test_chunked_prefill_and_8_threads_equal_one_pass_alone(f32):
 
 
 def test_a_low_precision_engine_is_refused_with_a_typed_error(engine_dir, tmp_path):
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends import factory
 
     manifest = mf.load(engine_dir, verify=False)
@@ -90,10 +90,10 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     import logging
 
     from onepass.runtime import backends
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends.openvino_cpu import OpenVinoCpuBackend
     from onepass.runtime.backends.ort import OrtBackend
-    from onepass.runtime.manifest import copy_engine
+    from onepass.runtime.core.manifest import copy_engine
 
     monkeypatch.setattr(backends, "_verdicts", {})
     default = Engine.load(tiny_engine_dir, verify=False)
@@ -104,7 +104,7 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     for a, b in zip(reference.option_logprobs(STATE, encoded), default.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
     checks = []
-    import onepass.runtime.selfcheck as selfcheck  # default() imports run_golden_on from it when it checks
+    import onepass.runtime.core.selfcheck as selfcheck  # default() imports run_golden_on from it when it checks
 
     monkeypatch.setattr(selfcheck, "run_golden_on", lambda *args: checks.append(1) or {"target_logprob": 0.1})
     assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OpenVinoCpuBackend) and not checks

@@ -6,7 +6,7 @@ import pytest
 
 from onepass import Engine, Noul
 from onepass.runtime.backends.ort import OrtBackend
-from onepass.runtime.errors import BackendUnavailable
+from onepass.runtime.core.errors import BackendUnavailable
 
 
 def test_onnxruntime_gpu_without_the_cuda_provider_is_a_typed_error_naming_the_package(tiny_engine_dir):
@@ -72,7 +72,7 @@ def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tin
     import onnxruntime as ort
     from trt_double import HostDevice
 
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends import cuda_device
     from onepass.runtime.backends import ort as ort_backend
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from onepass import Choice, Noul, Score
-from onepass.runtime.tree import option_logprobs, pack
+from onepass.runtime.core.tree import option_logprobs, pack
 
 pytestmark = pytest.mark.slow
 

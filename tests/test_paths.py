@@ -30,7 +30,7 @@ def dead_references(files: list[Path]) -> list[str]:
                 continue
             if (ROOT / path).exists():
                 continue
-            module, _, attribute = path.rpartition(".")  # runtime/loadgen.ExactHistogram: a name in a module
+            module, _, attribute = path.rpartition(".")  # runtime/tools/loadgen.ExactHistogram: a name in a module
             if module and attribute not in EXTENSIONS and (ROOT / f"{module}.py").exists():
                 continue
             target = ROOT / path.rstrip("_")  # an output prefix (--out results/blocks_openvino: .json and .md)
@@ -46,29 +46,41 @@ def test_every_path_named_in_docs_docstrings_and_comments_exists():
 
 def test_negative_control_a_dead_reference_is_found(tmp_path):
     doc = tmp_path / "doc.md"
-    doc.write_text("See benchmarks/readout_eval.md and deploy/serve.yaml, runtime/engine.py, "
+    doc.write_text("See benchmarks/readout_eval.md and deploy/serve.yaml, runtime/core/engine.py, "
                    "benchmarks/results/latency.{json,md} and docker/ray-serve.yaml.")
     assert [d.split(": ")[1] for d in dead_references([doc])] == ["benchmarks/readout_eval.md"]
 
 
 def test_the_design_code_map_matches_the_tree():
-    """docs/design.md's code map names files that exist under the folder they are listed in, and every module of
-    runtime/, runtime/server/, runtime/backends/, export/ and calibration/ is named in it."""
+    """docs/design.md's code map names files that exist in the folder they are listed under (folders nest by
+    indentation: ``runtime/`` then ``  core/``), and every module of the package's folders is named under its own
+    folder. Negative control: the map read with one module moved to another folder fails."""
     text = (ROOT / "docs" / "design.md").read_text()
     block = re.search(r"```\n(export/.*?)```", text, flags=re.S).group(1)
-    folder, missing = None, []
+    assert _map_problems(block) == ([], [])
+    moved = block.replace("    wire.py ", "    xwire.py ").replace("    bench.py ", "    wire.py ")
+    assert _map_problems(moved) != ([], [])
+
+
+def _map_problems(block: str) -> tuple[list, list]:
+    """(files the map names that are not in their folder, package modules the map does not name in their folder)."""
+    stack: list = []  # (indentation, folder)
+    named, missing = set(), []
     for line in block.splitlines():
-        top = re.match(r"^(\w+)/\s", line)
-        if top:
-            folder = top.group(1)
+        indent = len(line) - len(line.lstrip())
+        folder = re.match(r"^\s*(\w+)/\s", line)
+        while stack and stack[-1][0] >= indent and (folder or stack[-1][0] == indent):
+            stack.pop()
+        if folder:
+            stack.append((indent, folder.group(1)))
+        where = Path(*(f for _, f in stack)) if stack else Path()
         for name in re.findall(r"\b([a-z_0-9]+\.py)\b", line):
-            candidates = [ROOT / folder / name, ROOT / folder / "server" / name, ROOT / folder / "backends" / name,
-                          ROOT / name] if folder else [ROOT / name]
-            if not any(c.exists() for c in candidates):
-                missing.append(f"{folder}/{name}")
-    assert missing == []
-    named = set(re.findall(r"\b([a-z_0-9]+)(?:\.py)?\b", block))
-    modules = [p for d in ("runtime", "runtime/server", "runtime/backends", "export", "calibration")
-               for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
-    unnamed = sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named)
-    assert unnamed == []
+            if (ROOT / where / name).exists() or (not stack and (ROOT / name).exists()):
+                named.add((where / name).as_posix() if stack else name)
+            else:
+                missing.append((where / name).as_posix())
+    modules = [p for d in ("runtime", "runtime/core", "runtime/server", "runtime/backends", "runtime/tools", "export",
+                           "calibration") for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
+    modules.append(ROOT / "runtime" / "__init__.py")
+    unnamed = sorted(str(p.relative_to(ROOT)) for p in modules if str(p.relative_to(ROOT)) not in named)
+    return missing, unnamed

@@ -2,7 +2,7 @@
 
 import pytest
 
-from onepass.runtime.plan import BYTES, DEVICES, plan
+from onepass.runtime.tools.plan import BYTES, DEVICES, plan
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from onepass import Engine
-from onepass.runtime.questions import from_wire
-from onepass.runtime.selfcheck import FP16_TOLERANCES, check_golden
+from onepass.runtime.core.questions import from_wire
+from onepass.runtime.core.selfcheck import FP16_TOLERANCES, check_golden
 
 DATA = Path(__file__).parent / "data"
 
@@ -109,8 +109,8 @@ def test_bf16_graph_is_checked_exactly_by_its_fp32_twin_with_a_negative_control(
     import onepass.export.bf16_check as bf16
     from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.export.model_source import load_model
-    from onepass.runtime.errors import EngineFileError
-    from onepass.runtime.selfcheck import BF16_TOLERANCES, TOLERANCES
+    from onepass.runtime.core.errors import EngineFileError
+    from onepass.runtime.core.selfcheck import BF16_TOLERANCES, TOLERANCES
 
     bf16_dir, hf_model = tiny_bf16_dir, load_model(tiny_llama_dir).model
     diffs = bf16.check_bf16_engine(bf16_dir, PackedDecoder(hf_model).eval(), tmp_path / "twin")
@@ -125,7 +125,7 @@ def test_bf16_engine_runs_on_the_torch_backend_and_is_refused_by_onnxruntime(tin
     """What a bf16 engine is refused and run by, on the tiny Llama's bf16 engine (a structure question)."""
     from onepass.cli import main
     from onepass.runtime.backends import factory
-    from onepass.runtime.errors import BackendUnavailable
+    from onepass.runtime.core.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="bf16.*ONNX Runtime.*--backend tensorrt"):
         Engine.load(tiny_bf16_dir, verify=False)
@@ -151,8 +151,8 @@ def test_low_precision_plan_builds_ahead_of_time(precision, request, tmp_path):
     plans differ by 81 KB against 295 KB of fp32 GEMM weights, kernels included.)"""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
     from onepass.cli import main
-    from onepass.runtime import manifest as mf
-    from onepass.runtime.manifest import copy_engine
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core.manifest import copy_engine
 
     copy = copy_engine(request.getfixturevalue(f"tiny_{precision}_dir"), tmp_path / "engine")
     try:

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from onepass.runtime import prompt
-from onepass.runtime.prompt import PromptEncoder, PromptTemplate
-from onepass.runtime.questions import Choice, Noul, Score
+from onepass.runtime.core import prompt
+from onepass.runtime.core.prompt import PromptEncoder, PromptTemplate
+from onepass.runtime.core.questions import Choice, Noul, Score
 
 SPECIALS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
 WORDS = ["billing", "technical", "yes", "no", "refund", "积极", "fraud review", "x" * 80, *SPECIALS]

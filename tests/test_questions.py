@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from onepass.runtime.errors import InvalidRequest
-from onepass.runtime.questions import Choice, Noul, Score, from_wire, to_wire
-from onepass.runtime.readout import answer, confidence
+from onepass.runtime.core.errors import InvalidRequest
+from onepass.runtime.core.questions import Choice, Noul, Score, from_wire, to_wire
+from onepass.runtime.core.readout import answer, confidence
 
 import numpy as np
 
@@ -102,7 +102,7 @@ def test_ids_and_option_names_that_look_the_same_are_refused(body, message):
     """Two question ids or option names that differ only by a zero-width character, or only in Unicode
     normalisation, would be different keys that look identical to a reader: refused with the reason. The
     control: an accented name in its one form is accepted."""
-    from onepass.runtime.wire import parse_request
+    from onepass.runtime.core.wire import parse_request
 
     with pytest.raises(InvalidRequest, match=message):
         parse_request({"state": "s", "questions": body})

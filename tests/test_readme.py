@@ -100,7 +100,7 @@ def test_the_readmes_ticket_answers_are_the_default_engines(engine):
     two decimals. If the README or the engine's answers drift, this fails."""
     import json
 
-    from onepass.runtime.questions import from_wire
+    from onepass.runtime.core.questions import from_wire
 
     text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     found = re.search(r"refund P\(yes\) \*\*([\d.]+)\*\*, team \*\*(\w+)\*\* \(([\d.]+)\), "
@@ -144,7 +144,7 @@ def test_the_readme_ticket_answers_billing_under_every_subset_of_described_optio
     import itertools
 
     from onepass import Choice
-    from onepass.runtime.prompt import OLD_OPTION_LINE
+    from onepass.runtime.core.prompt import OLD_OPTION_LINE
 
     ticket = (ROOT / "tests" / "data" / "ticket.txt").read_text()
     described = {"billing": "payments, refunds", "technical": "bugs and outages", "sales": "new purchases and upgrades"}

@@ -255,13 +255,13 @@ def _probs(answer) -> dict:
 
 
 def test_merged_requests_equal_each_request_alone(engine):
-    from onepass.runtime.wire import parse_request
+    from onepass.runtime.core.wire import parse_request
 
     bodies = [{"state": TICKET, "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}},
               {"state": TICKET, "questions": {"a": QUESTIONS["mood"]}},
               {"state": "another state entirely", "questions": {"x": QUESTIONS["team"]}},
               {"state": TICKET, "questions": {"bad": {"type": "score", "instructions": "x", "criteria": ["1"]}}}]
-    from onepass.runtime.errors import OnepassError
+    from onepass.runtime.core.errors import OnepassError
 
     good = [parse_request(b) for b in bodies[:3]]
     with pytest.raises(OnepassError, match="criteria"):  # a one-level score is refused at parse time
@@ -278,7 +278,7 @@ def test_merged_requests_equal_each_request_alone(engine):
 
 def test_merged_pass_is_really_shared(engine):
     """Negative control for the test above: merging changes the packed pass (more tokens, one call)."""
-    from onepass.runtime.wire import parse_request
+    from onepass.runtime.core.wire import parse_request
 
     calls = []
     original = engine.backend.score_all
@@ -316,9 +316,9 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     (then carried as a StateText: the dispatcher's grouping and the engine read it as it is) and tokenised once,
     grouped once (by the dispatcher; the engine's run_group does not group again, run_many is not called) and
     packed once (one tree mask for its one pass)."""
-    from onepass.runtime import engine as engine_module
-    from onepass.runtime import prompt, tree
-    from onepass.runtime import wire as wire_module
+    from onepass.runtime.core import engine as engine_module
+    from onepass.runtime.core import prompt, tree
+    from onepass.runtime.core import wire as wire_module
     from onepass.runtime.server import app as app_module
     from onepass.runtime.server import dispatch
 
@@ -613,7 +613,7 @@ def test_serve_cascade_without_a_threshold_is_a_one_line_error(tmp_path, capsys)
 def test_statuses_come_from_error_types_not_message_words():
     """A state that is not UTF-8 (NotText) is 400; any other invalid request is 422 even when its message says
     "UTF-8" about the state (the status was once chosen by matching those words); limits are 413."""
-    from onepass.runtime.errors import InvalidRequest, LimitExceeded, NotText
+    from onepass.runtime.core.errors import InvalidRequest, LimitExceeded, NotText
     from onepass.runtime.server.app import _engine_error
 
     assert _engine_error(NotText("the state is not valid UTF-8 (byte 3)", "state")).status == 400

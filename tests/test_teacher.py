@@ -24,9 +24,9 @@ from conftest import serve_process  # noqa: E402
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 from onepass.calibration import tune as tn  # noqa: E402
 from onepass.calibration.tune_data import load_rows  # noqa: E402
-from onepass.runtime.questions import to_wire  # noqa: E402
-from onepass.runtime.records import Records  # noqa: E402
-from onepass.runtime.teacher import (  # noqa: E402
+from onepass.runtime.core.questions import to_wire  # noqa: E402
+from onepass.runtime.server.records import Records  # noqa: E402
+from onepass.runtime.tools.teacher import (  # noqa: E402
     TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, connect, label_distribution,
     openai_prompt)
 
@@ -230,7 +230,7 @@ def test_a_failed_record_write_leaves_no_half_line(tmp_path):
     its last whole line and the next row starts a new file; every file holds whole rows only."""
     code = """
 import resource, sys
-from onepass.runtime.records import Records
+from onepass.runtime.server.records import Records
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
 records = Records(sys.argv[1], max_bytes=1 << 20, file_bytes=1 << 16)
 ok = sum(records.write(('{"n": %d, "pad": "%s"}\\n' % (i, "x" * 40)).encode()) for i in range(50))
@@ -324,8 +324,8 @@ def test_a_distilled_engines_gate_is_served_with_its_teacher(tiny_engine_dir, te
     distilled on is answered locally above its threshold (0 here: always), every other question by the teacher."""
     import dataclasses
 
-    from onepass.runtime import manifest as mf
-    from onepass.runtime.readout_calibration import question_key
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core.readout_calibration import question_key
 
     gated = mf.copy_engine(tiny_engine_dir, tmp_path / "gated")
     base = Engine.load(tiny_engine_dir)
@@ -506,7 +506,7 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
     assert 0.0 <= report["requests_saved"] <= report["coverage_at_target"] <= 1.0 and 0.0 <= report["agreement"] <= 1.0
     assert report["teacher_requests"] == 11 and not (tmp_path / "student.distill" / "engine").exists()
     assert json.loads((tmp_path / "student-report" / "distill.json").read_text())["labelled_states"] == 16
-    from onepass.runtime.cascade import Gate
+    from onepass.runtime.core.cascade import Gate
 
     thresholds = Gate.from_manifest(gate).for_questions(student, asked)
     assert {thresholds.threshold(q) for q in asked} == set(gate["per_key"].values())
@@ -525,7 +525,7 @@ def test_the_gate_threshold_takes_tied_confidences_all_in_or_all_out():
 
 def test_distill_refuses_what_tune_would_before_asking_the_teacher(tmp_path, tiny_engine_dir):
     from onepass.calibration.distill import distill
-    from onepass.runtime.errors import InvalidRequest, LimitExceeded
+    from onepass.runtime.core.errors import InvalidRequest, LimitExceeded
 
     class Never:
         name = "never"
@@ -616,7 +616,7 @@ def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_aga
 
     from onepass.runtime.server.metrics import Metrics
     from onepass.runtime.server.teaching import TeacherLink, TeacherSetup
-    from onepass.runtime.cascade import Gate
+    from onepass.runtime.core.cascade import Gate
 
     class Down:
         name, config, calls, up = "down", SimpleNamespace(max_concurrency=2), 0, False

@@ -21,11 +21,11 @@ import pytest
 from trt_double import HostDevice, fake_tensorrt, write_plan
 
 from onepass import Choice, Engine, Noul, Score
-from onepass.runtime import manifest as mf
+from onepass.runtime.core import manifest as mf
 from onepass.runtime.backends import factory as open_backend
 from onepass.runtime.backends.tensorrt import TensorRTBackend, select_plan
-from onepass.runtime.errors import BackendUnavailable, EngineFileError
-from onepass.runtime.selfcheck import check_golden
+from onepass.runtime.core.errors import BackendUnavailable, EngineFileError
+from onepass.runtime.core.selfcheck import check_golden
 
 QUESTIONS = {"refund": Noul("Does the customer ask for a refund?"),
              "team": Choice("Which team?", {"billing": None, "technical": None, "fraud review": None}),
@@ -512,7 +512,7 @@ def test_passes_pad_to_buckets_capped_at_max_packed_tokens(plan_dir, engine, tmp
     """A limit that is not a power of two (the Orin advice: 1500) ends the buckets: a pass of 1,100 tokens pads to
     1,500, which the plan's profile accepts, not to 2,048, which it refuses. Here: a plan built for 100 packed
     tokens and a pass of 84 (bucket 128 before the cap)."""
-    from onepass.runtime.tree import bucket
+    from onepass.runtime.core.tree import bucket
 
     assert bucket(1100) == 2048 and bucket(1100, 1500) == 1500 and bucket(1600, 1500) == 2048
     assert bucket(100, 1500) == 128

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from onepass.runtime import manifest as mf
+from onepass.runtime.core import manifest as mf
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_build_plans(tiny_engine_dir, tmp_path, monkeypatch, archs):
             assert all(p["packed"][2] == manifest.limits.max_packed_tokens for p in profiles.values())
             assert record["timing_cache"] is None  # TensorRT for RTX: timing caches are no-ops, none is kept
             assert record["tf32"] is False  # fp32 plans keep fp32 GEMM inputs (TF32 is on by default)
-            assert record["workspace_bytes"] == 8192 << 20  # the H200 profile's builder workspace (plan.DEVICES)
+            assert record["workspace_bytes"] == 8192 << 20  # the H200 profile's builder workspace (devices.DEVICES)
             assert record["user_allocation"] is True  # TensorRT for RTX: stream capture needs the backend's memory
         assert not (tmp_path / "cache" / "tensorrt").exists()
     finally:

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
-from onepass.runtime.selfcheck import check_golden, run_golden  # noqa: E402
+from onepass.runtime.core.selfcheck import check_golden, run_golden  # noqa: E402
 
 QUESTIONS = {"refund": Noul("Does the customer ask for a refund?"),
              "team": Choice("Which team?", {"billing": None, "technical": None, "fraud review": None}),
@@ -75,7 +75,7 @@ def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
 def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
     """On the tiny Llama: padding is the tree mask's and the backend's logic, not the weights'."""
     from onepass.runtime.backends import factory
-    from onepass.runtime.tree import bucket, pad_batch
+    from onepass.runtime.core.tree import bucket, pad_batch
 
     torch_engine = Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False)
     padded = Engine.load(tiny_engine_dir, backend=factory("torch-cpu", buckets=True), verify=False)
@@ -233,10 +233,10 @@ def test_every_backend_has_one_shape(tiny_engine_dir):
     """The table holds classes: each says which engine precisions it runs (with the table's options), is built by
     its ``open`` and takes its name in its constructor; an engine of a precision it does not run is refused there,
     by name, with what to use instead."""
-    from onepass.runtime import manifest as mf
+    from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends import TABLE, backend_class, factory
     from onepass.runtime.backends.base import ENGINE_PRECISIONS, Backend
-    from onepass.runtime.errors import BackendUnavailable
+    from onepass.runtime.core.errors import BackendUnavailable
 
     for name, (_, _, fixed) in TABLE.items():
         cls = backend_class(name)
@@ -260,7 +260,7 @@ def test_the_backend_table_opens_each_cpu_backend_by_name(tiny_engine_dir):
     from onepass.runtime.backends.torch_backend import TorchBackend
     from onepass.runtime.backends import BACKENDS, factory
     from onepass.runtime.backends.ort import OrtBackend
-    from onepass.runtime.errors import BackendUnavailable
+    from onepass.runtime.core.errors import BackendUnavailable
 
     assert BACKENDS == ("onnxruntime", "onnxruntime-gpu", "tensorrt", "torch-cpu", "torch-cuda", "openvino-cpu",
                         "openvino-cpu-bf16")
@@ -322,7 +322,7 @@ def test_200_distinct_states_capture_at_most_slots_x_buckets_graphs_and_answer_l
     """A service's traffic: every request a new state. Captures stay within slots x buckets (the state-length and
     pass buckets seen), every replay over a reused slot gives its own state's answers, and no state is held by a
     graph: the slots' bytes are fixed and counted in the state cache's budget."""
-    from onepass.runtime.tree import bucket
+    from onepass.runtime.core.tree import bucket
 
     slots = 2
     cache = 64 << 20

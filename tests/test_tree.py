@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from onepass.runtime.tree import QuestionTokens, ancestor_mask, causal, option_logprobs, pack
+from onepass.runtime.core.tree import QuestionTokens, ancestor_mask, causal, option_logprobs, pack
 
 
 def test_two_questions_with_shared_option_prefix():

@@ -16,8 +16,8 @@ from onepass import Choice, Noul, Score  # noqa: E402
 from onepass.calibration import rlcd  # noqa: E402
 from onepass.calibration import tune as tn  # noqa: E402
 from onepass.calibration.tune_data import group_by_state, load_rows, split_states  # noqa: E402
-from onepass.runtime.errors import InvalidRequest, OnepassError  # noqa: E402
-from onepass.runtime.questions import to_wire  # noqa: E402
+from onepass.runtime.core.errors import InvalidRequest, OnepassError  # noqa: E402
+from onepass.runtime.core.questions import to_wire  # noqa: E402
 
 NOUL = to_wire(Noul("Is it raining?"))
 TEAM = to_wire(Choice("Which team?", {"red": None, "blue": "the blue team"}))
@@ -172,7 +172,7 @@ def test_config_is_validated():
 @pytest.mark.slow
 def test_default_engine_records_its_adapter_and_tuning(engine):
     from onepass.export.adapter import DEFAULT_ADAPTER, WEIGHTS, card
-    from onepass.runtime.manifest import sha256_file
+    from onepass.runtime.core.manifest import sha256_file
 
     tuning, adapters = engine.manifest.tuning, engine.manifest.source["adapters"]
     assert tuning is not None and tuning.method == "lora" and tuning.steps > 0 and tuning.rows > 0
@@ -195,7 +195,7 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
     merge, export, self-check. The shipped adapter shows the same path on SmolLM2 itself (the test above)."""
     from onepass import Engine
     from onepass.calibration.tune_engine import tune
-    from onepass.runtime.selfcheck import check_golden
+    from onepass.runtime.core.selfcheck import check_golden
 
     data = _fact_rows(tmp_path)
     out = tmp_path / "tuned"

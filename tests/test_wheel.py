@@ -94,7 +94,7 @@ def _smoke(bin_dir: Path, engine_dir: Path) -> dict:
 
 def test_the_wheel_holds_the_package_and_its_type_marker_and_no_tests_or_benchmarks(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "onepass/py.typed" in names and "onepass/cli.py" in names and "onepass/runtime/engine.py" in names
+    assert "onepass/py.typed" in names and "onepass/cli.py" in names and "onepass/runtime/core/engine.py" in names
     assert any(n.startswith("onepass/export/adapters/") for n in names)  # the shipped default adapter
     assert not [n for n in names if n.startswith(("onepass/tests/", "onepass/benchmarks/", "tests/", "benchmarks/"))]
     sources = [zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith(".py")]

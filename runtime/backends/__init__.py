@@ -22,7 +22,7 @@ import importlib.util
 import logging
 import threading
 
-from ..errors import BackendUnavailable
+from ..core.errors import BackendUnavailable
 
 log = logging.getLogger("onepass.backends")
 
@@ -82,7 +82,7 @@ def default(root, manifest, threads=None):
     """The default backend of an engine (the name ``auto``): OpenVINO at f32 when it is installed, the graph is a
     plain fp32 one and OpenVINO reproduces the golden file here at the fp32 tolerances; else ONNX Runtime on CPU.
     Why OpenVINO was passed over is logged (at debug level when it is simply not installed)."""
-    from ..selfcheck import TOLERANCES, over_tolerance, run_golden_on
+    from ..core.selfcheck import TOLERANCES, over_tolerance, run_golden_on
 
     if not _openvino_installed():  # an extra not installed: the reference, quietly
         return _reference(root, manifest, threads, "openvino is not installed: pip install 'onepass[openvino]'",

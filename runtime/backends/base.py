@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailable
-from ..manifest import Manifest, ModelInfo
-from ..tree import PackedBatch, causal
+from ..core.errors import BackendUnavailable
+from ..core.manifest import Manifest, ModelInfo
+from ..core.tree import PackedBatch, causal
 
 ENGINE_PRECISIONS = ("fp32", "fp16", "bf16")  # what an engine's block GEMMs may be (the manifest's ``precision``)
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from .. import contract
-from ..errors import BackendUnavailable
-from ..manifest import Manifest
-from ..tree import PackedBatch
+from ..core import contract
+from ..core.errors import BackendUnavailable
+from ..core.manifest import Manifest
+from ..core.tree import PackedBatch
 from .base import Backend, StateKV
 
 PRECISIONS = ("f32", "bf16")  # OpenVINO's own names of its inference precisions

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .. import contract
-from ..errors import BackendUnavailable
-from ..manifest import Manifest
-from ..tree import PackedBatch
+from ..core import contract
+from ..core.errors import BackendUnavailable
+from ..core.manifest import Manifest
+from ..core.tree import PackedBatch
 from .base import Backend, StateKV
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}

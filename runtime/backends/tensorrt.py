@@ -47,10 +47,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import contract
-from ..errors import EngineFileError, OnepassError
-from ..manifest import Manifest
-from ..tree import PackedBatch, pad_batch
+from ..core import contract
+from ..core.errors import EngineFileError, OnepassError
+from ..core.manifest import Manifest
+from ..core.tree import PackedBatch, pad_batch
 from .base import Backend, StateKV
 from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from .tensorrt_build import import_tensorrt

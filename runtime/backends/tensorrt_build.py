@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import contract
-from .. import manifest as mf
-from ..errors import BackendUnavailable, EngineFileError, OnepassError
-from ..manifest import Manifest
+from ..core import contract
+from ..core import manifest as mf
+from ..core.errors import BackendUnavailable, EngineFileError, OnepassError
+from ..core.manifest import Manifest
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
 
@@ -99,7 +99,7 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
                                      "build on the device or use tensorrt_rtx")
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
-    if workspace_bytes is not None:  # a device's budget (plan.DEVICES): tactics needing more are not chosen
+    if workspace_bytes is not None:  # a device's budget (devices.DEVICES): tactics needing more are not chosen
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
         config.clear_flag(trt.BuilderFlag.TF32)  # TF32 (on by default) rounds fp32 GEMM inputs to 10 bits
@@ -149,7 +149,7 @@ def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str
     """Build one plan per compute capability in ``archs`` (``"native"``: this machine's GPU, recorded under its real
     compute capability) into the engine directory ``root`` and record them in its manifest (replacing an earlier
     plan of the same compute capability). ``precision`` must be the graph's (default: it is); ``device`` names a
-    ``runtime.plan.DEVICES`` profile whose workspace budget limits the builder."""
+    ``devices.DEVICES`` profile whose workspace budget limits the builder."""
     root = Path(root)
     manifest = mf.load(root)
     if precision is not None and precision != manifest.precision:
@@ -163,10 +163,10 @@ def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str
         native = CudaDevice().compute_capability
     workspace = None
     if device:
-        from ..plan import DEVICES
+        from .devices import DEVICES
 
         workspace = DEVICES[device].workspace_mib << 20
-    from ..paths import cache_root
+    from ..core.paths import cache_root
 
     trt = import_tensorrt(flavour)
     plans, files, records = list(manifest.plans), dict(manifest.files), []

@@ -24,8 +24,8 @@ from onnx import numpy_helper
 
 from .base import Backend, StateKV
 from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
-from ..errors import EngineFileError
-from ..tree import PackedBatch, bucket, causal
+from ..core.errors import EngineFileError
+from ..core.tree import PackedBatch, bucket, causal
 from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 

@@ -29,11 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..cascade import Gate
-from ..engine import Engine
-from ..wire import parse_request, response_body
-from ..questions import MAX_LEVELS
-from ..errors import DeadlineExceeded, InvalidRequest, LimitExceeded, NotText, OnepassError
+from ..core.cascade import Gate
+from ..core.engine import Engine
+from ..core.wire import parse_request, response_body
+from ..core.questions import MAX_LEVELS
+from ..core.errors import DeadlineExceeded, InvalidRequest, LimitExceeded, NotText, OnepassError
 from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
@@ -125,7 +125,7 @@ class Server:
     def warm_up(self) -> None:
         """Run one small request so the first user request does not pay for lazy initialisation; its time
         seeds the dispatcher's estimate of seconds per pass."""
-        from ..questions import Noul
+        from ..core.questions import Noul
 
         questions = {"q": Noul("Is this a warm-up?")}
         self.engine.run("Warm-up.", questions)

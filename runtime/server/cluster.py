@@ -39,8 +39,8 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import OnepassError
-from ..prompt import state_text
+from ..core.errors import OnepassError
+from ..core.prompt import state_text
 from .app import STATE_CACHE, _error_response, create_app, server_engine
 from .body import HTTPError, decode, parse_json, read_raw
 from .config import ServerConfig
@@ -136,7 +136,7 @@ class EngineReplica:
     """One replica: the ``onepass serve`` app over its own engine, answering forwarded requests."""
 
     def __init__(self, config: dict):
-        from ..engine import Engine
+        from ..core.engine import Engine
 
         cfg = ClusterConfig(**config)
         _metrics_dir()
@@ -250,7 +250,7 @@ def serve_until_stopped(config: dict, host: str, port: int, stop, address: str |
     dashboard and runtime-env agents) is ended (runtime/server/processes.py)."""
     import ray
 
-    from ..interrupt import stop_signals_set
+    from ..core.interrupt import stop_signals_set
     from .processes import descendants, end
 
     ClusterConfig(**config)  # bad settings fail here, before Ray starts
@@ -299,7 +299,7 @@ def run(engine_dir: str, server: ServerConfig, *, replicas: int = 2, autoscale: 
     import shutil
     import threading
 
-    from ..interrupt import stop_signals_set
+    from ..core.interrupt import stop_signals_set
 
     engine = Path(engine_dir).resolve()
     if not (engine / "manifest.json").is_file():

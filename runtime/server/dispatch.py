@@ -29,8 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..engine import Engine
-from ..questions import Noul, as_text
+from ..core.engine import Engine
+from ..core.questions import Noul, as_text
 
 EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and seconds-per-token estimates
 CHARS_PER_TOKEN = 4.0  # a rough BPE rate for English; its error cancels: seconds per *estimated* token are measured

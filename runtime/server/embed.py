@@ -20,8 +20,8 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from ..engine import Engine
-from ..questions import Answer, Question
+from ..core.engine import Engine
+from ..core.questions import Answer, Question
 from .dispatch import DeadlinePassed, Dispatcher, EngineStopped, NeverFits, QueueFull
 
 __all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]

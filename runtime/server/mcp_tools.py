@@ -18,9 +18,9 @@ from mcp.server import MCPServer
 from mcp.server.stdio import stdio_server
 from pydantic import ValidationError
 
-from ..engine import Engine
-from ..errors import OnepassError
-from ..questions import Choice, Noul, Score
+from ..core.engine import Engine
+from ..core.errors import OnepassError
+from ..core.questions import Choice, Noul, Score
 
 
 def _ask(engine: Engine, state, make) -> dict:

@@ -8,8 +8,8 @@ import logging
 import socket
 from pathlib import Path
 
-from ..engine import Engine
-from ..errors import OnepassError
+from ..core.engine import Engine
+from ..core.errors import OnepassError
 from .config import ServerConfig
 from .transport import TransportLimits, listen
 
@@ -17,8 +17,8 @@ from .transport import TransportLimits, listen
 def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, record: str | None = None,
                   record_max_mib: int = 1024, **client) -> None:
     """`onepass serve --teacher`'s settings checked before any engine loads (a typed error naming the flag)."""
-    from ..records import Records
-    from ..teacher import TeacherConfig
+    from .records import Records
+    from ..tools.teacher import TeacherConfig
     from .teaching import check_shadow_rate
 
     TeacherConfig(url=url, kind=kind, **client)
@@ -42,9 +42,9 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
     """The teacher `onepass serve --teacher` asks: the client (``client``: TeacherConfig's fields), its records and
     its gate. The gate: a distilled engine's manifest gate (its thresholds; ``min_confidence``, else 1.0, for the
     questions it was not distilled on), else ``min_confidence`` for every question; none: shadow mode only."""
-    from ..cascade import Gate
-    from ..records import Records
-    from ..teacher import connect
+    from ..core.cascade import Gate
+    from .records import Records
+    from ..tools.teacher import connect
     from .teaching import TeacherSetup
 
     check_teacher(url, kind, shadow_rate, record, record_max_mib, **client)

@@ -13,7 +13,7 @@
   unavailable, calls skip it (outcome ``circuit_open``, the local answers standing at once) for a cool-down that
   starts at 0.5 s and doubles while it stays down (at most 30 s); then one call tries it again.
 * **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
-  (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.records`).
+  (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.server.records`).
   Nothing is recorded unless asked: the state text is user data.
 
 Metrics: teacher calls by mode and outcome, their latency, questions answered locally and by the teacher,
@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from ..cascade import Gate
-from ..errors import OnepassError
-from ..records import Records
-from ..teacher import Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps, row
+from ..core.cascade import Gate
+from ..core.errors import OnepassError
+from .records import Records
+from ..tools.teacher import (Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps,
+                             row)
 
 log = logging.getLogger("onepass.teacher")
 GATE_RESERVE_S = 0.05  # at least this much of a request's time is kept for its response after a gate call
@@ -204,7 +205,7 @@ class TeacherLink:
         """(answers, ids answered by the teacher): the questions below the gate asked of the teacher, its call
         ending before ``deadline`` (a tenth of the time left, at least 50 ms, is kept for the response); where it
         fails, is busy or late, the local answers stand."""
-        from ..readout import answer
+        from ..core.readout import answer
 
         gate = self.gate
         if gate.per_key:  # a key per question (5000 at most: some 20 ms): off the event loop

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import OnepassError
+from ..core.errors import OnepassError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import OnepassError
+from ..core.errors import OnepassError
 
 PREFIX, SUFFIX = "teacher-", ".jsonl"
 

@@ -15,7 +15,7 @@ from typing import Mapping
 import numpy as np
 
 from . import manifest as manifest_mod
-from .backends.base import Backend, StateKV
+from ..backends.base import Backend, StateKV
 from .readout_calibration import question_key
 from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded
 from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
@@ -99,7 +99,7 @@ class Engine:
         "torch-cpu", "torch-cuda", ...), or a factory ``(root, manifest, threads) -> Backend`` (e.g.
         ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
         """
-        from . import backends
+        from .. import backends
 
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
@@ -292,10 +292,10 @@ class Engine:
         batch, the state the batch continues).
 
         One pass when the questions pack into a block (the backend's :attr:`block_tokens`). Else blocks of
-        whole questions (:func:`onepass.runtime.tree.blocks`), each a pass over the same state K/V. A question
+        whole questions (:func:`onepass.runtime.core.tree.blocks`), each a pass over the same state K/V. A question
         larger than a block (a choice of hundreds of options, listed in its own text) has its trunk but the
         last token prefilled onto the state, like a longer state (and cached the same way), and its options
-        scored below that last token in parts (:func:`onepass.runtime.tree.option_groups`). A token attends to
+        scored below that last token in parts (:func:`onepass.runtime.core.tree.option_groups`). A token attends to
         the state, its trunk and its own option path only, so the answers do not depend on the split. Raises
         LimitExceeded past the request's packed-token limit before any pass. ``plan_only``: every limit checked and
         the sizes counted, with no tree mask built and no trunk prefilled (the passes' batches have no mask and a
@@ -589,7 +589,7 @@ class Engine:
         return {qid: dataclasses.replace(a, abstained=a.certainty < min_confidence) for qid, a in answers.items()}
 
     def decide(self, state, model, min_confidence: float | None = None):
-        """A pydantic model's fields answered about ``state`` in one packed pass (:mod:`onepass.runtime.decide`):
+        """A pydantic model's fields answered about ``state`` in one packed pass (:mod:`onepass.runtime.core.decide`):
         a ``Decision`` with the validated instance, every field's answer and the fields that abstained."""
         from .decide import decide
 

@@ -10,7 +10,7 @@ TypeSafe System One endpoint: ``onepass serve``, ``onepass cluster``). Kinds of 
 * ``prefill``: prefilling a fresh state alone (in process).
 
 Loads: open loop at each ``--rate`` (Poisson arrivals, latency from the intended send time) and closed
-loop at each ``--concurrency`` (``runtime/loadgen.py``). Each request's stage times (the engine's
+loop at each ``--concurrency`` (``runtime/tools/loadgen.py``). Each request's stage times (the engine's
 tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own; on a
 backend with a device clock (torch-cuda, tensorrt: CUDA events around each call, synchronised) a ``device``
 stage too.
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import BackendUnavailable, OnepassError
+from ..core.errors import BackendUnavailable, OnepassError
 from .loadgen import Run, closed_loop, comparable, compare, length_differs, open_loop
-from .prompt import state_text
+from ..core.prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
 STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade", "device")  # the tables' columns; others last
@@ -95,9 +95,9 @@ def _on_device_clock(engine, call) -> dict:
 def engine_targets(engine_dir: str, backends: list[str], threads: int | None, body: dict, states: list,
                    cold_fraction: float, seed: int) -> tuple[list[Target], dict]:
     """One target per backend that loads here; {backend: why} for the others."""
-    from .backends import factory
-    from .engine import Engine
-    from .wire import parse_request
+    from ..backends import factory
+    from ..core.engine import Engine
+    from ..core.wire import parse_request
 
     targets, skipped = [], {}
     for name in backends:
@@ -453,7 +453,7 @@ def bench(body: dict, states: list, *, engine: str | None = None, url: str | Non
     """`onepass bench`: an engine in process (each of ``backends`` that loads here; the others reported as skipped)
     or a server at ``url``; closed loops of ``concurrencies`` (default one client) and open loops of ``rates``;
     compared with the bench.json at ``compare_with``; the report written to ``report_dir``."""
-    from .backends import BACKENDS
+    from ..backends import BACKENDS
 
     body = {k: v for k, v in body.items() if k != "state"}
     rates = rates or []

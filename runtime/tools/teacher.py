@@ -38,10 +38,10 @@ from typing import Mapping
 
 import numpy as np
 
-from .errors import OnepassError
-from .prompt import state_text
-from .questions import Noul, Question, Score, as_text, to_wire
-from .readout import answer
+from ..core.errors import OnepassError
+from ..core.prompt import state_text
+from ..core.questions import Noul, Question, Score, as_text, to_wire
+from ..core.readout import answer
 
 KINDS = ("systemone", "openai")
 OPENAI_LABELS = "ABCDEFGHIJKLMNOPQRST"  # 20: the most top_logprobs the OpenAI API returns

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .interrupt import ctrl_c_sets
+from ..core.interrupt import ctrl_c_sets
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 CDF_POINTS = (0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.99, 100.0)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import OnepassError
+from ..core.errors import OnepassError
 
 
 def read_bytes(path: str, what: str) -> bytes:
@@ -30,7 +30,7 @@ def read_text(path: str, what: str) -> str:
 
 def json_lines(text: str, where: str):
     """(line number, value) of each non-blank line of JSONL ``text``; InvalidRequest names ``where:line``."""
-    from .errors import InvalidRequest
+    from ..core.errors import InvalidRequest
 
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
