@@ -201,8 +201,21 @@ def _short(probabilities: dict, most: int = 5) -> str:
     return "{" + ", ".join(f"{k!r}: {v:.3f}" for k, v in items) + "}"
 
 
+class _Answered:
+    """What every answer shares: ``abstained``, said in its repr and wire form only when set."""
+
+    abstained: bool
+
+    def _flag(self) -> str:
+        return ", abstained" if self.abstained else ""
+
+    def _wire(self, **fields) -> dict:
+        """The TypeSafe JSON form: ``fields``, then ``abstained`` only when set."""
+        return {**fields, **({"abstained": True} if self.abstained else {})}
+
+
 @dataclass(frozen=True)
-class NoulAnswer:
+class NoulAnswer(_Answered):
     """``noul`` is P(yes)."""
 
     noul: float
@@ -214,15 +227,29 @@ class NoulAnswer:
         return abs(2.0 * self.noul - 1.0)
 
     def __repr__(self) -> str:
-        return f"NoulAnswer(noul={self.noul:.3f}{', abstained' if self.abstained else ''})"
+        return f"NoulAnswer(noul={self.noul:.3f}{self._flag()})"
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form (``abstained`` only when set)."""
-        return {"type": "noul", "noul": self.noul, **({"abstained": True} if self.abstained else {})}
+        return self._wire(type="noul", noul=self.noul)
+
+
+class _Confident(_Answered):
+    """A choice or score answer: its certainty is its confidence."""
+
+    confidence: float
+    probabilities: dict
+
+    @property
+    def certainty(self) -> float:
+        """The confidence."""
+        return self.confidence
+
+    def _tail(self) -> str:
+        return f"probabilities={_short(self.probabilities)}, confidence={self.confidence:.3f}{self._flag()})"
 
 
 @dataclass(frozen=True)
-class ChoiceAnswer:
+class ChoiceAnswer(_Confident):
     """The most likely option, every option's probability and a confidence in [0, 1]."""
 
     choice: str
@@ -230,23 +257,16 @@ class ChoiceAnswer:
     confidence: float
     abstained: bool = False
 
-    @property
-    def certainty(self) -> float:
-        """The confidence."""
-        return self.confidence
-
     def __repr__(self) -> str:
-        return (f"ChoiceAnswer(choice={self.choice!r}, probabilities={_short(self.probabilities)}, "
-                f"confidence={self.confidence:.3f}{', abstained' if self.abstained else ''})")
+        return f"ChoiceAnswer(choice={self.choice!r}, {self._tail()}"
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form (``abstained`` only when set)."""
-        return {"type": "choice", "choice": self.choice, "probabilities": dict(self.probabilities),
-                "confidence": self.confidence, **({"abstained": True} if self.abstained else {})}
+        return self._wire(type="choice", choice=self.choice, probabilities=dict(self.probabilities),
+                          confidence=self.confidence)
 
 
 @dataclass(frozen=True)
-class ScoreAnswer:
+class ScoreAnswer(_Confident):
     """``score`` = sum(i * p_i); ``legend`` and ``probabilities`` are keyed "0", "1", ..."""
 
     score: float
@@ -255,20 +275,12 @@ class ScoreAnswer:
     confidence: float
     abstained: bool = False
 
-    @property
-    def certainty(self) -> float:
-        """The confidence."""
-        return self.confidence
-
     def __repr__(self) -> str:
-        return (f"ScoreAnswer(score={self.score:.3f}, probabilities={_short(self.probabilities)}, "
-                f"confidence={self.confidence:.3f}{', abstained' if self.abstained else ''})")
+        return f"ScoreAnswer(score={self.score:.3f}, {self._tail()}"
 
     def to_wire(self) -> dict:
-        """The TypeSafe JSON form (``abstained`` only when set)."""
-        return {"type": "score", "score": self.score, "legend": dict(self.legend),
-                "probabilities": dict(self.probabilities), "confidence": self.confidence,
-                **({"abstained": True} if self.abstained else {})}
+        return self._wire(type="score", score=self.score, legend=dict(self.legend),
+                          probabilities=dict(self.probabilities), confidence=self.confidence)
 
 
 Answer = Union[NoulAnswer, ChoiceAnswer, ScoreAnswer]
