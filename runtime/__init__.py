@@ -6,19 +6,25 @@ httpx2: the serve extra) are imported on first use, so that ``import onepass`` n
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .core.engine import Engine, State
 from .core.errors import (BackendUnavailable, EngineFileError, InvalidRequest, LimitExceeded, ModelSourceError,
                           OnepassError)
 from .core.questions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer
 
+if TYPE_CHECKING:  # what type checkers see; at run time they load on first use (``__getattr__``)
+    from .core.cascade import Cascade, Gate
+    from .core.decide import Levels
+    from .tools.teacher import connect
+
 _ON_FIRST_USE = {"Gate": ".core.cascade", "Cascade": ".core.cascade", "Levels": ".core.decide",
                  "connect": ".tools.teacher"}
 
+# what ``from onepass.runtime import *`` takes: not the names loaded on first use, which may need an extra
 __all__ = [
     "Engine", "State", "Noul", "Choice", "Score", "NoulAnswer", "ChoiceAnswer", "ScoreAnswer",
     "OnepassError", "InvalidRequest", "LimitExceeded", "EngineFileError", "ModelSourceError", "BackendUnavailable",
-    *_ON_FIRST_USE,
 ]
 
 
@@ -26,3 +32,7 @@ def __getattr__(name: str):
     if name in _ON_FIRST_USE:
         return getattr(importlib.import_module(_ON_FIRST_USE[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted([*globals(), *_ON_FIRST_USE])

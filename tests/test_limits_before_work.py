@@ -420,7 +420,7 @@ def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, m
 def test_run_many_groups_by_the_states_text_once_and_tokenises_each_state_once(tiny, monkeypatch):
     """A JSON state, the same state as its canonical text and a third request about it are one group: the state is
     tokenised once and prefilled at most once for the three, whose answers equal each alone; a different state is
-    its own group. A bad request (an empty state) fails alone."""
+    its own group. The cache counts a lookup per request, as alone. A bad request (an empty state) fails alone."""
     from onepass.runtime.core import prompt
     from onepass.runtime.core.prompt import state_text
 
@@ -436,8 +436,11 @@ def test_run_many_groups_by_the_states_text_once_and_tokenises_each_state_once(t
                         real_state(self, text))
     monkeypatch.setattr(tiny, "run_group", lambda state, qs, *a, **k: groups.append(len(qs)) or
                         real_group(state, qs, *a, **k))
+    hits, misses = tiny.cache.hits, tiny.cache.misses
     results = tiny.run_many(requests)
     assert sorted(groups) == [1, 3] and len(tokenised) == 2  # two states, each tokenised once
+    # each request looked the state up as it would alone: the first two misses (two states), the later two hits
+    assert (tiny.cache.hits - hits, tiny.cache.misses - misses) == (2, 2)
     assert results[0].cached_tokens == 0 and results[1].cached_tokens == results[1].input_tokens - \
         results[1].packed_tokens  # the first request's prefill served the others
     assert isinstance(results[4], InvalidRequest) and "empty" in str(results[4])

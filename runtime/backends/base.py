@@ -12,10 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.errors import BackendUnavailable
+from ..core.manifest import PRECISIONS as ENGINE_PRECISIONS  # what an engine's block GEMMs may be
 from ..core.manifest import Manifest, ModelInfo
 from ..core.tree import PackedBatch, causal
 
-ENGINE_PRECISIONS = ("fp32", "fp16", "bf16")  # what an engine's block GEMMs may be (the manifest's ``precision``)
 
 
 @dataclass(frozen=True)

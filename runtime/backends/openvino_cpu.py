@@ -43,7 +43,8 @@ class OpenVinoCpuBackend(Backend):
     block_tokens = 512
 
     precisions = ("fp32",)  # an fp32 graph; ``precision`` chooses the precision OpenVINO computes it in
-    instead = "choose the inference precision with the backend: openvino-cpu (f32) or openvino-cpu-bf16"
+    instead = ("use onnxruntime (fp16 engines), torch-cpu or tensorrt (fp16 and bf16), or an fp32 engine, which "
+               "openvino-cpu-bf16 computes in bf16")
 
     def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
                  precision: str = "f32"):

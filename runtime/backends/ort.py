@@ -31,8 +31,8 @@ class OrtBackend(Backend):
 
     concurrent = True  # InferenceSession.run is thread-safe and every pass has its own bound values
     block_tokens = 256  # packed tokens per pass of a split request: fastest on CPU (benchmarks/results/blocks.md)
-    instead = ("ONNX Runtime's CPU provider has no bf16 GEMMs: use the TensorRT backend (onepass build-trt --precision bf16, then --backend tensorrt) or the PyTorch "
-               "backend (--backend torch-cpu / torch-cuda)")
+    instead = ("ONNX Runtime's CPU provider has no bf16 GEMMs: use the TensorRT backend (onepass build-trt "
+               "--precision bf16, then --backend tensorrt) or the PyTorch backend (--backend torch-cpu / torch-cuda)")
 
     @classmethod
     def runs(cls, device: str = "cpu", **options) -> tuple:

@@ -480,12 +480,18 @@ class Engine:
         if not valid:
             return out
         first = clocks[valid[0]]  # the state's tokenize and prefill are the first request's; the others reuse them
+        given = state
         try:
             state, hit = self._state(state, first)
         except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
             for i in valid:
                 out[i] = err
             return out
+        # each later request looks the state up in the cache as it would alone (the cache's hit and miss counts and
+        # each answer's cached tokens say so), but is never prefilled again: a state the cache cannot hold is a miss
+        # for every request, prefilled once for the group
+        hits = {i: hit if i == valid[0] or isinstance(given, State) else self.cache.get(state.ids) is not None
+                for i in valid}
         members = []
         for i in valid:
             clocks[i].setdefault("prefill", 0.0)
@@ -524,8 +530,7 @@ class Engine:
                 answers = self._answers(questions, mine_encoded, mine, readout, heads=my_heads)
                 clocks[i].update(pack=clocks[i]["pack"] + shared["pack"], score=shared["score"],
                                  readout=(time.perf_counter() - t2) * 1000)
-                reused = hit or i != valid[0]  # the first request's prefill served the others
-                out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if reused else 0, clocks[i])
+                out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if hits[i] else 0, clocks[i])
             except Exception as err:  # noqa: BLE001 - its failure is its own answer
                 out[i] = err
         return out
