@@ -233,6 +233,8 @@ def test_every_backend_has_one_shape(tiny_engine_dir):
     """The table holds classes: each says which engine precisions it runs (with the table's options), is built by
     its ``open`` and takes its name in its constructor; an engine of a precision it does not run is refused there,
     by name, with what to use instead."""
+    import dataclasses
+
     from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends import TABLE, backend_class, factory
     from onepass.runtime.backends.base import ENGINE_PRECISIONS, Backend
@@ -247,8 +249,7 @@ def test_every_backend_has_one_shape(tiny_engine_dir):
         assert Engine.load(tiny_engine_dir, backend=name, verify=False).backend.name == name
     assert backend_class("onnxruntime").runs(device="cpu") == ("fp32", "fp16")
     assert "bf16" in backend_class("onnxruntime-gpu").runs(device="cuda")
-    bf16 = mf.load(tiny_engine_dir, verify=False)
-    object.__setattr__(bf16, "precision", "bf16")
+    bf16 = dataclasses.replace(mf.load(tiny_engine_dir, verify=False), precision="bf16")
     with pytest.raises(BackendUnavailable, match="onnxruntime backend runs fp32 and fp16 engines, and this one is "
                                                  "bf16; ONNX Runtime's CPU provider has no bf16 GEMMs"):
         factory("onnxruntime")(tiny_engine_dir, bf16)

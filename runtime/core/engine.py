@@ -500,20 +500,20 @@ class Engine:
                 # its own size and limits, as alone: counted, never packed (the merged pass packs it once)
                 own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded[i], plan_only=True))
                 clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
-                members.append((i, state, requests[i], encoded[i], own))
+                members.append((i, requests[i], encoded[i], own))
             except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
                 out[i] = err
         if not members:
             return out
         shared: dict = {}  # the merged pass's pack and score, the same for every member
         try:
-            scored = self._score_merged(state, members, shared, deadline)
+            scored = self._score_merged(state, [q for _, _, mine, _ in members for q in mine], shared, deadline)
         except DeadlineExceeded as err:
             for i, *_ in members:
                 out[i] = err
             return out
         if scored is None:  # the pass failed: each request alone, so that it can only fail itself
-            for i, _, questions, _, _ in members:
+            for i, questions, _, _ in members:
                 try:
                     out[i] = self.run(state, questions, readout)
                 except Exception as err:  # noqa: BLE001 - its failure is its own answer
@@ -522,7 +522,7 @@ class Engine:
         merged, merged_heads = scored
         logprobs = iter(merged)
         heads = iter(merged_heads) if merged_heads is not None else None
-        for i, _, questions, mine_encoded, own in members:
+        for i, questions, mine_encoded, own in members:
             mine = [next(logprobs) for _ in mine_encoded]
             my_heads = [next(heads) for _ in mine_encoded] if heads is not None else None
             try:
@@ -535,11 +535,11 @@ class Engine:
                 out[i] = err
         return out
 
-    def _score_merged(self, state: State, members: list, clock: dict, deadline: float | None = None):
-        """(logprobs, heads) of the requests' questions in one pass, or None if that pass fails; DeadlineExceeded
+    def _score_merged(self, state: State, encoded: list, clock: dict, deadline: float | None = None):
+        """(logprobs, heads) of the requests' encoded questions in one pass, or None if that pass fails; DeadlineExceeded
         when the deadline passed between its passes (then nothing is retried)."""
         try:
-            _, logprobs, heads = self._score(state, [q for m in members for q in m[3]], clock, deadline)
+            _, logprobs, heads = self._score(state, encoded, clock, deadline)
         except DeadlineExceeded:
             raise
         except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
