@@ -28,6 +28,13 @@ def test_faster_devices_have_lower_floors(engine_dir):
     assert set(DEVICES) == {"orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "h200"}
 
 
+def test_fp32_runs_on_the_cuda_cores_not_a_quarter_of_the_tensor_cores(engine_dir):
+    """An fp32 pass without TF32 gets the CUDA cores' FP32 (H200: 67 TFLOPS, not 989 / 4 = 247)."""
+    fp16, fp32 = (plan(engine_dir, "h200", p)["latency_floor"]["prefill"] for p in ("fp16", "fp32"))
+    assert fp32["compute_ms"] / fp16["compute_ms"] == pytest.approx(989 / 67)
+    assert DEVICES["h200"].fp32_tflops == 67
+
+
 def test_unknown_device_and_precision(engine_dir):
     with pytest.raises(ValueError, match="unknown device 'tx2'"):
         plan(engine_dir, "tx2")

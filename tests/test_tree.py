@@ -99,3 +99,51 @@ def test_identical_questions_share_everything():
     batch = pack([q, q], past_len=0)
     np.testing.assert_array_equal(batch.input_ids, [1, 2])
     assert [r.tolist() for r in batch.option_readouts[0]] == [r.tolist() for r in batch.option_readouts[1]]
+
+
+def test_the_tree_in_2n_numbers_is_exactly_its_ancestor_mask():
+    """``intervals`` (what the GPU pass uploads instead of the [N, N] mask): on random forests, on packed batches
+    whose trunks run into other questions' options (not packed in preorder), after padding and for a causal chunk,
+    the interval formula gives exactly the ancestor mask; a batch carrying only its mask gets the same numbers."""
+    from onepass.runtime.core.tree import interval_mask, intervals, intervals_of_mask, pad_batch
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        parent = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+        order = intervals(parent)
+        np.testing.assert_array_equal(interval_mask(order), ancestor_mask(parent))
+        np.testing.assert_array_equal(intervals_of_mask(ancestor_mask(parent)), order)
+    qs = [QuestionTokens((1, 2, 3), ((4,), (5, 6))), QuestionTokens((1, 2), ((3, 7), (9,))),
+          QuestionTokens((1, 2, 3, 4, 5), ((7,), (8,)))]  # a trunk that continues another question's option
+    batch = pack(qs, past_len=10)
+    for b in (batch, pad_batch(batch, 16, 8), causal([5, 6, 7], 4)):
+        np.testing.assert_array_equal(interval_mask(b.tree_order), b.tree_mask)
+
+
+def test_negative_control_a_mask_that_is_no_tree_or_a_wrong_order_is_caught():
+    from onepass.runtime.core.tree import interval_mask, intervals, intervals_of_mask
+
+    parent = [-1, 0, 1, 0, 3]
+    order = intervals(parent)
+    shifted = order.copy()
+    shifted[:, 1] = order[:, 1].max()  # every subtree runs to the end: questions would see each other
+    assert not np.array_equal(interval_mask(shifted), ancestor_mask(parent))
+    crossed = ancestor_mask(parent)
+    crossed[4, 2] = True  # token 4 sees a token of another branch: no forest's ancestor mask
+    with pytest.raises(ValueError, match="not a forest's ancestor mask"):
+        intervals_of_mask(crossed)
+
+
+def test_buckets_pad_by_at_most_a_quarter_in_steps_of_8():
+    """Tight buckets (the GPU graphs' shapes): from 32 tokens on, a pass or state pads by at most 1.25x (powers of two
+    padded up to 2x: 513 -> 1,024); every bucket is a multiple of 8, monotonic, and a cap ends the ladder."""
+    from onepass.runtime.core.tree import bucket
+
+    sizes = [bucket(n) for n in range(1, 9000)]
+    assert all(b >= n and b % 8 == 0 for n, b in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes)
+    assert max(bucket(n) / n for n in range(32, 9000)) <= 1.25
+    assert (bucket(421), bucket(513), bucket(2243), bucket(100)) == (448, 640, 2560, 112)
+    assert bucket(1100, cap=1500) == 1280 and bucket(1400, cap=1500) == 1500 and bucket(1600, cap=1500) == 1792
+    assert len({bucket(n) for n in range(1, 8193)}) <= 40  # few shapes: the graphs a service captures stay few

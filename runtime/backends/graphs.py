@@ -96,6 +96,14 @@ class SlotTable:
                 raise
         return index
 
+    def hold(self, owner: object) -> int:
+        """The least recently used slot now holds ``owner``, whose K/V were written into it in place (a prefill into
+        the slot): no copy is counted. Returns its index."""
+        index = next(iter(self._owners))
+        self._owners[index] = weakref.ref(owner)
+        self._owners.move_to_end(index)
+        return index
+
     def vacate(self, index: int) -> None:
         """Slot ``index`` holds no state (its copy failed half-way: it must never count as a hit)."""
         self._owners[index] = None

@@ -1,15 +1,31 @@
-"""PyTorch backend: the engine's own graph weights in the exported decoder module, on CPU or CUDA.
+"""PyTorch backend: the engine's own graph weights as the fused decision pass (``fused_decoder.py``), on CPU or CUDA.
 
-For machines with PyTorch but no TensorRT, and the reference for GPU latency. The weights
-come from the engine directory's ONNX initializers (their names are the module's state-dict
-names), so nothing but the engine directory is needed; the manifest's ``source.dims`` gives
-the architecture. Same packed tree, same contract, same answers as the ONNX Runtime engine
-(tests/test_torch_backend.py). A state's K/V is prefilled into buffers allocated once at
-its full length (chunks are written in place); a score pass reads them without copying
-them to the host.
+For machines with PyTorch but no TensorRT, and the GPU path where TensorRT has no target (an H200 with TensorRT
+for RTX). The weights come from the engine directory's ONNX initializers (their names are the reference module's
+state-dict names), so nothing but the engine directory is needed; the manifest's ``source.dims`` gives the
+architecture. Same packed tree, same contract, same answers as the ONNX Runtime engine (tests/test_torch_backend.py,
+tests/test_fused_pass.py).
+
+One device **workspace** per backend (``FusedDecoder.workspace``: [L, H + 2 Hkv, rows, D] in the pass's dtype) is
+where every pass runs: a prefill chunk writes its K/V into the state rows of the workspace, and the whole state is
+copied once into the state's own buffer for the cache (one copy, not one per layer); a score pass over a state the
+workspace does not hold copies the state's K/V in first (one copy), and a state asked about again, or just
+prefilled, is still there (``slots``: a table of one slot). Nothing on the hot path depends on which state it is.
+
+With ``buckets`` (default: on CUDA) passes are padded to ``tree.bucket`` sizes (steps of a quarter power of two:
+at most 1.25x), the state to its bucket with its padding rows masked; with ``cuda_graphs`` (default: on CUDA) the
+score pass of each (state bucket, packed bucket, read-out bucket) and the prefill chunk of each (past, chunk bucket)
+is captured as a CUDA graph the *second* time it is seen (a one-off shape runs eagerly instead of paying a capture)
+and replayed after. A replay uploads its inputs once: one pinned host buffer, one copy into the device buffer the
+graphs read (ids, positions, the tree in 2N numbers, read-outs and the state length; the [N, N] mask is built on the
+device). Passes larger than the workspace's ``workspace_tokens`` rows run eagerly in a workspace of their own.
+
+``fused=False`` runs the reference decoder of ``torch_decoder.py`` instead, as the export does (fp32 residual
+stream, fp16/bf16 block GEMMs, fp32 attention): eagerly, no buckets, no graphs. It is what an engine's golden file
+was written with (the bf16 export check uses it) and the "before" of the GPU check.
 
 The backend table imports it only when ``torch-cpu`` or ``torch-cuda`` is asked for, so the rest of the runtime
-never imports torch; export builds its graphs from the same decoder module (torch_decoder.py).
+never imports torch.
 """
 
 from __future__ import annotations
@@ -23,10 +39,17 @@ import torch
 from onnx import numpy_helper
 
 from .base import Backend, StateKV
-from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed
+from .fused_decoder import FusedDecoder
+from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed
 from ..core.errors import EngineFileError
-from ..core.tree import PackedBatch, bucket, causal
+from ..core.tree import PackedBatch, bucket, causal, intervals_of_mask
 from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
+
+# rows of the persistent workspace (state bucket + packed bucket of a pass that can be captured): a 2,048-token state
+# with 2,048 packed tokens, or a 512-token state with 64 questions. SmolLM2 at fp16: 236 MB (30 layers x 15 head rows
+# x 4,096 x 64 x 2 bytes); a larger pass runs eagerly in a workspace of its own.
+WORKSPACE_TOKENS = 4096
+TORCH_GRAPHS = 256  # graphs kept (least recently used evicted): each holds kernel nodes, no memory of its own
 
 
 def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
@@ -67,135 +90,291 @@ def _initializer(root: Path, tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
-class TorchBackend(Backend):
-    """The decoder module on ``device`` ("cpu", "cuda", "cuda:1", ..., or "meta": shapes and devices
-    propagate, no data — the tests' CPU check of device placement) at ``precision`` (fp32, fp16, bf16).
+class Staging:
+    """A pass's integer inputs uploaded in one copy: a (pinned, on CUDA) host buffer and the device buffer that the
+    captured graphs read, both allocated once; ``views`` cuts the device buffer by the pass's shape, so a graph of a
+    shape always reads the same addresses."""
 
-    ``buckets`` pads every score pass to bucketed packed/read-out sizes, capped at the engine's
-    ``max_packed_tokens`` (default: on CUDA), so a few shapes repeat. With ``cuda_graphs`` (default: on
-    CUDA) a score pass reads its state from one of ``slots`` fixed K/V slots of ``slot_tokens`` rows
-    (``graphs.SlotTable``: one device copy when a state is new to its slot; a longer state runs without a graph),
-    padded to a state-length
-    bucket whose padding rows are masked (``past_length``), and the pass of each (slot, state bucket,
-    packed bucket, read-out bucket) is captured once as a CUDA graph and replayed: the captures are
-    bounded by slots x buckets whatever the number of distinct states, no graph holds a state's memory,
-    and the slots' bytes (``reserved_bytes``) come out of the engine's state-cache budget.
-    """
+    def __init__(self, capacity: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.device = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.capacity = capacity
+
+    @staticmethod
+    def layout(n: int, r: int) -> list[tuple[str, int]]:
+        """(name, length) of each input in the buffer, in order, for n packed tokens and r read-outs."""
+        return [("ids", n), ("positions", n), ("order", 2 * n), ("readout_index", r), ("readout_target", r),
+                ("past_length", 1)]
+
+    def upload(self, arrays: dict) -> dict:
+        """Write ``arrays`` (by name, int64) into the host buffer, copy once to the device; the device views."""
+        n, r = arrays["ids"].shape[0], arrays["readout_index"].shape[0]
+        host, views, at = self.host.numpy(), {}, 0
+        for name, size in self.layout(n, r):
+            host[at:at + size] = np.asarray(arrays[name]).reshape(-1)
+            at += size
+        self.device[:at].copy_(self.host[:at], non_blocking=True)
+        return self.views(n, r)
+
+    def views(self, n: int, r: int) -> dict:
+        views, at = {}, 0
+        for name, size in self.layout(n, r):
+            views[name] = self.device[at:at + size]
+            at += size
+        views["order"] = views["order"].view(n, 2)
+        views["past_length"] = views["past_length"].view(())
+        return views
+
+    @staticmethod
+    def needed(n: int, r: int) -> int:
+        return 4 * n + 2 * r + 1
+
+
+class TorchBackend(Backend):
+    """The fused pass (or, with ``fused=False``, the reference decoder) on ``device`` ("cpu", "cuda", "cuda:1", ...,
+    or "meta": shapes and devices propagate, no data — the tests' CPU check of device placement) at ``precision``
+    (fp32, fp16, bf16; default the engine's). See the module docstring for ``buckets``, ``cuda_graphs`` and
+    ``workspace_tokens``; ``capture_after`` is the sighting of a shape at which it is captured."""
 
     graph_devices = ("cuda",)  # where ``_capture_graph`` works (a test stand-in adds "cpu")
 
     def __init__(self, root: Path, manifest, threads: int | None = None, *, name: str | None = None,
-                 device: str = "cpu", precision: str | None = None, buckets: bool | None = None,
-                 cuda_graphs: bool | None = None, slots: int = SLOTS, slot_tokens: int = SLOT_TOKENS,
-                 max_graphs: int = MAX_GRAPHS):
+                 device: str = "cpu", precision: str | None = None, fused: bool = True, buckets: bool | None = None,
+                 cuda_graphs: bool | None = None, workspace_tokens: int = WORKSPACE_TOKENS,
+                 max_graphs: int = TORCH_GRAPHS, capture_after: int = 2):
         super().__init__(manifest.model, name)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        self.precision = precision
+        self.precision, self.fused = precision, fused
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineFileError("the torch backend was asked for CUDA but torch.cuda.is_available() is False")
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
-        self.decoder = lower_precision(decoder_from_engine(Path(root), manifest), precision).to(self.device)
-        m = manifest.model
-        self._empty = torch.zeros(m.num_kv_heads, 0, m.head_dim, device=self.device)
         on_cuda = self.device.type == "cuda"
-        self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = fused and (on_cuda if cuda_graphs is None else cuda_graphs)
         if self.cuda_graphs and self.device.type not in self.graph_devices:
             raise ValueError("CUDA graphs need a CUDA device")
-        self.buckets = (on_cuda if buckets is None else buckets) or self.cuda_graphs
+        if not fused and (buckets or cuda_graphs):
+            raise ValueError("buckets and CUDA graphs are the fused pass's (fused=True)")
+        self.buckets = fused and ((on_cuda if buckets is None else buckets) or self.cuda_graphs)
         self.max_packed = manifest.limits.max_packed_tokens
-        self.slot_tokens = min(slot_tokens, manifest.limits.max_state_tokens)
-        self.slots = SlotTable(slots)
-        self._slots: torch.Tensor | None = None  # [slots, 2L, Hkv, slot_tokens, D], allocated at first use
-        self.reserved_bytes = slots * self.slot_tokens * m.kv_bytes_per_token() if self.cuda_graphs else 0
-        self.graphs = GraphCache(max_graphs)
-        # One memory pool for every captured graph: a graph's temporaries live only during its replay and
-        # replays never overlap (one stream, serialised calls), so graphs may reuse each other's temporaries;
-        # a pool per graph would hold every graph's activations.
+        reference = decoder_from_engine(Path(root), manifest)
+        if not fused:
+            self.decoder = lower_precision(reference, precision).to(self.device)
+            self._empty = torch.zeros(self.model.num_kv_heads, 0, self.model.head_dim, device=self.device)
+            return
+        self.decoder = FusedDecoder(reference, PRECISIONS[precision], self.device)
+        self.dtype = PRECISIONS[precision]
+        self.workspace_tokens = workspace_tokens
+        self.slots = SlotTable(1)  # which state's K/V the workspace holds
+        self._ws: torch.Tensor | None = None  # [L, Z, rows, D], allocated at first use
+        self._stage: Staging | None = None
+        self.graphs = GraphCache(max_graphs, capture_after=capture_after)
+        self.reserved_bytes = self._ws_bytes(workspace_tokens) if self.cuda_graphs else 0
+        # One memory pool for every captured graph: a graph's temporaries live only during its replay and replays
+        # never overlap (one stream, serialised calls), so graphs may reuse each other's temporaries.
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and on_cuda else None
+
+    # -- sizes ------------------------------------------------------------------------------------------------
+
+    def _ws_bytes(self, rows: int) -> int:
+        return self.model.num_layers * self.decoder.heads * rows * self.model.head_dim * self.dtype.itemsize
+
+    def _kv_bytes(self, length: int) -> int:
+        """Device bytes of a state's K/V at this pass's dtype."""
+        m = self.model
+        itemsize = self.dtype.itemsize if self.fused else 4
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * length * itemsize
+
+    def _size(self, n: int) -> int:
+        """A pass's (or state's) padded size: its bucket when bucketing, capped at max_packed_tokens."""
+        return bucket(n, max(self.max_packed, n)) if self.buckets and n else n
+
+    def _workspace(self, rows: int) -> tuple[torch.Tensor, bool]:
+        """(a workspace of at least ``rows`` rows, whether it is the persistent one). With graphs the persistent
+        workspace has a fixed size (graphs keep its address) and a larger pass gets a temporary one; without, it
+        grows to the largest pass seen (``release_memory`` gives it back)."""
+        if self._ws is not None and rows <= self._ws.shape[2]:
+            return self._ws, True
+        if self.cuda_graphs:
+            if rows > self.workspace_tokens:
+                return self.decoder.workspace(rows), False
+            self._ws = self.decoder.workspace(self.workspace_tokens)
+        else:
+            self.slots.forget()
+            self._ws = None
+            self._ws = self.decoder.workspace(self._size(rows))
+        return self._ws, True
+
+    def _staging(self, n: int, r: int) -> tuple[Staging, bool]:
+        """(the staging buffers a pass of n tokens and r read-outs uploads through, whether they are the shared
+        ones that graphs read)."""
+        need = Staging.needed(n, r)
+        if self._stage is None:
+            self._stage = Staging(Staging.needed(self.workspace_tokens, self.workspace_tokens), self.device)
+        if need <= self._stage.capacity:
+            return self._stage, True
+        return Staging(need, self.device), False
+
+    # -- the Backend interface --------------------------------------------------------------------------------
 
     def device_timer(self):
         """CUDA events on the current stream around a call (None on CPU): `onepass bench`'s device stage."""
         return CudaEvents() if self.device.type == "cuda" else None
 
+    def empty(self) -> StateKV:
+        if not self.fused:
+            return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
+        return self._state(self._new_storage(0), 0)
+
+    def _new_storage(self, length: int) -> torch.Tensor:
+        m = self.model
+        return torch.empty(m.num_layers, 2 * m.num_kv_heads, length, m.head_dim, device=self.device,
+                           dtype=self.dtype)  # [L, 2Hkv, S, D]
+
+    def _state(self, storage: torch.Tensor, length: int) -> StateKV:
+        hkv = self.model.num_kv_heads
+        layers = tuple((layer[:hkv], layer[hkv:]) for layer in storage.unbind(0))  # [Hkv, S, D] views
+        return StateKV(layers, length, self._kv_bytes(length), storage)
+
     def score_all(self, kv: StateKV, batch: PackedBatch):
-        """Score pass, padded to a bucket (and replayed from a CUDA graph over a slot) when configured."""
-        if not self.buckets:
+        """One score pass: padded to its buckets, over the state placed in the workspace, replayed from a graph."""
+        if not self.fused:
             return super().score_all(kv, batch)
         self.check(batch)
         r = batch.readout_index.shape[0]
-        padded = bucketed(batch, self.max_packed)
-        if self.cuda_graphs and 0 < kv.length <= self.slot_tokens:
-            logprob, head = self._graph_pass(kv, padded)
-        else:
-            logprob, _, head = self._run(padded, kv)
+        if batch.tree_order is None:  # a batch built from a mask alone (a golden file's)
+            batch = PackedBatch(batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index,
+                                batch.readout_target, batch.option_readouts, intervals_of_mask(batch.tree_mask))
+        if self.buckets:
+            batch = bucketed(batch, self.max_packed)
+        logprob, head = self._score(kv, batch)
         return logprob[:r], (head[:r] if head is not None else None)
 
     @torch.inference_mode()
-    def _graph_pass(self, kv: StateKV, batch: PackedBatch):
-        """``batch`` over ``kv`` copied into its slot, through the graph of (slot, state bucket, batch shape)."""
-        slots = self._slot_storage()  # allocated before a slot is promised to the state
-        index = self.slots.fill(kv, lambda i: self._copy_in(slots[i], kv))
-        slot = slots[index]  # [2L, Hkv, slot_tokens, D]
-        past = bucket(kv.length, self.slot_tokens)
-        arrays = (batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index, batch.readout_target,
-                  np.asarray(kv.length, dtype=np.int64))
-        key = (index, past, batch.num_tokens, batch.readout_index.shape[0])
-        views = list(slot[:, :, :past].unbind(0))  # 2L views [Hkv, past, D] at addresses that never move
+    def _score(self, kv: StateKV, batch: PackedBatch):
+        n, r = batch.num_tokens, batch.readout_index.shape[0]
+        past = self._size(kv.length)
+        ws, persistent = self._workspace(past + n)
+        stage, shared = self._staging(n, r)
+        arrays = {"ids": batch.input_ids, "positions": batch.position_ids, "order": batch.tree_order,
+                  "readout_index": batch.readout_index, "readout_target": batch.readout_target,
+                  "past_length": np.asarray([kv.length])}
+        with self.device_span():
+            self._place(kv, ws, persistent)
+            inputs = stage.upload(arrays)
+
+            def run():
+                return self.decoder.score(ws, past, **inputs)
+            out = self._pass(("score", past, n, r), run, graphable=persistent and shared)
+        logprob, head = out
+        return self.to_host(logprob), (self.to_host(head) if head is not None else None)
+
+    def _place(self, kv: StateKV, ws: torch.Tensor, persistent: bool) -> None:
+        """The state's K/V in the workspace's state rows: copied (one copy) unless the workspace holds it."""
+        if not kv.length:
+            return
+        rows = self.decoder.kv_rows(ws)[:, :, :kv.length]  # [L, 2Hkv, S, D]
+        if not persistent:
+            rows.copy_(kv.storage)
+            return
+        self.slots.fill(kv, lambda _: rows.copy_(kv.storage))
+
+    def _pass(self, key, run, graphable: bool):
+        """``run()`` replayed from the graph of ``key`` when graphs are on and the pass may be captured, else eager."""
+        if not (self.cuda_graphs and graphable):
+            return run()
 
         def capture():
-            static = [torch.from_numpy(a).to(self.device) for a in arrays]
-
-            def run():  # only the read-outs leave the graph: its presents are temporaries of the shared pool
-                out = self.decoder(*static[:3], *views, *static[3:5], past_length=static[5])
-                return out[0], (out[-1] if self.decoder.head is not None else None)
             graph, out = self._capture_graph(run)
-            return graph, static, out
+            return graph, out
 
         def replay(entry):
-            graph, static, out = entry
+            graph, out = entry
+            graph.replay()
+            return out
+        return self.graphs.run(key, capture, replay, run)
+
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+        """K/V of ``kv``'s tokens followed by ``ids``: causal chunks written into the workspace's state rows (each
+        chunk padded to its bucket, its graph replayed), then the whole state copied once into its own buffer."""
+        if not self.fused:
+            return super().extend(kv, ids, chunk)
+        total = kv.length + len(ids)
+        starts = range(0, len(ids), chunk)
+        rows = max(kv.length + s + self._size(min(chunk, len(ids) - s)) for s in starts)  # the last chunk's padding
+        ws, persistent = self._workspace(rows)
+        with torch.inference_mode():
             with self.device_span():
-                for dst, src in zip(static, arrays):
-                    dst.copy_(torch.from_numpy(src), non_blocking=True)
-                graph.replay()
-            logprob, head = out
-            return self.to_host(logprob), (self.to_host(head) if head is not None else None)
+                self._place(kv, ws, persistent)
+            if persistent:
+                self.slots.forget()  # its state rows are being overwritten
+            for start in starts:
+                self._prefill_chunk(ws, persistent, kv.length + start, ids[start:start + chunk])
+            storage = self._new_storage(total)
+            with self.device_span():
+                storage.copy_(self.decoder.kv_rows(ws)[:, :, :total])
+        state = self._state(storage, total)
+        if persistent:
+            self.slots.hold(state)  # prefilled in place: the workspace holds it, no copy needed
+        return state
 
-        def plain():
-            logprob, _, head = self._run(batch, kv)
-            return logprob, head
-        return self.graphs.run(key, capture, replay, plain)
+    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+        if len(ids) == 0:
+            raise ValueError("a state needs at least one token")
+        return self.extend(self.empty(), ids, chunk)
 
-    def _slot_storage(self) -> torch.Tensor:
-        """Every slot, [slots, 2L, Hkv, slot_tokens, D]: zeros at first (padding rows must be finite: a masked row
-        still multiplies its value)."""
-        if self._slots is None:
-            m = self.model
-            self._slots = torch.zeros(self.slots.count, 2 * m.num_layers, m.num_kv_heads, self.slot_tokens,
-                                      m.head_dim, device=self.device)
-        return self._slots
+    def _prefill_chunk(self, ws, persistent: bool, past: int, ids: Sequence[int]) -> None:
+        """One chunk after ``past`` rows: padded to its bucket (padding tokens repeat the last position and come
+        after every real one, so no real token sees them), K/V into ws rows [past, past + padded)."""
+        n = len(ids)
+        padded = self._size(n)
+        arrays = {"ids": np.concatenate([np.asarray(ids, np.int64), np.zeros(padded - n, np.int64)]),
+                  "positions": past + np.minimum(np.arange(padded), n - 1),
+                  "order": np.zeros((padded, 2), np.int64), "readout_index": np.zeros(0, np.int64),
+                  "readout_target": np.zeros(0, np.int64), "past_length": np.asarray([past])}
+        stage, shared = self._staging(padded, 0)
+        with self.device_span():
+            inputs = stage.upload(arrays)
 
-    @staticmethod
-    def _copy_in(slot: torch.Tensor, kv: StateKV) -> None:
-        """The state's K/V into the first rows of ``slot``: one copy from prefill's single buffer, else per tensor."""
-        if kv.storage is not None:
-            slot[:, :, :kv.length].copy_(kv.storage)
-            return
-        for dst, src in zip(slot.unbind(0), (value for pair in kv.layers for value in pair)):
-            dst[:, :kv.length].copy_(src)
+            def run():
+                self.decoder.prefill(ws, past, inputs["ids"], inputs["positions"])
+                return ()
+            self._pass(("prefill", past, padded), run, graphable=persistent and shared)
+
+    def _run(self, batch: PackedBatch, kv: StateKV):
+        """The reference decoder's pass (``fused=False``): (target log-probs, the new tokens' K/V, head scores)."""
+        if self.fused:
+            raise NotImplementedError("the fused pass runs through score_all and extend")
+
+        def t(a):
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        past = [value for pair in kv.layers for value in pair]
+        with torch.inference_mode(), self.device_span():
+            out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                               t(batch.readout_index), t(batch.readout_target))
+        layers = 2 * self.model.num_layers
+        head = self.to_host(out[1 + layers]) if self.decoder.head is not None else None
+        return self.to_host(out[0]), list(out[1:1 + layers]), head
+
+    def _append(self, kv: StateKV, new) -> StateKV:
+        """``kv`` followed by ``new`` (the reference decoder's prefill)."""
+        return self._joined(kv, new, new[0].shape[1], lambda old, add: torch.cat([old, add], 1))
+
+    # -- graphs and memory ------------------------------------------------------------------------------------
 
     def _capture_graph(self, run):
-        """(a CUDA graph of ``run()``, its output tensors), after two warm-up runs on a side stream (allocator,
+        """(a CUDA graph of ``run()``, its output tensors), after a warm-up run on a side stream (allocator,
         kernels). Any failure of the capture is ``CaptureFailed``: that key then runs without a graph."""
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
+                run()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
@@ -206,57 +385,35 @@ class TorchBackend(Backend):
             raise CaptureFailed(str(err)) from err
         return graph, out
 
+    def graph_stats(self) -> dict | None:
+        stats = super().graph_stats()
+        if stats is not None:
+            stats["kernels"] = self.decoder.kernels.describe()
+        return stats
+
+    def release_memory(self) -> bool:
+        """Without graphs: give back the workspace (it grew to the largest pass); with graphs it stays (they hold
+        its address)."""
+        if not self.fused or self.cuda_graphs or self._ws is None:
+            return False
+        self.slots.forget()
+        self._ws = None
+        return True
+
     def close(self) -> None:
-        """Drop the graphs and the slots (device memory goes back to torch's allocator)."""
+        """Drop the graphs and the workspace (device memory goes back to torch's allocator)."""
+        if not self.fused:
+            return
         self.graphs.clear()
         self.slots.forget()
-        self._slots = None
+        self._ws = None
+        self._stage = None
 
     def to_host(self, value) -> np.ndarray:
         """A device tensor as float32 numpy; on the ``meta`` device (shapes only) zeros of its shape."""
         if value.is_meta:
             return np.zeros(tuple(value.shape), dtype=np.float32)
         return value.float().cpu().numpy()
-
-    def empty(self) -> StateKV:
-        return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
-
-    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
-        """K/V buffers allocated once at the state's length; each chunk is written into them in place."""
-        if len(ids) == 0:
-            raise ValueError("a state needs at least one token")
-        m = self.model
-        storage = torch.empty(2 * m.num_layers, m.num_kv_heads, len(ids), m.head_dim, device=self.device)
-        buffers = list(storage.unbind(0))  # 2L views [Hkv, S, D]: one buffer, copied into a graph slot at once
-        for start in range(0, len(ids), chunk):
-            past = [b[:, :start] for b in buffers]
-            kv = StateKV(tuple((past[2 * i], past[2 * i + 1]) for i in range(m.num_layers)), start, 0)
-            _, new, _ = self._run(causal(ids[start:start + chunk], start), kv)
-            for b, n in zip(buffers, new):
-                b[:, start:start + n.shape[1]].copy_(n)
-        layers = tuple((buffers[2 * i], buffers[2 * i + 1]) for i in range(m.num_layers))
-        return StateKV(layers, len(ids), len(ids) * m.kv_bytes_per_token(), storage)
-
-    @torch.inference_mode()
-    def _run(self, batch: PackedBatch, kv: StateKV):
-        def t(a):
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        past = [value for pair in kv.layers for value in pair]
-        with self.device_span():
-            out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
-                               t(batch.readout_index), t(batch.readout_target))
-        return self._outputs(out)
-
-    def _outputs(self, out) -> tuple:
-        """(target log-probs on the host, presents on the device, head scores on the host or None)."""
-        layers = 2 * self.model.num_layers
-        head = self.to_host(out[1 + layers]) if self.decoder.head is not None else None
-        return self.to_host(out[0]), list(out[1:1 + layers]), head
-
-    def _append(self, kv: StateKV, new) -> StateKV:
-        """``kv`` followed by ``new`` (the base-class prefill path; this backend's prefill writes in place)."""
-        return self._joined(kv, new, new[0].shape[1], lambda old, add: torch.cat([old, add], 1))
 
 
 class CudaEvents:

@@ -55,6 +55,10 @@ class PackedBatch:
     readout_index: np.ndarray  # [R] int64
     readout_target: np.ndarray  # [R] int64
     option_readouts: list = field(default_factory=list)  # [question][option] -> int64 array of read-outs
+    # [N, 2] int64: each token's preorder number in the tree and the last preorder number of its subtree, so that
+    # tree_mask[i, j] == (order[j, 0] <= order[i, 0] <= order[j, 1]) (``intervals``): the mask in 2N numbers, what
+    # the GPU pass uploads and expands on the device. None where a batch was built from a mask alone.
+    tree_order: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +101,48 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
             mask[i] = mask[p]
         mask[i, i] = True
     return mask
+
+
+def intervals(parent: Sequence[int]) -> np.ndarray:
+    """[N, 2] int64 (preorder number, last preorder number of the subtree) of each token of a forest given by
+    ``parent`` (-1 for a root; parents precede children). Token i sees token j (j is i or an ancestor of i) exactly
+    when ``order[j, 0] <= order[i, 0] <= order[j, 1]``: :func:`ancestor_mask` in 2N numbers, whatever the order
+    the tokens are packed in."""
+    n = len(parent)
+    size = [1] * n
+    for i in range(n - 1, -1, -1):
+        if parent[i] >= 0:
+            size[parent[i]] += size[i]
+    pre, free, roots = [0] * n, [0] * n, 0  # free[p]: the next preorder number a child of p takes
+    for i, p in enumerate(parent):
+        if p < 0:
+            pre[i], roots = roots, roots + size[i]
+        else:
+            pre[i] = free[p]
+            free[p] += size[i]
+        free[i] = pre[i] + 1
+    order = np.empty((n, 2), dtype=np.int64)
+    order[:, 0] = pre
+    order[:, 1] = order[:, 0] + np.asarray(size, dtype=np.int64) - 1
+    return order
+
+
+def interval_mask(order: np.ndarray) -> np.ndarray:
+    """[N, N] bool from :func:`intervals`: row i True at every j whose subtree holds i (the device's formula)."""
+    pre, last = order[:, 0], order[:, 1]
+    return (pre[None, :] <= pre[:, None]) & (pre[:, None] <= last[None, :])
+
+
+def intervals_of_mask(mask: np.ndarray) -> np.ndarray:
+    """:func:`intervals` of a batch that carries only its mask (a golden file's): each token's parent is its nearest
+    earlier visible token; ValueError when the mask is not the ancestor mask of a forest in packing order."""
+    n = mask.shape[0]
+    earlier = np.tril(mask, -1)
+    parent = np.where(earlier.any(1), n - 1 - np.argmax(earlier[:, ::-1], axis=1), -1)
+    order = intervals(parent.tolist())
+    if not np.array_equal(interval_mask(order), mask):
+        raise ValueError("the tree mask is not a forest's ancestor mask (each token, itself and its ancestors)")
+    return order
 
 
 def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None,
@@ -142,6 +188,7 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
         readout_index=np.array([packed_of[trie.parent[n]] for n in readout_of], dtype=np.int64),
         readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
         option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],
+        tree_order=intervals(parent),
     )
 
 
@@ -208,6 +255,7 @@ def causal(ids: Sequence[int], start: int) -> PackedBatch:
         tree_mask=np.tril(np.ones((n, n), dtype=bool)),
         readout_index=np.array([n - 1], dtype=np.int64),
         readout_target=np.array([int(ids[0])], dtype=np.int64),
+        tree_order=np.stack([np.arange(n, dtype=np.int64), np.full(n, n - 1, dtype=np.int64)], axis=1),
     )
 
 
@@ -223,13 +271,17 @@ def option_head_scores(batch: PackedBatch, head_score: np.ndarray) -> list[np.nd
     return [np.array([hs[r[-1]] for r in q]) for q in batch.option_readouts]
 
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MIN_STEP = 8  # the finest bucket step (and the alignment of every bucket: tensor-core GEMMs like multiples of 8)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
-    """The smallest bucket size >= n (n itself above the largest bucket), never above ``cap`` (a limit such as
-    ``max_packed_tokens`` that need not be a power of two: the TensorRT profiles end there) when n fits under it."""
-    b = next((b for b in BUCKETS if b >= n), n)
+    """The size ``n`` tokens (or read-outs) pad to: ``n`` rounded up to a step of a quarter of the largest power of two
+    not above it (at least ``MIN_STEP``): 16, 24, ..., 64, 80, ..., 128, 160, ..., 256, 320, ..., 512, 640, ...
+    Padding is at most 1.25x from 32 on (a power of two plus one pads to 1.25 times that power), where powers of two
+    padded up to 2x. Never above ``cap`` (a limit such as ``max_packed_tokens`` that need not be on the ladder: the
+    TensorRT profiles end there) when ``n`` fits under it."""
+    step = max(MIN_STEP, (1 << (max(n, 1).bit_length() - 1)) // 4)
+    b = -(-max(n, 1) // step) * step
     return min(b, cap) if cap is not None and n <= cap else b
 
 
@@ -246,6 +298,10 @@ def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
     mask[:n, :n] = batch.tree_mask
     mask[np.arange(n, packed), np.arange(n, packed)] = True
     last = int(batch.position_ids.max()) if n else 0
+    order = None
+    if batch.tree_order is not None:  # each padding token a root of its own, numbered after every real one
+        own = np.arange(n, packed, dtype=np.int64)
+        order = np.concatenate([batch.tree_order, np.stack([own, own], axis=1)])
     return PackedBatch(
         input_ids=np.concatenate([batch.input_ids, np.zeros(packed - n, np.int64)]),
         position_ids=np.concatenate([batch.position_ids, np.full(packed - n, last, np.int64)]),
@@ -253,4 +309,5 @@ def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
         readout_index=np.concatenate([batch.readout_index, np.zeros(readout - r, np.int64)]),
         readout_target=np.concatenate([batch.readout_target, np.zeros(readout - r, np.int64)]),
         option_readouts=batch.option_readouts,
+        tree_order=order,
     )

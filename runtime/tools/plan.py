@@ -50,7 +50,7 @@ def plan(engine_dir: str | Path, device: str, precision: str = "fp16", state_tok
         flops = 2 * (params - embed) * tokens + 4 * model.num_layers * model.num_heads * model.head_dim * tokens * context
         peak = (dev.int8_tops if precision in ("int8", "fp8") else dev.fp16_tflops) * 1e12
         if precision == "fp32":
-            peak = dev.fp16_tflops * 1e12 / 4  # no FP32 tensor cores assumed
+            peak = dev.fp32_tflops * 1e12  # the CUDA cores' FP32 (TF32 tensor cores not assumed)
         read = weights - embed * b + kv_per_token * context
         return {"compute_ms": flops / peak * 1e3, "memory_ms": read / (dev.bandwidth_gbs * 1e9) * 1e3,
                 "floor_ms": max(flops / peak, read / (dev.bandwidth_gbs * 1e9)) * 1e3}
@@ -70,6 +70,8 @@ def plan(engine_dir: str | Path, device: str, precision: str = "fp16", state_tok
             "(INT8/FP8: K/V and activations stay 16-bit)",
             "FLOPs: 2 x non-embedding parameters per token + 4 x layers x heads x head_dim x context (attention); "
             "logits only at read-out rows (ignored)",
+            f"peak: dense tensor cores at fp16/bf16 ({dev.fp16_tflops:g} TFLOPS) and INT8/FP8 ({dev.int8_tops:g} TOPS); "
+            f"fp32 on the CUDA cores ({dev.fp32_tflops:g} TFLOPS: TF32 not assumed)",
             "memory traffic: every non-embedding weight read once per pass plus the state's K/V",
             "activations: one layer's fp32 attention scores at the packed/state limits plus MLP buffers",
             f"TensorRT workspace: {dev.workspace_mib} MiB, the limit `onepass build-trt --device {device}` builds with",
