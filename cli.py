@@ -199,7 +199,7 @@ def cmd_build_trt(args) -> int:
     from .runtime.backends.tensorrt_build import build_plans
 
     records = build_plans(Path(args.engine), args.arch, precision=args.precision, flavour=args.flavour,
-                          device=args.device)
+                          device=args.device, tf32=args.tf32)
     print(f"recorded {len(records)} plan(s) in {Path(args.engine) / 'manifest.json'}")
     return 0
 

@@ -153,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
                      help="(default: the graph's)")
     trt.add_argument("--device", default=None, choices=sorted(DEVICES), help="the builder's workspace budget")
     trt.add_argument("--flavour", choices=["tensorrt", "tensorrt_rtx"], default=None, help="default: tensorrt if any")
+    trt.add_argument("--tf32", action="store_true", help="fp32 plans may round GEMM inputs to TF32 (tensor cores; "
+                     "off by default: an fp32 plan then reproduces the fp32 golden file)")
     qz = sub.add_parser("quantize", help="INT8 engine that must keep its answers on labelled rows (else refused)")
     qz.add_argument("--engine", required=True, help="fp32 engine directory")
     qz.add_argument("--out", required=True, help="INT8 engine directory to write")

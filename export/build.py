@@ -17,6 +17,7 @@ from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.prompt import PromptEncoder, PromptTemplate
 from ..runtime.core.selfcheck import check_golden
+from ..runtime.backends.engine_weights import match
 from ..runtime.backends.torch_decoder import PackedDecoder, lower_precision
 from .adapter import card, resolve
 from .golden import write_golden
@@ -95,6 +96,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
         step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
         export_decoder(decoder, tmp / GRAPH)
         name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
+        weights = weight_map(decoder, tmp / GRAPH)
         step("writing tokenizer and golden file")
         loaded.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER))
         for file_name, path in (extra_files or {}).items():
@@ -110,7 +112,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                                tuning=tuning, precision=precision,
                                source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                       "dims": asdict(dims)})
+                                       "dims": asdict(dims), "weights": weights})
         mf.write(tmp, manifest)
         if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 GEMM: see export/bf16_check.py
             from .bf16_check import check_bf16_engine
@@ -130,6 +132,15 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     tmp.rename(out)
     step(f"engine written to {out}")
     return out
+
+
+def weight_map(decoder: PackedDecoder, graph: Path) -> dict[str, str]:
+    """{the reference decoder's weight name: the graph initializer that holds it}, matched by content: the PyTorch
+    backend rebuilds the decoder through it, whatever names this torch's exporter chose (runtime/backends/
+    engine_weights.py). Names as the backend reads them (a lowered layer's ``.inner.`` dropped)."""
+    weights = {name.replace(".inner.", "."): (tuple(t.shape), t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+               for name, t in decoder.state_dict().items()}
+    return match(weights, graph)
 
 
 def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,

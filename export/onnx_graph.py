@@ -27,7 +27,7 @@ def example_inputs(dims, packed: int = 7, past: int = 5, readout: int = 3) -> tu
     kv = [torch.randn(dims.num_kv_heads, past, dims.head_dim) for _ in range(2 * dims.num_layers)]
     r_index = torch.arange(readout, dtype=torch.int64)
     r_target = torch.arange(20, 20 + readout, dtype=torch.int64)
-    return (ids, pos, mask, *kv, r_index, r_target)
+    return (ids, pos, mask, *kv, r_index, r_target, torch.tensor(past - 1, dtype=torch.int64))
 
 
 def dynamic_shapes(dims) -> tuple:

@@ -80,3 +80,33 @@ def test_negative_control_causal_mask_over_the_packed_sequence_fails():
     broken = packed_logprobs(decoder, lambda b: dataclasses.replace(b, tree_mask=np.tril(np.ones((n, n), bool))))
     diffs = [np.abs(lp - option_logprobs_alone(model, STATE, q)).max() for q, lp in zip(QUESTIONS, broken)]
     assert max(diffs) > 100 * TOL
+
+
+def fused_logprobs(model, bucket_state: bool = False):
+    """The GPU pass (fused_decoder.py, fp32 on CPU) over the same state and questions: prefill into a workspace,
+    then one packed pass; ``bucket_state`` pads the state rows to 16 with junk, masked by past_length."""
+    from onepass.runtime.backends.fused_decoder import FusedDecoder
+
+    fused = FusedDecoder(PackedDecoder(model).eval(), torch.float32, torch.device("cpu"))
+    batch = pack(QUESTIONS, len(STATE))
+    past = 16 if bucket_state else len(STATE)
+    ws = fused.workspace(past + batch.num_tokens)
+    t = torch.from_numpy
+    with torch.inference_mode():
+        fused.prefill(ws, 0, t(np.asarray(STATE)), t(np.arange(len(STATE))))
+        fused.kv_rows(ws)[:, :, len(STATE):past] = 7.0  # junk in the padding rows
+        target, _ = fused.score(ws, past, t(batch.input_ids), t(batch.position_ids), t(batch.tree_order),
+                                torch.tensor(len(STATE)), t(batch.readout_index), t(batch.readout_target))
+    return option_logprobs(batch, target.numpy())
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_the_gpu_pass_equals_each_question_alone(arch):
+    """Llama, Qwen2 (q/k/v biases, folded with the rotated rows) and Qwen3 (per-head q/k norms before rotary): the
+    fused pass against transformers asked one question at a time, its state padded with masked junk rows."""
+    model = tiny_model(arch)
+    for lp, q in zip(fused_logprobs(model, bucket_state=True), QUESTIONS):
+        want = option_logprobs_alone(model, STATE, q)
+        np.testing.assert_allclose(lp, want, rtol=0, atol=TOL, err_msg=f"{arch}: max diff {np.abs(lp - want).max()}")
+    plain = fused_logprobs(model)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain, fused_logprobs(model, bucket_state=True))) < TOL

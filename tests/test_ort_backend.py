@@ -121,3 +121,31 @@ def test_the_cuda_provider_runs_on_the_backends_own_stream_which_bench_times(tin
     plain = OrtBackend(tiny_engine_dir, manifest, device="cuda", device_id=1)
     assert made[-1][0] == ("CUDAExecutionProvider", {"device_id": 1}) and plain.device_timer() is None
     assert OrtBackend(tiny_engine_dir, manifest).device_timer() is None
+
+
+def test_the_graphs_past_length_masks_a_padded_past(tiny_engine_dir):
+    """The contract's past_length (what lets TensorRT pad a state to its bucket): the exported graph run on a past
+    padded with junk rows and told the state's length gives the unpadded pass's outputs; told the padded length
+    (the negative control), it does not."""
+    import onnxruntime as ort
+
+    from onepass.runtime.core.manifest import load
+
+    engine = Engine.load(tiny_engine_dir, verify=False, backend="onnxruntime")
+    state = engine.state("I was charged twice for one order. Refund it.")
+    batch = engine.pack(state, engine.encode_questions({"refund": Noul("Refund?")}))
+    manifest = load(tiny_engine_dir, verify=False)
+    session = ort.InferenceSession(str(tiny_engine_dir / manifest.graph))
+    past = [v.numpy() for pair in state.kv.layers for v in pair]
+    junk = [np.concatenate([v, np.random.default_rng(0).normal(size=(v.shape[0], 9, v.shape[2])).astype(np.float32)],
+                           axis=1) for v in past]
+
+    def run(values, length):
+        feeds = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
+                 "readout_index": batch.readout_index, "readout_target": batch.readout_target,
+                 "past_length": np.asarray(length, dtype=np.int64)}
+        feeds.update(zip(engine.backend.past_names, values))
+        return session.run(["target_logprob"], feeds)[0]
+    want = run(past, state.num_tokens)
+    np.testing.assert_allclose(run(junk, state.num_tokens), want, rtol=0, atol=1e-5)
+    assert np.abs(run(junk, state.num_tokens + 9) - want).max() > 1e-3

@@ -47,6 +47,22 @@ def test_build_plans(tiny_engine_dir, tmp_path, monkeypatch, archs):
         shutil.rmtree(copy, ignore_errors=True)
 
 
+def test_an_fp32_plan_may_use_tf32_when_asked(tiny_engine_dir, tmp_path, monkeypatch):
+    """--tf32 lets an fp32 plan round its GEMM inputs to TF32 (recorded); without it, TF32 stays off (above)."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu13)")
+    from test_engine import _copy_engine
+
+    from onepass.cli import main
+
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
+    copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
+    try:
+        assert main(["build-trt", "--engine", str(copy), "--arch", "sm89", "--flavour", "tensorrt_rtx", "--tf32"]) == 0
+        assert mf.load(copy).plans[0]["tf32"] is True
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 def test_precision_other_than_the_graphs_is_refused(engine_dir, capsys):
     from onepass.cli import main
 

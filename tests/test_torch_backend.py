@@ -392,3 +392,38 @@ def test_negative_control_unmasked_padding_rows_of_a_state_bucket_are_caught(tin
 
     text = next(t for t in _distinct_states(6) if eng.state(t).num_tokens != bucket(eng.state(t).num_tokens))
     assert _worst(eng, engine_tiny, text) > 1e-3  # (a state with padding rows)
+
+
+def test_the_decoder_is_rebuilt_through_the_manifests_weight_map_not_the_exporters_names(tiny_engine_dir, tmp_path):
+    """Export records which initializer holds each reference weight (matched by content), so a torch whose exporter
+    names initializers otherwise still rebuilds the same decoder. Negative control: the same graph without the map
+    cannot be rebuilt (a clear error)."""
+    import dataclasses
+    import os
+
+    import onnx
+
+    from onepass.runtime.backends.torch_backend import decoder_from_engine
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core.errors import EngineFileError
+
+    manifest = mf.load(tiny_engine_dir, verify=False)
+    mapping = manifest.source["weights"]
+    want = decoder_from_engine(tiny_engine_dir, manifest).state_dict()
+    assert set(mapping) == set(want)  # every weight found in the graph by its content
+    copy = mf.copy_engine(tiny_engine_dir, tmp_path / "engine")
+    graph = onnx.load(str(copy / manifest.graph), load_external_data=False)
+    for i, init in enumerate(graph.graph.initializer):
+        init.name = f"exporter_chose_{i}"  # what another exporter might have called them
+    renamed = {old: f"exporter_chose_{i}" for i, old in enumerate(i.name for i in
+                                                                  onnx.load(str(tiny_engine_dir / manifest.graph),
+                                                                            load_external_data=False).graph.initializer)}
+    onnx.save(graph, str(copy / "renamed.onnx"))
+    os.replace(copy / "renamed.onnx", copy / manifest.graph)  # a new file: the original's hard links are untouched
+    moved = dataclasses.replace(manifest, source={**manifest.source,
+                                                  "weights": {k: renamed[v] for k, v in mapping.items()}})
+    got = decoder_from_engine(copy, moved).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    without = dataclasses.replace(manifest, source={k: v for k, v in manifest.source.items() if k != "weights"})
+    with pytest.raises(EngineFileError, match="re-export it"):
+        decoder_from_engine(copy, without)

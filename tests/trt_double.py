@@ -77,7 +77,7 @@ class HostDevice:
         ptr = self._next
         self._next += (int(nbytes) + 4095) // 4096 * 4096 + 4096  # a guard gap after every block
         bisect.insort(self._bases, ptr)
-        self._blocks[ptr] = np.full(max(int(nbytes), 1), 0xAB, np.uint8)  # garbage, as cudaMalloc gives
+        self._blocks[ptr] = np.full(max(int(nbytes), 1), 0xFF, np.uint8)  # garbage, as cudaMalloc gives: NaN floats
         self.allocations += 1
         return ptr
 
@@ -129,6 +129,10 @@ class HostDevice:
     @_needs_context
     def download(self, array: np.ndarray, ptr: int, stream) -> None:
         array.view(np.uint8).reshape(-1)[:] = self.view(ptr, array.nbytes)
+
+    @_needs_context
+    def zero(self, ptr: int, nbytes: int, stream) -> None:
+        self.view(ptr, nbytes)[:] = 0
 
     @_needs_context
     def copy_rows(self, dst, dst_pitch, src, src_pitch, width, rows, stream) -> None:

@@ -106,6 +106,10 @@ class CudaDevice:
         """Device -> host into ``array`` (complete after ``synchronize``)."""
         self._check(self.cu.cuMemcpyDtoHAsync(array.ctypes.data, ptr, array.nbytes, stream), "cuMemcpyDtoHAsync")
 
+    def zero(self, ptr: int, nbytes: int, stream) -> None:
+        """``nbytes`` zero bytes from ``ptr`` (fresh device memory holds anything, NaN bit patterns included)."""
+        self._check(self.cu.cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
+
     def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream) -> None:
         """``rows`` rows of ``width`` bytes, device to device, each side with its own row pitch."""
         if rows == 0 or width == 0:

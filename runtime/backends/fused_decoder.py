@@ -43,10 +43,10 @@ class Kernels:
 
     On CUDA (and on ``meta``, where the launches are counted): ``aten._fused_rms_norm``, the memory-efficient
     attention kernel called directly (one launch; ``scaled_dot_product_attention`` would first pad or copy a bias it
-    finds misaligned), a GEMM with fp32 output for the read-out and a log-softmax that reads half precision. Each is
-    tried on small tensors first and replaced by the portable call (logged) where this torch lacks it or it disagrees
-    with the reference. On CPU, the portable calls (``F.rms_norm``, ``F.scaled_dot_product_attention``, an fp32 GEMM
-    over the half-precision weights, which is what a half GEMM with fp32 output computes).
+    finds misaligned) and a half GEMM with fp32 output for the read-out. Each is tried on small tensors first and
+    replaced by the portable call (logged) where this torch lacks it or it disagrees with the reference. On CPU:
+    ``aten._fused_rms_norm`` where torch has it, ``F.scaled_dot_product_attention``, and an fp32 GEMM over the
+    half-precision weights (what a half GEMM with fp32 output computes, up to accumulation order).
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
@@ -59,11 +59,12 @@ class Kernels:
 
     def describe(self) -> dict:
         """What was chosen (for reports)."""
+        if self.out_fp32 or self.dtype == torch.float32:
+            readout = "half GEMM, fp32 output" if self.out_fp32 else "fp32 GEMM"
+        else:
+            readout = "fp32 GEMM of the half weights" if self.device.type == "cpu" else "half GEMM, half output"
         return {"rms_norm": "fused" if self.fused_norm else "F.rms_norm",
-                "attention": "efficient" if self.efficient else "F.scaled_dot_product_attention",
-                "readout": "half GEMM, fp32 output" if self.out_fp32 else
-                ("fp32 GEMM" if self.dtype == torch.float32 or self.device.type != "cpu" else
-                 "fp32 GEMM of the half weights")}
+                "attention": "efficient" if self.efficient else "F.scaled_dot_product_attention", "readout": readout}
 
     def _works(self, probe) -> bool:
         try:

@@ -60,6 +60,7 @@ class OpenVinoCpuBackend(Backend):
         self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()  # f32 or bf16 in force
         outputs = [o.get_any_name() for o in self.compiled.outputs]
         self.past_names, want, self.has_head = contract.io_names(model, outputs)
+        self.has_past_length = contract.PAST_LENGTH in {i.get_any_name() for i in self.compiled.inputs}
         missing = [n for n in want if n not in outputs]
         if missing:
             raise BackendUnavailable(f"{graph_path}: OpenVINO sees no output {missing[0]}; re-export the engine")
@@ -94,6 +95,8 @@ class OpenVinoCpuBackend(Backend):
         inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
                   "readout_index": batch.readout_index, "readout_target": batch.readout_target}
         inputs.update(zip(self.past_names, (value for pair in kv.layers for value in pair)))
+        if self.has_past_length:  # the state is every past row here
+            inputs[contract.PAST_LENGTH] = np.asarray(kv.length, dtype=np.int64)
         result = self._request().infer(inputs)
         values = [result[i] for i in self.output_index]  # copies: the request's buffers are reused next pass
         layers = 2 * self.model.num_layers

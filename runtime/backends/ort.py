@@ -74,6 +74,7 @@ class OrtBackend(Backend):
         self.session = ort.InferenceSession(graph_path, opts, providers=providers)
         self.past_names, self.output_names, self.has_head = contract.io_names(
             model, (o.name for o in self.session.get_outputs()))
+        self.has_past_length = contract.PAST_LENGTH in {i.name for i in self.session.get_inputs()}
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = self._on_device(zeros)
 
@@ -99,6 +100,8 @@ class OrtBackend(Backend):
         binding.bind_cpu_input("tree_mask", batch.tree_mask)
         binding.bind_cpu_input("readout_index", batch.readout_index)
         binding.bind_cpu_input("readout_target", batch.readout_target)
+        if self.has_past_length:  # the state is every past row here
+            binding.bind_cpu_input(contract.PAST_LENGTH, np.asarray(kv.length, dtype=np.int64))
         flat = [value for pair in kv.layers for value in pair]
         for name, value in zip(self.past_names, flat):
             binding.bind_ortvalue_input(name, value)

@@ -50,7 +50,7 @@ import numpy as np
 from ..core import contract
 from ..core.errors import EngineFileError, OnepassError
 from ..core.manifest import Manifest
-from ..core.tree import PackedBatch, pad_batch
+from ..core.tree import PackedBatch, bucket, pad_batch
 from .base import Backend, StateKV
 from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from .tensorrt_build import import_tensorrt
@@ -201,6 +201,10 @@ class TensorRTBackend(Backend):
         m = manifest.model
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
         self.has_head = "head_score" in names
+        # plans of graphs with past_length pad a state to its length bucket (graphs keyed by the bucket); older ones
+        # key graphs on the state's exact length
+        self.has_past_length = contract.PAST_LENGTH in names
+        self.inputs = _INPUTS + ((contract.PAST_LENGTH,) if self.has_past_length else ())
         dims = (m.num_layers, m.num_kv_heads, m.head_dim)
         self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
         self.present_names = [s.name for s in contract.output_specs(*dims) if s.name.startswith("present_")]
@@ -311,7 +315,7 @@ class TensorRTBackend(Backend):
         key = (packed, readout)
         if key not in self._io:
             sizes = {"input_ids": packed * 8, "position_ids": packed * 8, "tree_mask": packed * packed,
-                     "readout_index": readout * 8, "readout_target": readout * 8,
+                     "readout_index": readout * 8, "readout_target": readout * 8, contract.PAST_LENGTH: 8,
                      "target_logprob": readout * FLOAT, "head_score": readout * FLOAT}
             ptrs = {name: self.device.alloc(size) for name, size in sizes.items()}
             host = {"target_logprob": np.empty(readout, np.float32), "head_score": np.empty(readout, np.float32)}
@@ -322,7 +326,8 @@ class TensorRTBackend(Backend):
         """Where a score pass writes the K/V of its packed tokens (never read); grows on demand."""
         if packed in self._presents:  # the hot path: a replayed bucket
             return self._presents[packed]
-        need = self._kv_bytes(packed)
+        # with graphs, sized once for the largest pass: graphs keep its address, so growing it would drop them all
+        need = self._kv_bytes(self.max_packed if self.cuda_graphs else packed)
         if self._scratch is None or self._scratch[1] < need:
             self.graphs.clear()  # captured graphs hold the old scratch address
             self._presents.clear()
@@ -332,12 +337,16 @@ class TensorRTBackend(Backend):
         self._presents[packed] = self._tensors(None, self._scratch[0], packed)
         return self._presents[packed]
 
-    def _upload(self, batch: PackedBatch, ptrs: dict) -> dict:
-        """Copy the batch's five input arrays into their device buffers; returns their shapes."""
+    def _upload(self, batch: PackedBatch, ptrs: dict, past_length: int) -> dict:
+        """Copy the batch's input arrays (and the state's length, where the plan takes it) into their device
+        buffers; returns their shapes. The arrays stay referenced until the stream is synchronised (``_read``)."""
         shapes = {}
-        for name in _INPUTS:
-            array = np.ascontiguousarray(getattr(batch, name), dtype=np.bool_ if name == "tree_mask" else np.int64)
+        self._uploaded = []
+        for name in self.inputs:
+            value = past_length if name == contract.PAST_LENGTH else getattr(batch, name)
+            array = np.array(value, dtype=np.bool_ if name == "tree_mask" else np.int64, order="C")  # 0-d stays 0-d
             self.device.upload(ptrs[name], array, self.stream)
+            self._uploaded.append(array)
             shapes[name] = array.shape
         return shapes
 
@@ -354,7 +363,7 @@ class TensorRTBackend(Backend):
             if not context.set_tensor_address(name, ptr):
                 raise EngineFileError(f"TensorRT refused the address of {name} (see its log above)")
 
-        for name in _INPUTS:
+        for name in self.inputs:
             shape(name, shapes[name])
             address(name, ptrs[name])
         past = [value for pair in kv.layers for value in pair]
@@ -398,14 +407,15 @@ class TensorRTBackend(Backend):
         ptrs, host = self._buffers(n, batch.readout_index.shape[0])
         block = self.pool.take(self._kv_bytes(n))
         presents = self._tensors(block, block.ptr, n)
-        self._point(self._prefill, self._upload(batch, ptrs), kv, ptrs, presents)
+        self._point(self._prefill, self._upload(batch, ptrs, kv.length), kv, ptrs, presents)
         self._enqueue(self._prefill)
         logprob, head = self._read(ptrs, host, r)  # the first r rows: none for a padded prefill chunk
         return logprob, presents, head
 
     def score_all(self, kv: StateKV, batch: PackedBatch):
         """Score pass padded to its bucket; with graphs, over the state's slot and replayed from the graph of
-        (slot, state length, bucket) once that key is due for capture."""
+        (slot, state bucket, packed bucket, read-out bucket) once that key is due for capture (a plan without
+        ``past_length``: the state's exact length in place of its bucket)."""
         self.check(batch)
         self.device.activate()
         r = batch.readout_index.shape[0]
@@ -413,11 +423,11 @@ class TensorRTBackend(Backend):
         packed, readout = padded.num_tokens, padded.readout_index.shape[0]
         ptrs, host = self._buffers(packed, readout)
         presents = self._scratch_presents(packed)
-        shapes = self._upload(padded, ptrs)  # into the buffers a captured graph reads
+        shapes = self._upload(padded, ptrs, kv.length)  # into the buffers a captured graph reads
         if not self.cuda_graphs or kv.length > self.slot_tokens or kv.length == 0:
             return self._plain(shapes, kv, ptrs, presents, host, r)
-        slot = self._in_slot(kv)
-        key = (slot.layers[0][0].ptr, kv.length, packed, readout)
+        index, slot = self._in_slot(kv)
+        key = (index, slot.length, packed, readout)
 
         def capture():  # a context of its own: shapes and addresses are set once, then baked into the graph
             ctx = self._new_context(self._score_role)
@@ -444,25 +454,38 @@ class TensorRTBackend(Backend):
         self._enqueue(self._score)
         return self._read(ptrs, host, r)
 
-    def _in_slot(self, kv: StateKV) -> StateKV:
-        """``kv`` as read from its graph slot: copied in (one device-to-device copy of its aligned block) unless it
-        is still there from its last pass. Slots are allocated at the first use and never move."""
-        if not self._slot_ptrs:
-            self._slot_ptrs = [self.device.alloc(self._kv_bytes(self.slot_tokens)) for _ in range(self.slots.count)]
-        index = self.slots.fill(kv, lambda i: self._copy_in(self._tensors(None, self._slot_ptrs[i], kv.length), kv))
-        return self._state(self._tensors(None, self._slot_ptrs[index], kv.length), kv.length)
+    def _slot_rows(self, length: int) -> int:
+        """Rows a state of ``length`` tokens takes in a slot: its bucket (padding rows masked by ``past_length``),
+        or its exact length for a plan without that input."""
+        return bucket(length, self.slot_tokens) if self.has_past_length else length
+
+    def _in_slot(self, kv: StateKV) -> tuple[int, StateKV]:
+        """(slot index, ``kv`` as read from its graph slot, laid out at its bucket's length): copied in (device to
+        device) unless it is still there from its last pass. Slots are allocated at the first use and never move."""
+        if not self._slot_ptrs:  # zeroed: a padding row is masked, yet multiplies its value (NaN x 0 is NaN)
+            size = self._kv_bytes(self.slot_tokens)
+            self._slot_ptrs = [self.device.alloc(size) for _ in range(self.slots.count)]
+            for ptr in self._slot_ptrs:
+                self.device.zero(ptr, size, self.stream)
+        rows = self._slot_rows(kv.length)
+        index = self.slots.fill(kv, lambda i: self._copy_in(self._tensors(None, self._slot_ptrs[i], rows), kv))
+        return index, self._state(self._tensors(None, self._slot_ptrs[index], rows), rows)
 
     def _copy_in(self, slot: Sequence[DeviceTensor], kv: StateKV) -> None:
-        """The state's 2L tensors into the slot's (the same aligned layout): one copy when they lie end to end in
-        one block, as prefill lays them out; tensor by tensor otherwise."""
+        """The state's 2L tensors into the slot's: one copy when both have the same layout and the state's tensors
+        lie end to end in one block, as prefill lays them out; else tensor by tensor, each head's rows at the slot's
+        row pitch (a state padded to its bucket: rows from its length on are padding, masked by ``past_length``)."""
         old = [value for pair in kv.layers for value in pair]
         step = self._step(kv.length)
-        if all(t.ptr == old[0].ptr + i * step for i, t in enumerate(old)):
+        rows = slot[0].shape[1]
+        if rows == kv.length and all(t.ptr == old[0].ptr + i * step for i, t in enumerate(old)):
             size = len(old) * step
             self.device.copy_rows(slot[0].ptr, size, old[0].ptr, size, size, 1, self.stream)
-        else:
-            for dst, src in zip(slot, old):
-                self.device.copy_rows(dst.ptr, src.nbytes, src.ptr, src.nbytes, src.nbytes, 1, self.stream)
+            return
+        width = kv.length * self._row
+        for dst, src in zip(slot, old):
+            self.device.copy_rows(dst.ptr, rows * self._row, src.ptr, width, width, self.model.num_kv_heads,
+                                  self.stream)
 
     def close(self) -> None:
         """Release the graphs and every device buffer this backend holds (states still referenced keep theirs)."""

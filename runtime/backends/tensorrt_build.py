@@ -68,6 +68,11 @@ class Profile:
         return tuple(tuple(d if isinstance(d, int) else axis[d][i] for d in spec.shape) for i in range(3))
 
 
+def network_has(network, name: str) -> bool:
+    """Whether the parsed network has an input called ``name``."""
+    return any(network.get_input(i).name == name for i in range(network.num_inputs))
+
+
 def role_profiles(manifest: Manifest) -> dict[str, Profile]:
     """The plan's profiles in index order: prefill chunks (short past, no read-out to speak of) and
     score passes (a packed tree of ~128 tokens over a ~512-token state)."""
@@ -79,8 +84,11 @@ def role_profiles(manifest: Manifest) -> dict[str, Profile]:
 
 def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability: str | None = None,
                flavour: str | None = None, profiles: dict[str, Profile] | None = None,
-               timing_cache: Path | None = None, workspace_bytes: int | None = None, log=print) -> dict:
-    """Parse ``root/manifest.graph`` and write a serialized plan to ``out``; returns what to record."""
+               timing_cache: Path | None = None, workspace_bytes: int | None = None, tf32: bool = False,
+               log=print) -> dict:
+    """Parse ``root/manifest.graph`` and write a serialized plan to ``out``; returns what to record. ``tf32``: an fp32
+    plan may round its GEMM inputs to TF32 (10 significant bits, tensor cores: ~7x the CUDA cores' fp32 on an H200);
+    off by default, so that an fp32 plan reproduces the fp32 golden file."""
     trt = import_tensorrt(flavour)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -102,7 +110,10 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     if workspace_bytes is not None:  # a device's budget (devices.DEVICES): tactics needing more are not chosen
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
-        config.clear_flag(trt.BuilderFlag.TF32)  # TF32 (on by default) rounds fp32 GEMM inputs to 10 bits
+        if tf32:  # (TF32 is on by default in TensorRT)
+            config.set_flag(trt.BuilderFlag.TF32)
+        else:
+            config.clear_flag(trt.BuilderFlag.TF32)
     if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):  # TensorRT for RTX >= 1.2: the plan runs in the
         config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)  # memory the backend gives it, as stream capture needs
     profiles = profiles or role_profiles(manifest)
@@ -110,7 +121,8 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     for profile in profiles.values():
         opt = builder.create_optimization_profile()
         for spec in contract.input_specs(m.num_layers, m.num_kv_heads, m.head_dim):
-            opt.set_shape(spec.name, *profile.shapes(spec))
+            if any(isinstance(d, str) for d in spec.shape) and network_has(network, spec.name):
+                opt.set_shape(spec.name, *profile.shapes(spec))  # static inputs (past_length) take no range
         config.add_optimization_profile(opt)
     cache = None
     if timing_cache is not None and trt.__name__ == "tensorrt":
@@ -145,11 +157,11 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
 
 
 def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str | None = None,
-                device: str | None = None, log=print) -> list[dict]:
+                device: str | None = None, tf32: bool = False, log=print) -> list[dict]:
     """Build one plan per compute capability in ``archs`` (``"native"``: this machine's GPU, recorded under its real
     compute capability) into the engine directory ``root`` and record them in its manifest (replacing an earlier
     plan of the same compute capability). ``precision`` must be the graph's (default: it is); ``device`` names a
-    ``devices.DEVICES`` profile whose workspace budget limits the builder."""
+    ``devices.DEVICES`` profile whose workspace budget limits the builder; ``tf32`` lets fp32 plans use TF32."""
     root = Path(root)
     manifest = mf.load(root)
     if precision is not None and precision != manifest.precision:
@@ -175,7 +187,7 @@ def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str
         out = root / f"decoder.{arch}.plan"
         timing = cache_root() / "tensorrt" / f"{trt.__name__}-{trt.__version__}-{arch}.timing"
         record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
-                            flavour=trt.__name__, timing_cache=timing, workspace_bytes=workspace, log=log)
+                            flavour=trt.__name__, timing_cache=timing, workspace_bytes=workspace, tf32=tf32, log=log)
         record["compute_capability"] = arch
         plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
         plans.append(record)

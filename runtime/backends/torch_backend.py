@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import onnx
 import torch
-from onnx import numpy_helper
 
+from . import engine_weights
 from .base import Backend, StateKV
 from .fused_decoder import FusedDecoder
 from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed
@@ -53,41 +52,26 @@ TORCH_GRAPHS = 256  # graphs kept (least recently used evicted): each holds kern
 
 
 def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
-    """Rebuild the exported decoder (and its decision head, if any) from an engine directory."""
+    """Rebuild the exported decoder (and its decision head, if any) from an engine directory: its weights through
+    the manifest's map of reference names to initializers (``engine_weights``), or by initializer name for engines
+    exported before that map."""
     dims = manifest.source.get("dims")
     if not dims:
         raise EngineFileError(f"{root}: the manifest records no model dims (source.dims); re-export the engine")
-    graph = onnx.load(str(root / manifest.graph), load_external_data=False)
+    arrays = engine_weights.by_name(Path(root), manifest.graph, manifest.source.get("weights"),
+                                    lambda name: name == "embed" or "." in name)
     # a mixed-precision graph names its wrapped GEMM weights "<layer>.inner.weight" and stores them in fp16/bf16
-    state = {(i.name.replace(".inner.", ".") if i.name.startswith("blocks.") else i.name):
-             torch.from_numpy(_initializer(root, i).astype(np.float32))  # bf16 (ml_dtypes) upcasts exactly
-             for i in graph.graph.initializer if i.name == "embed" or "." in i.name}
+    state = {(name.replace(".inner.", ".") if name.startswith("blocks.") else name):
+             torch.from_numpy(array.astype(np.float32))  # bf16 (ml_dtypes) upcasts exactly
+             for name, array in arrays.items()}
     missing = [f"blocks.{i}.{n}.weight" for i in range(dims["num_layers"]) for n in ("input_norm", "post_norm")
                if f"blocks.{i}.{n}.weight" not in state]
     if missing:  # the ONNX optimizer merges identical initializers (e.g. norms still all ones): names are lost
         raise EngineFileError(f"{root}: the graph has no initializer {missing[0]} (and {len(missing) - 1} more): "
-                              "identical weights were merged at export, so the PyTorch backend cannot rebuild the "
-                              "decoder from this engine; use ONNX Runtime or TensorRT with it")
+                              "identical weights were merged at export and the manifest maps no weights to them, so "
+                              "the PyTorch backend cannot rebuild the decoder from this engine; re-export it, or use "
+                              "ONNX Runtime or TensorRT with it")
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
-
-
-def _initializer(root: Path, tensor) -> np.ndarray:
-    """An initializer's values, read from its external-data file by offset and length when it has one.
-
-    (onnx's own loader refuses external data with several hard links, which engine copies have.)
-    """
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor).copy()
-    info = {e.key: e.value for e in tensor.external_data}
-    path = (root / info["location"]).resolve()
-    if root.resolve() not in path.parents:
-        raise EngineFileError(f"initializer {tensor.name} points outside the engine directory: {info['location']}")
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    count = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
-    with open(path, "rb") as fh:
-        fh.seek(int(info.get("offset", 0)))
-        data = fh.read(int(info.get("length", count * np.dtype(dtype).itemsize)))
-    return np.frombuffer(data, dtype=dtype, count=count).reshape(tuple(tensor.dims)).copy()
 
 
 class Staging:

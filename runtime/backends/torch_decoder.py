@@ -210,12 +210,14 @@ class PackedDecoder(nn.Module):
     def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None):
         """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents).
 
-        ``past_length`` (a 0-d int64 tensor, outside the ONNX contract: the PyTorch backend's CUDA graphs): only the
-        first ``past_length`` rows of the past are real, the rest padding no token sees (a graph captured over a
-        state-length bucket serves every state up to it)."""
+        ``args``: the 2L past tensors, readout_index, readout_target and optionally ``past_length`` (a 0-d int64
+        tensor, the contract's last input; also a keyword): only the first ``past_length`` rows of the past are the
+        state, the rest padding no token sees (a state padded to a length bucket). None: every row."""
         layers = self.dims.num_layers
         past = args[: 2 * layers]
         readout_index, readout_target = args[2 * layers], args[2 * layers + 1]
+        if len(args) > 2 * layers + 2:
+            past_length = args[2 * layers + 2]
         x = self.embed[input_ids]  # [N, d]
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)

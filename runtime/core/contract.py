@@ -20,6 +20,9 @@ past_key.{l}        float32    [Hkv, S, D]            state keys of layer l (S m
 past_value.{l}      float32    [Hkv, S, D]            state values of layer l
 readout_index       int64      [R]                    packed index whose logits are read
 readout_target      int64      [R]                    token id scored at that read-out
+past_length         int64      []                     rows of past_* that are the state: rows from
+                                                      it on are padding no token sees (a state
+                                                      padded to a length bucket; S when unpadded)
 ==================  =========  =====================  =========================================
 
 Outputs:
@@ -32,8 +35,10 @@ head_score          float32    [R]                    decision-head score per re
                                                       (only in engines with a decision head)
 ==================  =========  =====================  =========================================
 
-Every packed token sees the whole past; ``tree_mask`` says which packed tokens
-it sees. Logits are computed only at the R read-out rows, never N x vocab.
+Every packed token sees the first ``past_length`` rows of the past; ``tree_mask`` says
+which packed tokens it sees. Logits are computed only at the R read-out rows, never
+N x vocab. Graphs exported before ``past_length`` existed lack it (every past row is
+then the state): backends feed it only where the graph has it (``io_names``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from dataclasses import dataclass
 
 #: Symbolic names of the dynamic axes.
 PACKED, PAST, READOUT = "packed", "past", "readout"
+#: The input that masks the padding rows of a bucketed past (absent from graphs exported before it).
+PAST_LENGTH = "past_length"
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[Tenso
         specs.append(TensorSpec(f"past_value.{layer}", "float32", (num_kv_heads, PAST, head_dim)))
     specs.append(TensorSpec("readout_index", "int64", (READOUT,)))
     specs.append(TensorSpec("readout_target", "int64", (READOUT,)))
+    specs.append(TensorSpec(PAST_LENGTH, "int64", ()))
     return specs
 
 
@@ -81,7 +89,8 @@ def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool =
 
 def io_names(model, graph_outputs) -> tuple[list[str], list[str], bool]:
     """(past K/V input names in order, output names in order, whether the graph has a decision head) of an engine's
-    graph whose outputs are ``graph_outputs``: what every ONNX-running backend needs to feed and read it."""
+    graph whose outputs are ``graph_outputs``: what every ONNX-running backend needs to feed and read it (and
+    ``PAST_LENGTH`` where the graph's inputs have it)."""
     dims = (model.num_layers, model.num_kv_heads, model.head_dim)
     past = [s.name for s in input_specs(*dims) if s.name.startswith("past_")]
     head = "head_score" in set(graph_outputs)
