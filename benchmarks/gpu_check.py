@@ -161,8 +161,9 @@ class Timer:
         return out
 
 
-def backends(device: str, engine: Path) -> tuple[dict, dict]:
-    """(name -> (engine directory, Engine.load backend factory, precision), name -> why it cannot run here)."""
+def backends(device: str, engine: Path, all_variants: bool = False) -> tuple[dict, dict]:
+    """(name -> (engine directory, Engine.load backend factory, precision), name -> why it cannot run here). Every
+    torch variant on CUDA, or with ``all_variants`` on a CPU too (the rehearsal of the GPU run's code paths)."""
     from onepass.runtime.backends import factory
 
     ok, skipped = {}, {}
@@ -174,7 +175,7 @@ def backends(device: str, engine: Path) -> tuple[dict, dict]:
         def torch_on(precision, **options):
             return factory(name, device=device, precision=precision, **options)
         ok[f"torch-{device}"] = (engine, torch_on("fp32"), "fp32")  # on CUDA: the fused pass, buckets + CUDA graphs
-        if device.startswith("cuda"):
+        if device.startswith("cuda") or all_variants:
             ok[f"torch-{device}-fp16"] = (engine, torch_on("fp16"), "fp16")
             ok[f"torch-{device}-bf16"] = (engine, torch_on("bf16"), "bf16")
             ok[f"torch-{device}-fp16-eager"] = (engine, torch_on("fp16", cuda_graphs=False, buckets=True), "fp16")
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--random-weights", action="store_true", help="the engine has random weights (a SHAPE check)")
+    ap.add_argument("--all-variants", action="store_true",
+                    help="on a CPU too, every torch variant the GPU run measures (rehearsing their code paths)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
@@ -387,7 +390,7 @@ def main(argv=None) -> int:
               "graphs": {}, "kernels": {}, "errors": {}}
     log(json.dumps(report["environment"]))
     save(report, out)  # written after every step: a run cut short still returns what it measured
-    ok, report["skipped"] = backends(args.device, Path(args.engine))
+    ok, report["skipped"] = backends(args.device, Path(args.engine), args.all_variants)
     log(f"backends: {sorted(ok)}; skipped: {report['skipped']}")
     save(report, out)
     hf = None

@@ -62,12 +62,20 @@ def test_the_device_check_runs_in_the_h200_images_package_set(env, tiny_llama_di
     link.mkdir()
     (link / "onepass").symlink_to(ROOT)
     run = subprocess.run([env["PYTHON"], str(ROOT / "benchmarks" / "gpu_check.py"), "--engine", str(tiny_engine_dir),
-                          "--device", "cpu", "--iters", "3", "--budget-s", "150", "--out", str(out2)],
+                          "--device", "cpu", "--iters", "3", "--budget-s", "150", "--out", str(out2), "--all-variants"],
                          env=dict(env, PYTHONPATH=str(link)), capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = _check_report(out2, random_weights=False)
     hf = report["latency"]["torch-cpu"]
     assert hf["hf_eager_score_options"]["n"] == 3 and hf["hf_eager_generate_json"]["new_tokens"] > 5
+    variants = {"torch-cpu-fp16", "torch-cpu-bf16", "torch-cpu-fp16-eager", "torch-cpu-reference-fp16"}
+    assert variants <= set(report["latency"]), sorted(report["latency"])  # every variant the GPU run times, run
+    for name in variants:
+        parity = report["parity"][name]
+        assert parity["vs_cpu_reference"]["within"], (name, parity)
+        timed = report["latency"][name]["warm_13_questions_512_state"]
+        assert "error" not in timed and timed["n"] >= 3, (name, timed)
+    assert report["kernels"]["torch-cpu-fp16"]["attention"] == "F.scaled_dot_product_attention"
 
 
 def _check_report(out: Path, random_weights: bool) -> dict:
