@@ -62,8 +62,11 @@ KERNEL_ITERS = 20  # calls profiled per kernel-time measurement
 
 def environment(device: str, random_weights: bool) -> dict:
     """Versions, the GPU, and whether the engine's weights are real."""
+    matmul = torch.backends.cuda.matmul
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
            "cuda_available": torch.cuda.is_available(),
+           "reduced_precision_reductions": {"fp16": getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
+                                            "bf16": getattr(matmul, "allow_bf16_reduced_precision_reduction", None)},
            "weights": "RANDOM (shape check: latency real, answers and precision errors not)" if random_weights
            else "real"}
     if torch.cuda.is_available():
@@ -85,9 +88,12 @@ def environment(device: str, random_weights: bool) -> dict:
 
 
 def kernel_times(fn, iters: int = KERNEL_ITERS) -> dict | None:
-    """The device time of the kernels and copies a call ran, host launches and idle gaps excluded (torch.profiler's
-    CUDA activity): per call (each call a ``record_function`` range; graph replays' kernels are attributed to their
-    launch) p50 and max, and the mean over all device events of the calls. None without CUDA."""
+    """The device time of the kernels and copies each of ``iters`` calls ran, host launches and idle gaps excluded
+    (torch.profiler's CUDA activity; ``call_device_ms``): p50, max and mean per call. None without CUDA.
+
+    Each call ends with a device synchronisation inside its ``record_function`` range, so its kernels (graph replays'
+    included, which no operator launches) run within the range's CPU time span, on the clock the profiler puts
+    device events on."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -97,17 +103,25 @@ def kernel_times(fn, iters: int = KERNEL_ITERS) -> dict | None:
         for i in range(iters):
             with record_function(f"onepass_call_{i}"):
                 fn()
-        torch.cuda.synchronize()
+                torch.cuda.synchronize()
+    per_call = call_device_ms(prof.events())
+    if not per_call:
+        return {"error": "the profiler recorded no call"}
+    return {"p50": float(np.median(per_call)), "max": max(per_call), "mean": float(np.mean(per_call)),
+            "n": len(per_call)}
 
-    def device_us(e) -> float:
-        return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0)
-    per_call = sorted(device_us(e) / 1000 for e in prof.events() if e.name.startswith("onepass_call_"))
-    total = sum(float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
-                for e in prof.key_averages())
-    out = {"mean": total / 1000 / iters, "n": iters}
-    if per_call and per_call[-1] > 0:
-        out.update(p50=float(np.median(per_call)), max=per_call[-1])
-    return out
+
+def call_device_ms(events) -> list[float]:
+    """Per ``onepass_call_*`` CPU range, the summed durations (ms) of the device events (kernels, copies, memsets:
+    device type CUDA, not a user annotation) that start inside it. Each device event counts once, whatever
+    operator launched it (an operator's own device time would count its kernels again)."""
+    from torch.autograd import DeviceType
+
+    calls = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name.startswith("onepass_call_") and e.device_type == DeviceType.CPU)
+    device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    return [sum(e.time_range.elapsed_us() for e in device if start <= e.time_range.start <= end) / 1000
+            for start, end in calls]
 
 
 class Timer:
@@ -136,7 +150,7 @@ class Timer:
             return {"gpu": gpu, "host": max(wall - gpu, 0.0)}
         return timed
 
-    def __call__(self, fn, iters: int, warmup: int = 2) -> dict:
+    def __call__(self, fn, iters: int, warmup: int = 2, profiled: bool = True) -> dict:
         for _ in range(warmup):  # captures happen here, outside the timed loop
             fn()
         before = self.backend.graph_stats() or {}
@@ -152,8 +166,8 @@ class Timer:
             out["graphs"] = graphs
             if graphs["captures"]:
                 out["cold"] = f"{graphs['captures']} graph capture(s) inside the timed loop"
-        try:
-            kernel = kernel_times(fn)
+        try:  # the profiled calls are few: a slow measurement (an HF baseline) is not profiled at all
+            kernel = kernel_times(fn, min(KERNEL_ITERS, iters)) if profiled else None
         except Exception as err:  # noqa: BLE001 - a profiler failure never costs the wall-time figures
             kernel = {"error": f"{type(err).__name__}: {err}"[:300]}
         if kernel is not None:
@@ -223,14 +237,16 @@ class Measure:
     def left(self) -> bool:
         return time.perf_counter() < self.deadline
 
-    def run(self, name: str, fn, iters: int | None = None, warmup: int = 2, into: dict | None = None) -> None:
-        """Time ``fn`` as ``name`` (into ``into``, default the backend's report), or record why it failed."""
+    def run(self, name: str, fn, iters: int | None = None, warmup: int = 2, into: dict | None = None,
+            profiled: bool = True) -> None:
+        """Time ``fn`` as ``name`` (into ``into``, default the backend's report), or record why it failed; its kernel
+        time too when ``profiled`` and the budget is not spent."""
         into = self.out if into is None else into
         if not self.left():
             self.out["budget"] = "time budget spent: later measurements skipped"
             return
         try:
-            into[name] = self.timer(fn, iters or self.iters, warmup)
+            into[name] = self.timer(fn, iters or self.iters, warmup, profiled=profiled and self.left())
         except Exception as err:  # noqa: BLE001 - the report says what failed and goes on
             into[name] = {"error": f"{type(err).__name__}: {err}"[:500], "trace": traceback.format_exc()[-1500:]}
         self.log(name, into[name])
@@ -261,12 +277,14 @@ class Measure:
                  lambda: engine.ask(next(fresh), QUESTIONS), iters=max(10, self.iters // 2))
         nocache = Engine(engine.root, engine.manifest, engine.backend, cache_bytes=0)
         self.run("13_separate_cold_calls", lambda: [nocache.ask(text512, {k: q}) for k, q in QUESTIONS.items()],
-                 iters=max(3, self.iters // 10))
+                 iters=max(3, self.iters // 10), profiled=False)
         if hf is not None:
-            self.run("hf_eager_score_options", lambda: hf.score_options(engine, text512), iters=3, warmup=1)
+            self.run("hf_eager_score_options", lambda: hf.score_options(engine, text512), iters=3, warmup=1,
+                     profiled=False)
         if hf is not None and self.left():
             n = hf.answer_tokens(engine, text512)
-            self.run("hf_eager_generate_json", lambda: hf.generate_json(text512, n, exactly=True), iters=3, warmup=1)
+            self.run("hf_eager_generate_json", lambda: hf.generate_json(text512, n, exactly=True), iters=3, warmup=1,
+                     profiled=False)
             if "hf_eager_generate_json" in self.out:  # absent when the budget ran out meanwhile
                 self.out["hf_eager_generate_json"]["new_tokens"] = n
 
@@ -280,15 +298,15 @@ def distinct_states(engine: Engine, tokens: int, count: int):
 
 def parity(engine: Engine, reference: Engine | None, precision: str) -> dict:
     """Golden-file differences at the precision's tolerances; against the CPU reference (ONNX Runtime fp32),
-    every option log-likelihood of 1, 4 and 13 questions on two states (each asked twice: the second is
-    a replay) with argmax agreement."""
+    every option log-likelihood of 1, 4 and 13 questions on three states (each asked twice: the second is
+    a replay; the longest prefilled in three chunks) with argmax agreement."""
     tol = TOLERANCES_BY_PRECISION[precision]
     diffs = run_golden(engine)
     out = {"golden": {k: {"max_diff": v, "tolerance": tol[k], "within": v <= tol[k]} for k, v in diffs.items()}}
     if reference is None:
         return out
     worst, agree, total = 0.0, 0, 0
-    for text in (state_of_tokens(engine, 100), state_of_tokens(engine, 512)):
+    for text in (state_of_tokens(engine, 100), state_of_tokens(engine, 512), state_of_tokens(engine, 1300)):
         for k in (1, 4, 13):
             qs = many_questions(k)
             encoded = engine.encode_questions(qs)
@@ -386,6 +404,10 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {what}{tail}", flush=True)
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
+    if torch.cuda.is_available():  # profiling replays of graphs captured before (torch issue 75504)
+        init = getattr(importlib.import_module("torch.profiler._utils"), "_init_for_cuda_graphs", None)
+        if init is not None:
+            init()
     report = {"environment": environment(args.device, args.random_weights), "parity": {}, "latency": {}, "skipped": {},
               "graphs": {}, "kernels": {}, "errors": {}}
     log(json.dumps(report["environment"]))

@@ -137,10 +137,13 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
 def weight_map(decoder: PackedDecoder, graph: Path) -> dict[str, str]:
     """{the reference decoder's weight name: the graph initializer that holds it}, matched by content: the PyTorch
     backend rebuilds the decoder through it, whatever names this torch's exporter chose (runtime/backends/
-    engine_weights.py). Names as the backend reads them (a lowered layer's ``.inner.`` dropped)."""
-    weights = {name.replace(".inner.", "."): (tuple(t.shape), t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-               for name, t in decoder.state_dict().items()}
-    return match(weights, graph)
+    engine_weights.py). Names as the backend reads them (a lowered block layer's ``.inner.`` dropped)."""
+    def canonical(name: str) -> str:  # a lowered block layer keeps its weight as "<layer>.inner.weight"
+        return name.replace(".inner.", ".") if name.startswith("blocks.") else name
+    def raw(t: torch.Tensor) -> bytes:
+        return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()  # row-major order
+    return match({canonical(name): (tuple(t.shape), raw(t), raw(t.t()) if t.dim() == 2 else None)
+                  for name, t in decoder.state_dict().items()}, graph)
 
 
 def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,

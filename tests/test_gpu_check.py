@@ -92,3 +92,27 @@ def _check_report(out: Path, random_weights: bool) -> dict:
     assert len(timed) == 9 and all("error" not in r and r["n"] >= 3 and not r["failures"] for r in timed), timed
     assert "## Timing" in (out / "gpu_check.md").read_text()
     return report
+
+
+def test_kernel_time_sums_each_calls_device_events_once():
+    """gpu_check's kernel time: per profiled call, the device events (kernels, copies) that start inside its CPU
+    range, each once: not the GPU-side annotation spanning the call (idle gaps included), not an operator's own
+    device time (its kernels again)."""
+    import sys
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    def event(name, device, start, end, annotation=False):
+        span = NS(start=start, end=end, elapsed_us=lambda: end - start)
+        return NS(name=name, device_type=device, time_range=span, is_user_annotation=annotation)
+
+    events = [event("onepass_call_0", DeviceType.CPU, 0, 1000, True),
+              event("onepass_call_0", DeviceType.CUDA, 10, 990, True),  # the GPU-side annotation: not counted
+              event("aten::mm", DeviceType.CPU, 5, 50), event("gemm", DeviceType.CUDA, 100, 400),
+              event("memcpy", DeviceType.CUDA, 500, 600),
+              event("onepass_call_1", DeviceType.CPU, 2000, 3000, True), event("graph kernel", DeviceType.CUDA, 2100, 2150)]
+    assert gpu_check.call_device_ms(events) == [0.4, 0.05]

@@ -44,14 +44,23 @@ def test_export_from_hf_folder_matches_transformers(qwen3_dir, tmp_path):
     for q, lp in zip(encoded, packed):
         want = option_logprobs_alone(hf, state.ids, q)
         np.testing.assert_allclose(lp, want, rtol=0, atol=5e-4, err_msg=f"max {np.abs(lp - want).max()}")
-    # a fresh model's norms are all ones: the ONNX optimizer merged them into one initializer, so the PyTorch
-    # backend (which rebuilds the decoder from the graph's initializers by name) refuses clearly, not with a
-    # NoneType error deep inside (found by the one-call GPU check's random-weight model)
+    # a fresh model's norms are all ones: the ONNX optimizer merged them into one initializer. The manifest's weight
+    # map (matched by content) names that one initializer for each of them, so the PyTorch backend rebuilds the
+    # decoder and answers as ONNX Runtime does; an engine without the map (exported before it) is refused clearly,
+    # not with a NoneType error deep inside (found by the one-call GPU check's random-weight model)
+    import dataclasses
+
     from onepass.runtime.backends import factory
+    from onepass.runtime.backends.torch_backend import TorchBackend
     from onepass.runtime.core.errors import EngineFileError
 
+    merged = Engine.load(out, backend=factory("torch-cpu"), verify=False)
+    for a, b in zip(merged.option_logprobs("The sky is grey and the streets are wet.", encoded), packed):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
+    manifest = engine.manifest
+    without = dataclasses.replace(manifest, source={k: v for k, v in manifest.source.items() if k != "weights"})
     with pytest.raises(EngineFileError, match="identical weights were merged at export"):
-        Engine.load(out, backend=factory("torch-cpu"), verify=False)
+        TorchBackend(out, without)
 
 
 def test_unknown_model_sources_are_refused(tmp_path):

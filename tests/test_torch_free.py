@@ -18,7 +18,10 @@ sys.meta_path.insert(0, Block())
 """
 
 
-TORCH_BACKEND = {"onepass.runtime.backends.torch_backend", "onepass.runtime.backends.torch_decoder"}  # torch by design
+# torch (or, for the weights it reads, onnx) by design: imported only when the PyTorch backend is asked for
+TORCH_BACKEND = {"onepass.runtime.backends.torch_backend", "onepass.runtime.backends.torch_decoder",
+                 "onepass.runtime.backends.fused_decoder", "onepass.runtime.backends.launches",
+                 "onepass.runtime.backends.engine_weights"}
 
 
 def runtime_modules():

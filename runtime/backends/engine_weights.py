@@ -43,19 +43,28 @@ def fingerprint(shape, raw: bytes) -> tuple:
     return tuple(int(d) for d in shape), hashlib.sha256(raw).hexdigest()
 
 
+TRANSPOSED = "^T"  # a map entry "<initializer>^T": the initializer holds the weight transposed
+
+
 def match(weights: dict, graph_path: Path) -> dict[str, str]:
-    """{weight name: the graph initializer holding exactly its bytes} for ``weights`` {name: (shape, raw bytes)};
-    a weight no initializer holds as it is (transposed, folded) is left out."""
+    """{weight name: the graph initializer holding exactly its values} for ``weights`` {name: (shape, raw bytes,
+    raw bytes of its transpose or None)}: as it is, or transposed (``TRANSPOSED``: the exporter folds ``h @ w.t()``
+    of an untied vocabulary head into a transposed constant); a weight no initializer holds either way is left
+    out."""
     graph = onnx.load(str(graph_path), load_external_data=False)
     found: dict = {}
     for init in graph.graph.initializer:
         array = initializer_array(graph_path.parent, init)
         found.setdefault(fingerprint(array.shape, array.tobytes()), init.name)
     out = {}
-    for name, (shape, raw) in weights.items():
+    for name, (shape, raw, raw_transposed) in weights.items():
         key = fingerprint(shape, raw)
         if key in found:
             out[name] = found[key]
+        elif raw_transposed is not None:
+            flipped = fingerprint(tuple(reversed(shape)), raw_transposed)
+            if flipped in found:
+                out[name] = found[flipped] + TRANSPOSED
     return out
 
 
@@ -65,9 +74,11 @@ def by_name(root: Path, graph_file: str, mapping: dict | None, wanted) -> dict[s
     graph = onnx.load(str(root / graph_file), load_external_data=False)
     inits = {i.name: i for i in graph.graph.initializer}
     out = {name: initializer_array(root, i) for name, i in inits.items() if wanted(name)}
-    for name, init_name in (mapping or {}).items():
+    for name, entry in (mapping or {}).items():
+        init_name = entry[:-len(TRANSPOSED)] if entry.endswith(TRANSPOSED) else entry
         if init_name not in inits:
             raise EngineFileError(f"{root}: the manifest maps {name} to initializer {init_name}, which the graph lacks; "
                                   "re-export the engine")
-        out[name] = initializer_array(root, inits[init_name])
+        array = initializer_array(root, inits[init_name])
+        out[name] = np.ascontiguousarray(array.T) if entry.endswith(TRANSPOSED) else array
     return out

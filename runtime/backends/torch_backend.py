@@ -84,6 +84,9 @@ class Staging:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=pinned)
         self.device = torch.empty(capacity, dtype=torch.int64, device=device)
         self.capacity = capacity
+        # the last upload's copy: the host buffer is rewritten only once the device has read it (a prefill's next
+        # chunk is staged while the previous chunk's copy may still wait behind its pass on the stream)
+        self._copied = torch.cuda.Event() if pinned else None
 
     @staticmethod
     def layout(n: int, r: int) -> list[tuple[str, int]]:
@@ -94,11 +97,15 @@ class Staging:
     def upload(self, arrays: dict) -> dict:
         """Write ``arrays`` (by name, int64) into the host buffer, copy once to the device; the device views."""
         n, r = arrays["ids"].shape[0], arrays["readout_index"].shape[0]
-        host, views, at = self.host.numpy(), {}, 0
+        if self._copied is not None:
+            self._copied.synchronize()
+        host, at = self.host.numpy(), 0
         for name, size in self.layout(n, r):
             host[at:at + size] = np.asarray(arrays[name]).reshape(-1)
             at += size
         self.device[:at].copy_(self.host[:at], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return self.views(n, r)
 
     def views(self, n: int, r: int) -> dict:
