@@ -18,12 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
 from int8_explore import TEXTS  # noqa: E402
 from latency import QUESTIONS, cpu_name, state_of_tokens  # noqa: E402
-from precision_eval import probabilities  # noqa: E402
+from precision_eval import errors, probabilities  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends import factory  # noqa: E402
@@ -47,16 +45,7 @@ def main() -> None:
     res = {"cpu": cpu_name(), "questions": sum(len(r) for r in ref), "variants": {}}
     for name, options in VARIANTS.items():
         eng = Engine.load(args.engine, verify=False, threads=2, backend=factory("torch-cpu", **options))
-        got = [eng.option_logprobs(t, enc) for t in texts]
-        pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
-        got_p = [probabilities(eng, t) for t in texts]
-        res["variants"][name] = {
-            "agreement": float(np.mean([np.argmax(a) == np.argmax(b) for a, b in pairs])),
-            "max_logprob_error": float(max(np.abs(a - b).max() for a, b in pairs)),
-            "p99_logprob_error": float(np.percentile([np.abs(a - b).max() for a, b in pairs], 99)),
-            "max_probability_error": float(max(np.abs(a - b).max() for a, b in zip(got_p, ref_p))),
-            "golden": run_golden(eng),
-        }
+        res["variants"][name] = {**errors(eng, texts, enc, ref, ref_p), "golden": run_golden(eng)}
         print(name, res["variants"][name], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "fused_precision.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -43,6 +43,18 @@ def probabilities(engine: Engine, text: str) -> np.ndarray:
     return np.array(values)
 
 
+def errors(engine: Engine, texts: list, encoded, ref: list, ref_p: list) -> dict:
+    """Against the reference's option log-likelihoods ``ref`` and answer probabilities ``ref_p`` on ``texts``:
+    argmax agreement, the largest and 99th-percentile option log-prob errors, the largest probability error."""
+    got = [engine.option_logprobs(t, encoded) for t in texts]
+    pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
+    got_p = [probabilities(engine, t) for t in texts]
+    return {"agreement": float(np.mean([np.argmax(a) == np.argmax(b) for a, b in pairs])),
+            "max_logprob_error": float(max(np.abs(a - b).max() for a, b in pairs)),
+            "p99_logprob_error": float(np.percentile([np.abs(a - b).max() for a, b in pairs], 99)),
+            "max_probability_error": float(max(np.abs(a - b).max() for a, b in zip(got_p, ref_p)))}
+
+
 def interleaved(variants: dict, text: str, rounds: int) -> dict:
     """{name: [seconds]}: the 13-question request on a cached state, each variant once per round."""
     states = {name: eng.state(text) for name, eng in variants.items()}
@@ -88,14 +100,7 @@ def main() -> None:
         print(f"OpenVINO left out: {err}", flush=True)
     res = {"questions": int(m.size), "cpu": cpu_name(), "rounds": args.rounds, "variants": {}}
     for name, eng in variants.items():
-        got = [eng.option_logprobs(t, enc) for t in texts]
-        pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
-        got_p = [probabilities(eng, t) for t in texts]
-        res["variants"][name] = {
-            "agreement": float(np.mean([np.argmax(a) == np.argmax(b) for a, b in pairs])),
-            "max_logprob_error": float(max(np.abs(a - b).max() for a, b in pairs)),
-            "max_probability_error": float(max(np.abs(a - b).max() for a, b in zip(got_p, ref_p))),
-        }
+        res["variants"][name] = errors(eng, texts, enc, ref, ref_p)
         print(name, res["variants"][name], flush=True)
     for name, samples in interleaved(variants, texts[-1], args.rounds).items():
         res["variants"][name].update(warm_s=float(np.median(samples)), warm_p90_s=float(np.percentile(samples, 90)))
