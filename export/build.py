@@ -15,6 +15,7 @@ import torch
 from ..runtime.core import contract
 from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
+from ..runtime.core.errors import EngineFileError
 from ..runtime.core.prompt import PromptEncoder, PromptTemplate
 from ..runtime.core.selfcheck import check_golden
 from ..runtime.backends.engine_weights import match
@@ -140,10 +141,18 @@ def weight_map(decoder: PackedDecoder, graph: Path) -> dict[str, str]:
     engine_weights.py). Names as the backend reads them (a lowered block layer's ``.inner.`` dropped)."""
     def canonical(name: str) -> str:  # a lowered block layer keeps its weight as "<layer>.inner.weight"
         return name.replace(".inner.", ".") if name.startswith("blocks.") else name
+
     def raw(t: torch.Tensor) -> bytes:
         return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()  # row-major order
-    return match({canonical(name): (tuple(t.shape), raw(t), raw(t.t()) if t.dim() == 2 else None)
-                  for name, t in decoder.state_dict().items()}, graph)
+    weights = {canonical(name): (tuple(t.shape), raw(t), raw(t.t()) if t.dim() == 2 else None)
+               for name, t in decoder.state_dict().items()}
+    found = match(weights, graph)
+    lost = sorted(set(weights) - set(found))
+    if lost:  # the backend would rebuild another decoder (an untied head silently tied, say): refuse now
+        raise EngineFileError(f"the exported graph holds no initializer equal to {', '.join(lost[:3])} (as it is or "
+                              "transposed): this torch's exporter transformed it; export with the torch this project "
+                              "locks (constraints/ci.txt)")
+    return found
 
 
 def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,

@@ -89,6 +89,8 @@ def test_a_block_of_the_gpu_pass_launches_12_kernels(tiny_engine_dir, precision)
     assert per_pass <= 24, dict(whole.ops)  # SmolLM2's 30 layers: <= 12.8 launches per layer
     assert whole.ops["copy_"] == 1  # one upload of every input of the pass (the state is already in place)
     assert "to" not in whole.ops and "_to_copy" not in whole.ops  # no casts
+    eng.backend.slots.forget()  # control: over a state the workspace does not hold, the counter sees its copy in
+    assert count(lambda: eng.backend.score_all(state.kv, batch)).ops["copy_"] == 2
 
 
 def test_negative_control_the_reference_decoder_launches_over_40_per_block(tiny_engine_dir):
@@ -113,8 +115,8 @@ def test_the_launch_counter_counts_copies_not_views():
 
 
 def test_the_gpu_kernels_benchmark_reports_its_keys(tiny_engine_dir, tmp_path):
-    """benchmarks/gpu_kernels.py on the tiny Llama: the JSON keys the issue names, the fused pass far below the
-    reference, padding within 1.25x."""
+    """benchmarks/gpu_kernels.py on the tiny Llama: its JSON keys (launches per layer of the pass and of a prefill
+    chunk, the worst padding), the fused pass far below the reference, padding within 1.25x."""
     import json
     import sys
     from pathlib import Path

@@ -427,3 +427,61 @@ def test_the_decoder_is_rebuilt_through_the_manifests_weight_map_not_the_exporte
     without = dataclasses.replace(manifest, source={k: v for k, v in manifest.source.items() if k != "weights"})
     with pytest.raises(EngineFileError, match="re-export it"):
         decoder_from_engine(copy, without)
+
+
+def test_extending_a_cached_state_equals_prefilling_the_whole(tiny_engine_dir):
+    """A long question's trunk prefilled onto a cached state (``extend``, through the workspace): the same K/V as the
+    whole prefilled at once, and the cached state is left as it was and still answered as before."""
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(), verify=False)
+    backend = eng.backend
+    ids = eng.encoder.state(STATE)
+    head, tail = ids[:20], ids[20:]
+    first = backend.prefill(head, 8)
+    kept = first.storage.clone()
+    joint = backend.extend(first, tail, 8)
+    whole = backend.prefill(ids, 8)
+    assert joint.length == whole.length == len(ids)
+    assert torch.allclose(joint.storage, whole.storage, atol=1e-5) and torch.equal(first.storage, kept)
+
+
+def test_a_pass_larger_than_the_workspace_runs_in_its_own_and_leaves_the_held_state(tiny_engine_dir, engine_tiny):
+    """With graphs the workspace has a fixed size; a larger pass runs eagerly in a workspace of its own and the
+    state the persistent one holds is not disturbed (its next pass needs no copy and answers right)."""
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(workspace_tokens=96), verify=False)
+    small = "Refund me."
+    assert _worst(eng, engine_tiny, small) <= 1e-4
+    copies = eng.backend.slots.copies
+    many = {f"q{i}": Choice(f"Question {i}: which team handles this?", {"billing": None, "technical": None})
+            for i in range(8)}
+    got = eng.option_logprobs(STATE, eng.encode_questions(many))
+    want = engine_tiny.option_logprobs(STATE, engine_tiny.encode_questions(many))
+    assert eng.pack(eng.state(STATE), eng.encode_questions(many)).num_tokens > 96
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, want)) <= 1e-4
+    assert _worst(eng, engine_tiny, small) <= 1e-4 and eng.backend.slots.copies == copies
+
+
+def test_a_pass_over_an_empty_state_leaves_no_stale_claim_on_the_workspace(tiny_engine_dir, engine_tiny):
+    """A pass over an empty state writes its packed rows from row 0, over the state the workspace held: that state
+    is copied in again for its next pass (else it would be read broken)."""
+    eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(), verify=False)
+    text = _distinct_states(1)[0]
+    assert _worst(eng, engine_tiny, text) <= 1e-4
+    batch = eng.pack(eng.state(text), eng.encode_questions(QUESTIONS))
+    eng.backend.score_all(eng.backend.empty(), batch)
+    assert _worst(eng, engine_tiny, text) <= 1e-4 and eng.backend.slots.copies == 1
+
+
+def test_release_memory_and_close_give_the_workspace_back(tiny_engine_dir, engine_tiny):
+    """Without graphs the workspace grows to the largest pass and release_memory gives it back (answers unchanged);
+    with graphs it stays (they hold its address) until close."""
+    from onepass.runtime.backends import factory
+
+    plain = Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False)
+    assert _worst(plain, engine_tiny, STATE) <= 1e-4 and plain.backend._ws is not None
+    assert plain.backend.release_memory() and plain.backend._ws is None
+    assert _worst(plain, engine_tiny, STATE) <= 1e-4
+    graphs = Engine.load(tiny_engine_dir, backend=_host_graph_backend(), verify=False)
+    _worst(graphs, engine_tiny, STATE)
+    assert not graphs.backend.release_memory() and graphs.backend._ws is not None
+    graphs.backend.close()
+    assert graphs.backend._ws is None and len(graphs.backend.graphs) == 0

@@ -172,6 +172,8 @@ class Backend(ABC):
         n, r = batch.num_tokens, batch.readout_index.shape[0]
         if batch.tree_mask.shape != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
             raise ValueError("packed batch arrays disagree in shape")
+        if batch.tree_order is not None and batch.tree_order.shape != (n, 2):
+            raise ValueError("packed batch arrays disagree in shape (tree_order)")
         if r and (batch.readout_index.min() < 0 or batch.readout_index.max() >= n):
             raise ValueError("read-out index outside the packed sequence")
 

@@ -69,12 +69,14 @@ def match(weights: dict, graph_path: Path) -> dict[str, str]:
 
 
 def by_name(root: Path, graph_file: str, mapping: dict | None, wanted) -> dict[str, np.ndarray]:
-    """The engine graph's weights by reference name: through ``mapping`` (the manifest's ``source.weights``) where
-    it names them, else by initializer name for the initializers ``wanted(name)`` accepts."""
+    """The engine graph's weights by reference name: through ``mapping`` (the manifest's ``source.weights``), or,
+    for an engine exported before it, by initializer name for the initializers ``wanted(name)`` accepts."""
     graph = onnx.load(str(root / graph_file), load_external_data=False)
     inits = {i.name: i for i in graph.graph.initializer}
-    out = {name: initializer_array(root, i) for name, i in inits.items() if wanted(name)}
-    for name, entry in (mapping or {}).items():
+    if not mapping:
+        return {name: initializer_array(root, i) for name, i in inits.items() if wanted(name)}
+    out = {}
+    for name, entry in mapping.items():
         init_name = entry[:-len(TRANSPOSED)] if entry.endswith(TRANSPOSED) else entry
         if init_name not in inits:
             raise EngineFileError(f"{root}: the manifest maps {name} to initializer {init_name}, which the graph lacks; "
@@ -82,3 +84,9 @@ def by_name(root: Path, graph_file: str, mapping: dict | None, wanted) -> dict[s
         array = initializer_array(root, inits[init_name])
         out[name] = np.ascontiguousarray(array.T) if entry.endswith(TRANSPOSED) else array
     return out
+
+
+def vocabulary_matrices(root: Path, graph_file: str, vocab: int) -> list[str]:
+    """Names of the graph's 2-D initializers with a vocabulary-sized axis (an embedding or a vocabulary head)."""
+    graph = onnx.load(str(root / graph_file), load_external_data=False)
+    return [i.name for i in graph.graph.initializer if len(i.dims) == 2 and vocab in list(i.dims)]

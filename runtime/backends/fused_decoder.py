@@ -16,7 +16,8 @@ CPU torch (the tests' stand-in) and on the ``meta`` device (the launch count, ``
   log-softmax of one kernel.
 
 Per block: rms_norm, qkv GEMM, 2 rotary, attention, 1 layout copy, o GEMM, rms_norm, gate/up GEMM, silu, mul,
-down GEMM = 12 launches (the unfused decoder of ``torch_decoder.py``: 42 in fp32, 56 with fp16 GEMMs).
+down GEMM = 12 launches for Llama and Qwen2 (Qwen3's per-head q/k norms add 3); the reference decoder of
+``torch_decoder.py`` launches ~58 with fp16 GEMMs.
 
 The workspace ``ws`` [L, Z, rows, D] (Z = H + 2 Hkv head rows per layer: query heads, key heads, value heads) is the
 device slot of the pass: rows [0, S) of the key and value heads hold the state's K/V, rows [Sb, Sb + N) of every head

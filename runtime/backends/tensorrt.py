@@ -206,7 +206,7 @@ class TensorRTBackend(Backend):
         self.has_past_length = contract.PAST_LENGTH in names
         self.inputs = _INPUTS + ((contract.PAST_LENGTH,) if self.has_past_length else ())
         dims = (m.num_layers, m.num_kv_heads, m.head_dim)
-        self.past_names = [s.name for s in contract.input_specs(*dims) if s.name.startswith("past_")]
+        self.past_names = [s.name for s in contract.input_specs(*dims) if contract.PAST in s.shape]
         self.present_names = [s.name for s in contract.output_specs(*dims) if s.name.startswith("present_")]
         self.cuda_graphs = cuda_graphs
         self._row = m.head_dim * FLOAT  # bytes of one token's K or V in one KV head

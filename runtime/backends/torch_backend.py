@@ -39,15 +39,17 @@ import torch
 from . import engine_weights
 from .base import Backend, StateKV
 from .fused_decoder import FusedDecoder
-from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed
+from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from ..core.errors import EngineFileError
 from ..core.tree import PackedBatch, bucket, causal, intervals_of_mask
 from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
-# rows of the persistent workspace (state bucket + packed bucket of a pass that can be captured): a 2,048-token state
-# with 2,048 packed tokens, or a 512-token state with 64 questions. SmolLM2 at fp16: 236 MB (30 layers x 15 head rows
-# x 4,096 x 64 x 2 bytes); a larger pass runs eagerly in a workspace of its own.
+# rows of the persistent workspace (state bucket + packed bucket of a pass that can be captured): at most 4,096 (a
+# 2,048-token state with 2,048 packed tokens, or a 512-token state with 64 questions) and at most WORKSPACE_BYTES:
+# SmolLM2 gets 4,096 rows at fp16 and 2,048 at fp32, 236 MB either way (30 layers x 15 head rows x 64 x 2 or 4
+# bytes a row). A larger pass runs eagerly in a workspace of its own.
 WORKSPACE_TOKENS = 4096
+WORKSPACE_BYTES = 256 << 20
 TORCH_GRAPHS = 256  # graphs kept (least recently used evicted): each holds kernel nodes, no memory of its own
 
 
@@ -58,8 +60,14 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     dims = manifest.source.get("dims")
     if not dims:
         raise EngineFileError(f"{root}: the manifest records no model dims (source.dims); re-export the engine")
-    arrays = engine_weights.by_name(Path(root), manifest.graph, manifest.source.get("weights"),
+    mapping = manifest.source.get("weights")
+    arrays = engine_weights.by_name(Path(root), manifest.graph, mapping,
                                     lambda name: name == "embed" or "." in name)
+    if not mapping and "lm_head" not in arrays and engine_weights.vocabulary_matrices(
+            Path(root), manifest.graph, dims["vocab_size"]) != ["embed"]:  # an untied head under another name
+        raise EngineFileError(f"{root}: this engine's vocabulary head is stored under a name the exporter chose, and "
+                              "its manifest maps no weights (it was exported before that map): re-export it to run it "
+                              "on the PyTorch backend, or use ONNX Runtime or TensorRT with it")
     # a mixed-precision graph names its wrapped GEMM weights "<layer>.inner.weight" and stores them in fp16/bf16
     state = {(name.replace(".inner.", ".") if name.startswith("blocks.") else name):
              torch.from_numpy(array.astype(np.float32))  # bf16 (ml_dtypes) upcasts exactly
@@ -109,6 +117,8 @@ class Staging:
         return self.views(n, r)
 
     def views(self, n: int, r: int) -> dict:
+        """The device buffer cut for n packed tokens and r read-outs: {input name: view} (``order`` [N, 2],
+        ``past_length`` 0-d)."""
         views, at = {}, 0
         for name, size in self.layout(n, r):
             views[name] = self.device[at:at + size]
@@ -119,6 +129,7 @@ class Staging:
 
     @staticmethod
     def needed(n: int, r: int) -> int:
+        """int64 entries a pass of n packed tokens and r read-outs stages."""
         return 4 * n + 2 * r + 1
 
 
@@ -132,7 +143,7 @@ class TorchBackend(Backend):
 
     def __init__(self, root: Path, manifest, threads: int | None = None, *, name: str | None = None,
                  device: str = "cpu", precision: str | None = None, fused: bool = True, buckets: bool | None = None,
-                 cuda_graphs: bool | None = None, workspace_tokens: int = WORKSPACE_TOKENS,
+                 cuda_graphs: bool | None = None, workspace_tokens: int | None = None,
                  max_graphs: int = TORCH_GRAPHS, capture_after: int = 2):
         super().__init__(manifest.model, name)
         precision = precision or manifest.precision
@@ -157,22 +168,32 @@ class TorchBackend(Backend):
             self.decoder = lower_precision(reference, precision).to(self.device)
             self._empty = torch.zeros(self.model.num_kv_heads, 0, self.model.head_dim, device=self.device)
             return
-        self.decoder = FusedDecoder(reference, PRECISIONS[precision], self.device)
-        self.dtype = PRECISIONS[precision]
-        self.workspace_tokens = workspace_tokens
+        self._open_fused(reference, workspace_tokens, GraphCache(max_graphs, capture_after=capture_after))
+
+    def _open_fused(self, reference: PackedDecoder, workspace_tokens: int | None, graphs: GraphCache) -> None:
+        """The fused pass's decoder, workspace bookkeeping, staging and graph cache."""
+        self.dtype = PRECISIONS[self.precision]
+        self.decoder = FusedDecoder(reference, self.dtype, self.device)
+        self.workspace_tokens = workspace_tokens or self._default_rows()
         self.slots = SlotTable(1)  # which state's K/V the workspace holds
         self._ws: torch.Tensor | None = None  # [L, Z, rows, D], allocated at first use
         self._stage: Staging | None = None
-        self.graphs = GraphCache(max_graphs, capture_after=capture_after)
-        self.reserved_bytes = self._ws_bytes(workspace_tokens) if self.cuda_graphs else 0
+        self.graphs = graphs
+        self.reserved_bytes = self._ws_bytes(self.workspace_tokens) if self.cuda_graphs else 0
         # One memory pool for every captured graph: a graph's temporaries live only during its replay and replays
         # never overlap (one stream, serialised calls), so graphs may reuse each other's temporaries.
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and on_cuda else None
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs and self.device.type == "cuda" else None
 
     # -- sizes ------------------------------------------------------------------------------------------------
 
     def _ws_bytes(self, rows: int) -> int:
+        """Device bytes of a workspace of ``rows`` rows."""
         return self.model.num_layers * self.decoder.heads * rows * self.model.head_dim * self.dtype.itemsize
+
+    def _default_rows(self) -> int:
+        """The persistent workspace's rows: WORKSPACE_TOKENS, or the largest bucket within WORKSPACE_BYTES."""
+        limit = max(64, min(WORKSPACE_TOKENS, WORKSPACE_BYTES // self._ws_bytes(1)))
+        return max(b for b in map(bucket, range(1, limit + 1)) if b <= limit)
 
     def _kv_bytes(self, length: int) -> int:
         """Device bytes of a state's K/V at this pass's dtype."""
@@ -180,9 +201,14 @@ class TorchBackend(Backend):
         itemsize = self.dtype.itemsize if self.fused else 4
         return 2 * m.num_layers * m.num_kv_heads * m.head_dim * length * itemsize
 
-    def _size(self, n: int) -> int:
-        """A pass's (or state's) padded size: its bucket when bucketing, capped at max_packed_tokens."""
-        return bucket(n, max(self.max_packed, n)) if self.buckets and n else n
+    def _pass_size(self, n: int) -> int:
+        """The tokens a pass of ``n`` pads to: its bucket when bucketing, never above max_packed_tokens."""
+        return padded(n, self.max_packed) if self.buckets and n else n
+
+    def _state_rows(self, n: int) -> int:
+        """The workspace rows a state of ``n`` tokens is read as: its bucket when bucketing (rows from ``n`` on are
+        masked), whatever the pass limit."""
+        return bucket(n) if self.buckets and n else n
 
     def _workspace(self, rows: int) -> tuple[torch.Tensor, bool]:
         """(a workspace of at least ``rows`` rows, whether it is the persistent one). With graphs the persistent
@@ -197,7 +223,7 @@ class TorchBackend(Backend):
         else:
             self.slots.forget()
             self._ws = None
-            self._ws = self.decoder.workspace(self._size(rows))
+            self._ws = self.decoder.workspace(bucket(rows))
         return self._ws, True
 
     def _staging(self, n: int, r: int) -> tuple[Staging, bool]:
@@ -248,7 +274,7 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def _score(self, kv: StateKV, batch: PackedBatch):
         n, r = batch.num_tokens, batch.readout_index.shape[0]
-        past = self._size(kv.length)
+        past = self._state_rows(kv.length)
         ws, persistent = self._workspace(past + n)
         stage, shared = self._staging(n, r)
         arrays = {"ids": batch.input_ids, "positions": batch.position_ids, "order": batch.tree_order,
@@ -265,8 +291,11 @@ class TorchBackend(Backend):
         return self.to_host(logprob), (self.to_host(head) if head is not None else None)
 
     def _place(self, kv: StateKV, ws: torch.Tensor, persistent: bool) -> None:
-        """The state's K/V in the workspace's state rows: copied (one copy) unless the workspace holds it."""
+        """The state's K/V in the workspace's state rows: copied (one copy) unless the workspace holds it. An empty
+        state's pass writes its packed rows from row 0, over whatever state the workspace held: it holds none after."""
         if not kv.length:
+            if persistent:
+                self.slots.forget()
             return
         rows = self.decoder.kv_rows(ws)[:, :, :kv.length]  # [L, 2Hkv, S, D]
         if not persistent:
@@ -279,15 +308,11 @@ class TorchBackend(Backend):
         if not (self.cuda_graphs and graphable):
             return run()
 
-        def capture():
-            graph, out = self._capture_graph(run)
-            return graph, out
-
         def replay(entry):
             graph, out = entry
             graph.replay()
             return out
-        return self.graphs.run(key, capture, replay, run)
+        return self.graphs.run(key, lambda: self._capture_graph(run), replay, run)
 
     def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
         """K/V of ``kv``'s tokens followed by ``ids``: causal chunks written into the workspace's state rows (each
@@ -296,7 +321,7 @@ class TorchBackend(Backend):
             return super().extend(kv, ids, chunk)
         total = kv.length + len(ids)
         starts = range(0, len(ids), chunk)
-        rows = max(kv.length + s + self._size(min(chunk, len(ids) - s)) for s in starts)  # the last chunk's padding
+        rows = max(kv.length + s + self._pass_size(min(chunk, len(ids) - s)) for s in starts)  # the last chunk's pad
         ws, persistent = self._workspace(rows)
         with torch.inference_mode():
             with self.device_span():
@@ -322,19 +347,19 @@ class TorchBackend(Backend):
         """One chunk after ``past`` rows: padded to its bucket (padding tokens repeat the last position and come
         after every real one, so no real token sees them), K/V into ws rows [past, past + padded)."""
         n = len(ids)
-        padded = self._size(n)
-        arrays = {"ids": np.concatenate([np.asarray(ids, np.int64), np.zeros(padded - n, np.int64)]),
-                  "positions": past + np.minimum(np.arange(padded), n - 1),
-                  "order": np.zeros((padded, 2), np.int64), "readout_index": np.zeros(0, np.int64),
+        size = self._pass_size(n)
+        arrays = {"ids": np.concatenate([np.asarray(ids, np.int64), np.zeros(size - n, np.int64)]),
+                  "positions": past + np.minimum(np.arange(size), n - 1),
+                  "order": np.zeros((size, 2), np.int64), "readout_index": np.zeros(0, np.int64),
                   "readout_target": np.zeros(0, np.int64), "past_length": np.asarray([past])}
-        stage, shared = self._staging(padded, 0)
+        stage, shared = self._staging(size, 0)
         with self.device_span():
             inputs = stage.upload(arrays)
 
             def run():
                 self.decoder.prefill(ws, past, inputs["ids"], inputs["positions"])
                 return ()
-            self._pass(("prefill", past, padded), run, graphable=persistent and shared)
+            self._pass(("prefill", past, size), run, graphable=persistent and shared)
 
     def _run(self, batch: PackedBatch, kv: StateKV):
         """The reference decoder's pass (``fused=False``): (target log-probs, the new tokens' K/V, head scores)."""

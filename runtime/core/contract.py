@@ -92,6 +92,6 @@ def io_names(model, graph_outputs) -> tuple[list[str], list[str], bool]:
     graph whose outputs are ``graph_outputs``: what every ONNX-running backend needs to feed and read it (and
     ``PAST_LENGTH`` where the graph's inputs have it)."""
     dims = (model.num_layers, model.num_kv_heads, model.head_dim)
-    past = [s.name for s in input_specs(*dims) if s.name.startswith("past_")]
+    past = [s.name for s in input_specs(*dims) if PAST in s.shape]  # the K/V inputs (past_length is not one)
     head = "head_score" in set(graph_outputs)
     return past, [s.name for s in output_specs(*dims, head=head)], head

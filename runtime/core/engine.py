@@ -77,10 +77,10 @@ class Engine:
                         "options described can answer an undescribed one); export the engine again for the new "
                         "rendering (its answers change only for described options)", root,
                         OLD_OPTION_LINE.strip())
-        # the backend's own state K/V (graph slots) is counted in the budget
+        # the backend's own device K/V (TensorRT's graph slots, the PyTorch backend's workspace) counts in the budget
         reserved = getattr(backend, "reserved_bytes", 0)
         if reserved and reserved >= cache_bytes:
-            log.warning("the backend's graph slots take %d MiB of the %d MiB state-cache budget: no state will be "
+            log.warning("the backend's graph slots or workspace take %d MiB of the %d MiB state-cache budget: no state will be "
                         "cached; give a larger cache (onepass serve --cache-mib, Engine.load(cache_bytes=...))",
                         reserved >> 20, cache_bytes >> 20)
         self.cache = StateCache(max(0, cache_bytes - reserved))
