@@ -234,15 +234,17 @@ class FusedDecoder:
     def prefill(self, ws, past_rows: int, ids, positions) -> None:
         """One causal chunk after ``past_rows`` rows of state: its K/V are written into ws rows [past, past + N)."""
         n = ids.shape[0]
-        rows = torch.arange(n, device=self.device) + past_rows  # [N]
+        rows = torch.arange(past_rows, past_rows + n, device=self.device)  # [N]: each token's own row
         cols = torch.arange(past_rows + n, device=self.device)  # [Sb+N]
-        bias = self._bias_buffer(n, past_rows + n)
-        torch.where(cols[None, :] <= rows[:, None], self.zero, self.neg, out=bias)
-        self._blocks(ws, past_rows, ids, positions, bias)
+        self._blocks(ws, past_rows, ids, positions, self._bias(cols[None, :] <= rows[:, None]))
 
-    def _bias_buffer(self, n: int, width: int) -> torch.Tensor:
-        """[N, width] in the pass dtype, its rows 16-element aligned (what the attention kernel reads)."""
-        return torch.empty(n, -(-width // 16) * 16, device=self.device, dtype=self.dtype)[:, :width]
+    def _bias(self, seen: torch.Tensor) -> torch.Tensor:
+        """[N, W] bool -> [N, W] in the pass dtype, 0 where seen and -inf elsewhere, its rows 16-element aligned
+        (what the attention kernel reads)."""
+        n, width = seen.shape
+        bias = torch.empty(n, -(-width // 16) * 16, device=self.device, dtype=self.dtype)[:, :width]
+        torch.where(seen, self.zero, self.neg, out=bias)
+        return bias
 
     def _tree_bias(self, order, past_length, past_rows: int) -> torch.Tensor:
         """[N, Sb+N]: 0 where a token sees a column (a real state row, itself, an ancestor), -inf elsewhere."""
@@ -250,10 +252,7 @@ class FusedDecoder:
         pre, last = order[:, 0], order[:, 1]
         tree = (pre[None, :] <= pre[:, None]) & (pre[:, None] <= last[None, :])  # [N, N]
         state = torch.arange(past_rows, device=self.device) < past_length  # [Sb]
-        seen = torch.cat([state.expand(n, past_rows), tree], dim=1)  # [N, Sb+N]
-        bias = self._bias_buffer(n, past_rows + n)
-        torch.where(seen, self.zero, self.neg, out=bias)
-        return bias
+        return self._bias(torch.cat([state.expand(n, past_rows), tree], dim=1))  # [N, Sb+N]
 
     def _blocks(self, ws, past_rows: int, ids, positions, bias) -> torch.Tensor:
         """Every block over the packed tokens; returns the residual stream [N, d]."""

@@ -127,10 +127,10 @@ class Staging:
         views["past_length"] = views["past_length"].view(())
         return views
 
-    @staticmethod
-    def needed(n: int, r: int) -> int:
-        """int64 entries a pass of n packed tokens and r read-outs stages."""
-        return 4 * n + 2 * r + 1
+    @classmethod
+    def needed(cls, n: int, r: int) -> int:
+        """int64 entries a pass of n packed tokens and r read-outs stages (its layout's total)."""
+        return sum(size for _, size in cls.layout(n, r))
 
 
 class TorchBackend(Backend):

@@ -157,7 +157,8 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
 
     With ``max_tokens``, the packed size is counted on the trie (linear in the tokens) and
     :class:`TooManyTokens` is raised before the quadratic tree mask is built. ``mask=False`` leaves the mask out
-    (``tree_mask`` None): a plan of the pass, its sizes and positions, for limits checked before any work.
+    (``tree_mask`` and ``tree_order`` None): a plan of the pass, its sizes and positions, for limits checked before any
+    work.
     """
     trie = _Trie()
     scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
@@ -188,7 +189,7 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
         readout_index=np.array([packed_of[trie.parent[n]] for n in readout_of], dtype=np.int64),
         readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
         option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],
-        tree_order=intervals(parent),
+        tree_order=intervals(parent) if mask else None,
     )
 
 
