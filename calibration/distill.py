@@ -6,7 +6,10 @@
    a System One server or an OpenAI-compatible one), ``concurrency`` states at a time, with a progress bar.
    Each state's rows are appended to ``<out>.distill/labels.jsonl`` in one write once all its answers are in,
    so an interrupted run resumes where it stopped (the states already labelled are skipped; a last line cut
-   short by the interruption is dropped) and no teacher call is paid for twice.
+   short by the interruption is dropped) and no teacher call is paid for twice. A call is bounded as a whole
+   (``--teacher-timeout`` per attempt, three attempts, whatever the teacher sends); once more than
+   ``max(2, 10%)`` of the states have failed, labelling stops and the calls under way are ended, so against a
+   teacher that never answers (or trickles its answer) the command ends within one call's bound, saying why.
 2. **Tune**: a split by whole states (``holdout``, seeded): `onepass tune` on the teacher's probabilities of
    the training states, the held-out states for early stopping.
 3. **Gate**: on the held-out states, per question, the lowest confidence at which the student's answers
@@ -163,6 +166,8 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
         except BaseException:
             for f in futures:
                 f.cancel()
+            if hasattr(teacher, "cancel"):  # the calls under way end now, not at their deadlines
+                teacher.cancel()
             raise
     if stats is not None:
         stats.update(requests=len(todo), failed=failed)

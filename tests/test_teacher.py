@@ -4,6 +4,7 @@ slow, refuse, answer garbage or no log-probabilities (typed errors, local answer
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -27,8 +28,8 @@ from onepass.calibration.tune_data import load_rows  # noqa: E402
 from onepass.runtime.core.questions import to_wire  # noqa: E402
 from onepass.runtime.server.records import Records  # noqa: E402
 from onepass.runtime.tools.teacher import (  # noqa: E402
-    TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, connect, label_distribution,
-    openai_prompt)
+    TeacherBadAnswer, TeacherLate, TeacherRefused, TeacherUnavailable, answer_distribution, connect,
+    label_distribution, openai_prompt)
 
 QUESTIONS = {"sky": Noul("Is the sky blue on a clear day?"), "fish": Noul("Do fish climb trees?"),
              "team": Choice("Which team is named?", {"red": None, "blue": "the blue team"}),
@@ -621,7 +622,7 @@ def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_aga
     class Down:
         name, config, calls, up = "down", SimpleNamespace(max_concurrency=2), 0, False
 
-        def probabilities(self, state, questions, deadline=None):
+        async def aprobabilities(self, state, questions, deadline=None):
             self.calls += 1
             if not self.up:
                 raise TeacherUnavailable("connection refused")
@@ -637,7 +638,7 @@ def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_aga
 
     def call():
         try:
-            return link._call("gate", "s", q, None)
+            return asyncio.run(link._call("gate", "s", q, None))
         except TeacherUnavailable:
             return None
 
@@ -655,3 +656,140 @@ def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_aga
     assert call() is not None and teacher.calls == 5  # back up: no cool-down
     assert metrics.teacher_calls.labels("gate", "circuit_open")._value.get() == 3
     link.close()
+
+
+class _Trickler:
+    """A hostile teacher: it accepts, reads the request, then sends its response head one byte every ``gap``
+    seconds (a per-read timeout never fires: each read gets a byte in time)."""
+
+    HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def __init__(self, gap: float = 0.3):
+        self.gap, self.accepted, self._stop = gap, 0, threading.Event()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn):
+        conn.settimeout(1.0)
+        try:
+            conn.recv(1 << 16)
+            for byte in self.HEAD:
+                if self._stop.wait(self.gap):
+                    break
+                conn.sendall(bytes([byte]))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self._stop.set()
+        self._listener.close()
+
+
+@pytest.fixture
+def trickler():
+    t = _Trickler()
+    yield t
+    t.close()
+
+
+def test_a_teacher_trickling_its_head_is_cut_at_the_deadline_and_at_each_attempts_limit(trickler):
+    """httpx's timeouts are per read, so a byte every 0.3 s held a call for the head's length x 0.3 s; now the
+    deadline, and without one each attempt's timeout, end it from outside the reads."""
+    with connect(trickler.url, timeout_s=5.0, retries=2) as client:
+        start = time.monotonic()
+        with pytest.raises(TeacherLate, match="1 of 3 attempts"):
+            client.probabilities("A state.", {"q": QUESTIONS["sky"]}, deadline=time.monotonic() + 1.0)
+        assert time.monotonic() - start < 3  # a hang detector: about 1 s (the head alone takes 24 s)
+    with connect(trickler.url, timeout_s=0.5, retries=1, backoff_s=0.01) as client:
+        start = time.monotonic()
+        with pytest.raises(TeacherUnavailable, match=r"2 of 2 attempts.*no whole answer within") as err:
+            client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+        assert not isinstance(err.value, TeacherLate)  # its own timeout, not the caller's deadline
+        assert time.monotonic() - start < 4
+
+
+def test_gate_mode_with_a_trickling_teacher_answers_every_request_locally_by_its_deadline(tiny_engine_dir, tmp_path,
+                                                                                        trickler):
+    """Deadlines of 1, 2 and 3 s got 503 'ready after the deadline' though the local answer was ready in 0.13 s,
+    and the stuck calls held every gate slot for 40 s. Now each request is answered 200 before its deadline with
+    the local answers; every call is counted once (late: the request's time ran out, which does not open the
+    breaker) and frees its slot at its cut-off: 4 concurrent requests after them are all asked, none skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    log = tmp_path / "student.log"
+    url, proc = serve_process(tiny_engine_dir, _port(), log, "--teacher", trickler.url, "--min-confidence", "1.0")
+    try:
+        want = {q: a.to_wire() for q, a in Engine.load(tiny_engine_dir).ask(STATES[8], QUESTIONS).items()}
+        spans = []
+        for seconds in (1, 2, 3):
+            start = time.monotonic()
+            response = _post(url, STATES[8], QUESTIONS, {"X-Request-Timeout": str(seconds)})
+            spans.append(time.monotonic() - start - seconds)
+            assert response.json()["answers"] == want
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: _post(url, STATES[8], QUESTIONS, {"X-Request-Timeout": "1"}), range(4)))
+        text = httpx2.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert max(spans) < 0.3, spans  # answered before its deadline (the cut-off keeps a tenth of the time)
+    outcomes = {o: _metric(text, "onepass_teacher_calls_total", mode="gate", outcome=o)
+                for o in ("late", "skipped", "unavailable", "circuit_open", "ok", "cancelled")}
+    assert outcomes["late"] == 7 and sum(outcomes.values()) == 7, outcomes
+    assert "never retrieved" not in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_shadow_calls_queued_while_the_teacher_is_down_are_asked_once_it_is_back(scripted):
+    """The breaker opened and threw away every queued shadow call as circuit_open; now queued calls wait for its
+    cool-down. The teacher fails its first call (503), then answers: one call unavailable, the other nine asked."""
+    from onepass.runtime.server.metrics import Metrics
+    from onepass.runtime.server.teaching import TeacherLink, TeacherSetup
+
+    url, handler = scripted
+    handler.script[:] = [(503, {}, b"{}"), (200, {}, NOUL_OK)]
+    metrics = Metrics(None, lambda: 0)
+    link = TeacherLink(TeacherSetup(connect(url, retries=0, max_concurrency=2), shadow_rate=1.0), metrics)
+    try:
+        from onepass.runtime.core.questions import NoulAnswer
+        for _ in range(10):
+            link.shadow("A state.", {"q": QUESTIONS["sky"]}, {"q": NoulAnswer(noul=0.8)})
+        _wait_for(lambda: link._pending == 0, 30)
+    finally:
+        link.close()
+    count = lambda o: metrics.teacher_calls.labels("shadow", o)._value.get()  # noqa: E731
+    assert (count("unavailable"), count("ok"), count("circuit_open"), count("dropped")) == (1, 9, 0, 0)
+    assert len(handler.seen) == 10
+
+
+def test_distill_against_a_trickling_teacher_ends_within_its_bound_and_writes_nothing(tmp_path, tiny_engine_dir,
+                                                                                     trickler):
+    """It ran past 200 s (three states failed by 115 s, the rest still waited on); now each call ends within
+    --teacher-timeout x 3 attempts and labelling stops at the third failed state, ending the calls under way."""
+    states = tmp_path / "states.jsonl"
+    states.write_text("".join(json.dumps(s) + "\n" for s in STATES))
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"q": to_wire(QUESTIONS["sky"])}))
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "onepass", "distill", "--engine", str(tiny_engine_dir), "--out",
+                          str(tmp_path / "out"), "--questions", str(questions), "--states", str(states),
+                          "--teacher", trickler.url, "--teacher-timeout", "1"], capture_output=True, text=True,
+                         timeout=300)
+    took = time.monotonic() - start
+    assert out.returncode == 2 and "gave no answer" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+    assert took < 60, took  # a hang detector: 3 attempts x 1 s and the start-up (the bound at the defaults: 30 s)

@@ -1,17 +1,19 @@
 """A server's teacher (`onepass serve --teacher URL`): shadow mode, gate mode, and the rows they record.
 
 * **Shadow**: a share (``shadow_rate``) of answered requests is handed, after the local answer is made, to
-  background threads that ask the teacher the same questions. Handing over is a put on a bounded queue: a
-  full queue drops the shadow call (counted), never the request. The local answer is never changed or
-  delayed by the teacher.
+  the teacher client's event loop, which asks the teacher the same questions on the shadow connections. At
+  most ``max_pending`` shadow calls wait: beyond them a shadow call is dropped (counted), never the request.
+  The local answer is never changed or delayed by the teacher.
 * **Gate**: the questions answered below the gate's threshold (``--min-confidence``, or the thresholds a
-  distilled engine's manifest carries) are asked of the teacher within the request's deadline, and its
-  answers replace the local ones. Gate calls run on an executor of their own with one thread per gate
-  connection; a call beyond them is skipped, and where the teacher fails or the deadline comes first, the
-  local answers stand (counted by outcome).
+  distilled engine's manifest carries) are asked of the teacher, and its answers replace the local ones. The
+  call is ended at a cut-off before the request's deadline whatever the teacher is doing (a response head
+  trickled a byte at a time included): the local answers stand then, and the call's connection is free at
+  that moment. A call beyond the gate connections is skipped.
 * **A teacher that is down** is not asked again for a while (:class:`Breaker`): after a call finds it
-  unavailable, calls skip it (outcome ``circuit_open``, the local answers standing at once) for a cool-down that
-  starts at 0.5 s and doubles while it stays down (at most 30 s); then one call tries it again.
+  unavailable, gate calls skip it (outcome ``circuit_open``, the local answers standing at once) for a cool-down
+  that starts at 0.5 s and doubles while it stays down (at most 30 s); then one call tries it again. Shadow calls
+  wait for the cool-down instead: a queued call is asked when the teacher is back. A call cut by the request's
+  deadline (``late``) says nothing of the teacher's health and does not open the breaker.
 * **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
   (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.server.records`).
   Nothing is recorded unless asked: the state text is user data.
@@ -24,11 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,11 +37,12 @@ from starlette.concurrency import run_in_threadpool
 from ..core.cascade import Gate
 from ..core.errors import OnepassError
 from .records import Records
-from ..tools.teacher import (Teacher, TeacherBadAnswer, TeacherRefused, TeacherUnavailable, answer_distribution, dumps,
-                             row)
+from ..tools.teacher import (Teacher, TeacherBadAnswer, TeacherError, TeacherLate, TeacherRefused, TeacherUnavailable,
+                             answer_distribution, dumps, row)
 
 log = logging.getLogger("onepass.teacher")
 GATE_RESERVE_S = 0.05  # at least this much of a request's time is kept for its response after a gate call
+GATE_GRACE_S = 0.1  # a gate call ends at its cut-off by itself; past it by this much, it is cancelled from outside
 COOL_DOWN_S, MAX_COOL_DOWN_S = 0.5, 30.0  # a teacher found unavailable is skipped this long, doubling while it stays so
 
 
@@ -74,7 +75,7 @@ class TeacherSetup:
     shadow_rate: float = 0.0
     records: Records | None = None
     gate: Gate | None = None  # None: shadow mode only
-    max_pending: int = 256  # shadow calls waiting for a thread; beyond them a shadow call is dropped (counted)
+    max_pending: int = 256  # shadow calls waiting or under way; beyond them a shadow call is dropped (counted)
 
     def __post_init__(self):
         check_shadow_rate(self.shadow_rate)
@@ -106,10 +107,13 @@ class Breaker:
     def remaining(self) -> float:
         return max(0.0, self._open_until - self._clock())
 
-    def result(self, epoch: int, available: bool) -> None:
-        """A call admitted in ``epoch`` found the teacher available or not."""
+    def result(self, epoch: int, available: bool | None) -> None:
+        """A call admitted in ``epoch`` found the teacher available or not (None: it cannot tell, e.g. the caller's
+        time ran out first; a probe's turn passes to the next call)."""
         with self._lock:
-            if available:
+            if available is None:
+                self._probing = False
+            elif available:
                 self._down, self._open_until, self._probing = 0, 0.0, False
             elif epoch == self._epoch:  # the first failure of this wave (or the probe's): open, cool down longer
                 self._down += 1
@@ -119,66 +123,87 @@ class Breaker:
 
 
 class TeacherLink:
-    """The teacher as the server uses it; ``close()`` stops its threads and the teacher's connections.
+    """The teacher as the server uses it; ``close()`` ends its calls and connections.
 
-    The teacher's connections (``max_concurrency``) are shared out: with both modes, shadow threads take half
-    (at least one) and gate calls the rest (at least one); a gate call beyond its share is not queued but
-    skipped (the local answers stand at once), and runs on an executor of its own, never on the server's
-    thread pool, so a hanging teacher cannot hold up requests it has no part in."""
+    Every call runs on the teacher client's own event loop and is bounded as a whole by its deadline (the gate's
+    cut-off, or ``timeout_s`` per attempt for a shadow call), so a teacher that trickles holds nothing past it. The
+    teacher's connections (``max_concurrency``) are shared out: with both modes, shadow calls take half (at least
+    one) and gate calls the rest (at least one); a gate call beyond its share is not queued but skipped (the local
+    answers stand at once). Each call is counted once, with one outcome."""
 
     def __init__(self, setup: TeacherSetup, metrics, clock=time.monotonic):
         teacher, shadow_rate, gate = setup.teacher, setup.shadow_rate, setup.gate
         self.teacher, self.metrics, self.records, self.gate = teacher, metrics, setup.records, gate
-        self.shadow_rate = shadow_rate
-        self._queue: queue.Queue = queue.Queue(maxsize=setup.max_pending)
+        self.shadow_rate, self.max_pending = shadow_rate, setup.max_pending
         self._lock = threading.Lock()
         self.breaker = Breaker(clock)
         self._clock = clock
         connections = teacher.config.max_concurrency
-        shadow = (max(1, connections // 2) if gate is not None else connections) if shadow_rate else 0
-        self.gate_slots = max(1, connections - shadow) if gate is not None else 0
-        self._gate_calls = 0  # gate calls running (on the gate executor), at most gate_slots
-        self._gate_pool = (ThreadPoolExecutor(self.gate_slots, thread_name_prefix="onepass-gate")
-                           if gate is not None else None)
-        self._threads = [threading.Thread(target=self._work, name=f"onepass-shadow-{i}", daemon=True)
-                         for i in range(shadow)]
-        for t in self._threads:
-            t.start()
+        self.shadow_slots = (max(1, connections // 2) if gate is not None else connections) if shadow_rate else 0
+        self.gate_slots = max(1, connections - self.shadow_slots) if gate is not None else 0
+        self._gate_calls = 0  # gate calls under way, at most gate_slots
+        self._pending = 0  # shadow calls waiting or under way, at most max_pending
+        self._shadow_turns: asyncio.Semaphore | None = None  # made on the teacher's loop
 
     def shadow(self, state, questions: dict, answers: dict) -> None:
-        """Maybe (``shadow_rate``) queue the teacher's answers to questions answered locally. Never blocks."""
-        if not self._threads or not questions or random.random() >= self.shadow_rate:
+        """Maybe (``shadow_rate``) queue the teacher's answers to questions answered locally. Never blocks; a call
+        beyond ``max_pending`` waiting ones is dropped (counted)."""
+        if not self.shadow_slots or not questions or random.random() >= self.shadow_rate:
             return
+        with self._lock:
+            if self._pending >= self.max_pending:
+                self.metrics.teacher_calls.labels("shadow", "dropped").inc()
+                return
+            self._pending += 1
         try:
-            self._queue.put_nowait((state, questions, answers))
-        except queue.Full:
-            self.metrics.teacher_calls.labels("shadow", "dropped").inc()
+            call = self.teacher.spawn(self._shadow(state, questions, answers))
+        except Exception:  # noqa: BLE001 - the client is closed (the server stops): nothing to shadow
+            self._shadow_done(None)
+            return
+        call.add_done_callback(self._shadow_done)
 
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            state, questions, answers = item
+    def _shadow_done(self, call) -> None:
+        with self._lock:
+            self._pending -= 1
+        if call is not None and call.cancelled():  # the server stopped with it queued or under way
+            self.metrics.teacher_calls.labels("shadow", "cancelled").inc()
+
+    async def _shadow(self, state, questions: dict, answers: dict) -> None:
+        """One shadow call on the teacher's loop: waits for a shadow connection, and while the breaker is open
+        waits for its cool-down (a call that was queued is asked when the teacher is back, never thrown away)."""
+        if self._shadow_turns is None:
+            self._shadow_turns = asyncio.Semaphore(self.shadow_slots)
+        async with self._shadow_turns:
             try:
-                probs = self._call("shadow", state, questions, None)
-            except Exception:  # noqa: BLE001 - counted in _call; a shadow call never stops its thread
-                continue
-            agreed = sum(agrees(questions[q], answers[q], p) for q, p in probs.items())
-            self.metrics.shadowed.inc(len(probs))
-            self.metrics.agreed.inc(agreed)
+                probs = await self._call("shadow", state, questions, None, patient=True)
+            except TeacherError:  # counted in _call
+                return
+        agreed = sum(agrees(questions[q], answers[q], p) for q, p in probs.items())
+        self.metrics.shadowed.inc(len(probs))
+        self.metrics.agreed.inc(agreed)
 
-    def _call(self, mode: str, state, questions: dict, deadline: float | None) -> dict:
-        """The teacher's distributions (recorded when asked), its outcome and latency counted."""
+    async def _call(self, mode: str, state, questions: dict, deadline: float | None, patient: bool = False) -> dict:
+        """The teacher's distributions (recorded when asked), its outcome and latency counted, on the teacher's loop.
+        ``patient``: wait while the breaker is open instead of skipping the teacher."""
         epoch = self.breaker.admit()
+        while epoch is None and patient:
+            await asyncio.sleep(max(0.05, self.breaker.remaining()))
+            epoch = self.breaker.admit()
         if epoch is None:
             self.metrics.teacher_calls.labels(mode, "circuit_open").inc()
             raise TeacherUnavailable(f"{self.teacher.name} was unavailable: not asked again for "
                                      f"{self.breaker.remaining():.1f} s")
         start = self._clock()
         try:
-            probs = self.teacher.probabilities(state, questions, deadline=deadline)
+            probs = await self.teacher.aprobabilities(state, questions, deadline=deadline)
+        except asyncio.CancelledError:
+            self.breaker.result(epoch, None)  # counted by whoever cancelled it
+            raise
         except Exception as err:
-            self.breaker.result(epoch, not isinstance(err, TeacherUnavailable))
-            self.metrics.teacher_calls.labels(mode, _outcome(err)).inc()
-            if not isinstance(err, (TeacherUnavailable, TeacherRefused, TeacherBadAnswer)):
+            late = isinstance(err, TeacherLate)  # the caller's time ran out: says nothing of the teacher's health
+            self.breaker.result(epoch, None if late else not isinstance(err, TeacherUnavailable))
+            self.metrics.teacher_calls.labels(mode, "late" if late else _outcome(err)).inc()
+            if not isinstance(err, TeacherError):
                 log.exception("teacher call failed unexpectedly")
             else:
                 log.warning("teacher %s call failed: %s", mode, err)
@@ -194,17 +219,17 @@ class TeacherLink:
                     self.metrics.record_failures.inc()
         return probs
 
-    def _gate_call(self, state, questions: dict, until: float) -> dict:
-        try:
-            return self._call("gate", state, questions, until)
-        finally:
-            with self._lock:
-                self._gate_calls -= 1
+    def _gate_done(self, call) -> None:
+        """A gate call ended (by its cut-off at the latest): its connection's slot is free."""
+        with self._lock:
+            self._gate_calls -= 1
+        if call.cancelled():
+            self.metrics.teacher_calls.labels("gate", "late").inc()
 
     async def forward(self, engine, state, questions: dict, answers: dict, deadline: float) -> tuple[dict, set]:
         """(answers, ids answered by the teacher): the questions below the gate asked of the teacher, its call
-        ending before ``deadline`` (a tenth of the time left, at least 50 ms, is kept for the response); where it
-        fails, is busy or late, the local answers stand."""
+        ended at a cut-off before ``deadline`` (a tenth of the time left, at least 50 ms, is kept for the
+        response) whatever the teacher is doing; where it fails, is busy or late, the local answers stand."""
         from ..core.readout import answer
 
         gate = self.gate
@@ -224,35 +249,24 @@ class TeacherLink:
                 return answers, set()
             self._gate_calls += 1
         doubtful = {q: questions[q] for q in review}
-        loop = asyncio.get_running_loop()
-        call = loop.run_in_executor(self._gate_pool, self._gate_call, state, doubtful, until)
-        try:  # the call ends by `until` (the client's deadline); this bound only guards against a client bug
-            probs = await asyncio.wait_for(asyncio.shield(call), timeout=max(0.0, until - self._clock()) + 0.5)
-        except asyncio.TimeoutError:
-            self.metrics.teacher_calls.labels("gate", "late").inc()
+        try:
+            call = self.teacher.spawn(self._call("gate", state, doubtful, until))
+        except Exception:  # noqa: BLE001 - the client is closed (the server stops)
+            with self._lock:
+                self._gate_calls -= 1
+            return answers, set()
+        call.add_done_callback(self._gate_done)
+        try:  # the call ends by `until` on its own; the grace only guards against a teacher loop that is stuck
+            probs = await asyncio.wait_for(asyncio.wrap_future(call), max(0.0, until - self._clock()) + GATE_GRACE_S)
+        except asyncio.TimeoutError:  # the call is cancelled with it (counted late in _gate_done)
             return answers, set()
         except Exception:  # noqa: BLE001 - counted and logged in _call; the local answers stand
             return answers, set()
         return {**answers, **{q: answer(questions[q], p) for q, p in probs.items()}}, set(probs)
 
     def close(self) -> None:
-        """Stop the shadow threads (queued shadow calls are dropped) and the gate executor, then the teacher's
-        connections and the records (a call still running then records nothing)."""
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._threads:
-            try:
-                self._queue.put(None, timeout=1)
-            except queue.Full:  # a shadow call was queued meanwhile: the threads are daemons
-                break
-        deadline = time.monotonic() + 5
-        for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        if self._gate_pool is not None:
-            self._gate_pool.shutdown(wait=False, cancel_futures=True)
+        """End the teacher's calls (queued shadow calls are cancelled, counted) and connections, then the records
+        (a call ended so records nothing after them)."""
+        self.teacher.close()
         if self.records is not None:
             self.records.close()
-        self.teacher.close()

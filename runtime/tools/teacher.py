@@ -28,6 +28,8 @@ retries (connection errors only) do not.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
 import random
@@ -55,6 +57,10 @@ class TeacherError(OnepassError):
 
 class TeacherUnavailable(TeacherError):
     """Down, too slow for the deadline, or overloaded after every retry."""
+
+
+class TeacherLate(TeacherUnavailable):
+    """The caller's deadline ended the last attempt (the teacher may be well, only slower than the time given)."""
 
 
 class TeacherRefused(TeacherError):
@@ -143,7 +149,12 @@ class TeacherConfig:
 
 
 class Teacher:
-    """A remote model with an engine's shape. Thread-safe; ``close()`` (or ``with``) releases its connections."""
+    """A remote model with an engine's shape. Thread-safe; ``close()`` (or ``with``) ends its calls and connections.
+
+    Every exchange runs on an event loop of the client's own (one daemon thread): a blocking caller (``distill``'s
+    workers) waits on a future, the server's gate awaits it. An attempt is bounded as a whole (connect, head and
+    body) from outside its reads: asyncio cancels it at its limit and the connection is closed, so a teacher that
+    trickles its answer a byte at a time ends the attempt on time, not after ``timeout_s`` per byte."""
 
     path = ""
 
@@ -153,12 +164,21 @@ class Teacher:
         self.config = config
         self.name = config.model or f"{config.kind}:{config.url.split('://', 1)[1].split('/', 1)[0]}"
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = httpx2.Client(base_url=config.url.rstrip("/"), headers=headers,
-                                   limits=httpx2.Limits(max_connections=config.max_concurrency),
-                                   timeout=httpx2.Timeout(config.timeout_s))
-        self._slots = threading.BoundedSemaphore(config.max_concurrency)
         self._errors = httpx2.TransportError, httpx2.TimeoutException
         self._decoding, self._other = httpx2.DecodingError, (httpx2.HTTPError, httpx2.StreamError)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="onepass-teacher", daemon=True)
+        self._thread.start()
+        self._tasks: set = set()  # the calls under way (touched on the loop only)
+        self._closed = False
+
+        async def open_client():
+            self._slots = asyncio.Semaphore(config.max_concurrency)
+            return httpx2.AsyncClient(base_url=config.url.rstrip("/"), headers=headers,
+                                      limits=httpx2.Limits(max_connections=config.max_concurrency),
+                                      timeout=httpx2.Timeout(config.timeout_s))
+
+        self._http = asyncio.run_coroutine_threadsafe(open_client(), self._loop).result()
 
     def __enter__(self):
         return self
@@ -166,8 +186,57 @@ class Teacher:
     def __exit__(self, *exc):
         self.close()
 
+    def spawn(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the client's loop; its future (``cancel()`` and ``close()`` end it, cancelled)."""
+        if self._closed:
+            coro.close()
+            raise TeacherUnavailable(f"{self.name}: the teacher client is closed")
+
+        async def tracked():
+            task = asyncio.current_task()
+            self._tasks.add(task)
+            try:
+                return await coro
+            finally:
+                self._tasks.discard(task)
+
+        return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+
+    def _wait(self, coro):
+        """``coro``'s result, run on the client's loop, for a blocking caller (its own deadline bounds it)."""
+        future = self.spawn(coro)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise TeacherUnavailable(f"{self.name}: the call was cancelled (the client stopped)") from None
+        except BaseException:  # Ctrl-C in the waiting thread: the call ends too
+            future.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """End every call under way now (each raises TeacherUnavailable, or is cancelled for an awaiting caller)."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._tasks)])
+
     def close(self) -> None:
-        self._http.close()
+        """Cancel the calls under way, close the connections, stop the loop's thread. Idempotent."""
+        if self._closed:
+            return
+        self.cancel()
+        self._closed = True
+
+        async def shut():
+            await asyncio.sleep(0)  # the cancelled calls unwind first
+            await self._http.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=5)
+        except (concurrent.futures.TimeoutError, OSError):  # a connection that will not close: the thread is a daemon
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.url!r}, name={self.name!r})"
@@ -178,66 +247,91 @@ class Teacher:
         return {qid: answer(questions[qid], p) for qid, p in probs.items()}
 
     def probabilities(self, state, questions: Mapping[str, Question], deadline: float | None = None) -> dict:
-        """{question id: [K] distribution}; ``deadline`` (monotonic seconds) bounds every attempt and retry."""
+        """{question id: [K] distribution}; ``deadline`` (monotonic seconds) bounds every attempt and retry (none:
+        ``timeout_s`` per attempt over every attempt)."""
+        return self._wait(self.aprobabilities(state, questions, deadline))
+
+    async def aprobabilities(self, state, questions: Mapping[str, Question], deadline: float | None = None) -> dict:
+        """:meth:`probabilities` as a coroutine of the client's loop (what :meth:`spawn` runs)."""
         raise NotImplementedError
 
-    def _send(self, body: dict, timeout: float, until: float) -> tuple:
-        """(status, headers, body bytes) of one attempt, the whole body read by ``until`` (monotonic): a teacher
-        that trickles bytes is TeacherUnavailable then; a body over MAX_RESPONSE_BYTES is a TeacherBadAnswer."""
-        with self._http.stream("POST", self.path, json=body, timeout=timeout) as response:
-            content = bytearray()
-            for chunk in response.iter_bytes():
-                content += chunk
-                if len(content) > MAX_RESPONSE_BYTES:
-                    raise TeacherBadAnswer(f"{self.name} sent a response over {MAX_RESPONSE_BYTES >> 20} MiB")
-                if time.monotonic() > until:
-                    raise TeacherUnavailable(f"{self.name} was still sending its answer at the deadline")
-            return response.status_code, response.headers, bytes(content)
-
-    def post(self, body: dict, deadline: float | None) -> dict:
-        """POST ``body`` as JSON to the kind's path; the parsed JSON object of a 200, retrying what may pass."""
+    async def post(self, body: dict, deadline: float | None) -> dict:
+        """POST ``body`` as JSON to the kind's path; the parsed JSON object of a 200, retrying what may pass. Each
+        attempt ends within ``timeout_s`` and by ``deadline`` whatever the teacher sends (TeacherLate when the
+        deadline cut the last one)."""
         cfg = self.config
+        given = deadline is not None  # else the attempts' own limits make the deadline: no call is "late"
         deadline = time.monotonic() + cfg.timeout_s * (cfg.retries + 1) if deadline is None else deadline
-        last = "the deadline had passed before the first attempt"
+        last, made, late = "the deadline had passed before the first attempt", 0, False
         for attempt in range(cfg.retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            wait = cfg.backoff_s * (2 ** attempt) * (0.5 + random.random())
-            if not self._slots.acquire(timeout=left):  # every connection busy until the deadline
+            try:
+                await asyncio.wait_for(self._slots.acquire(), left)
+            except asyncio.TimeoutError:
                 last = f"all {cfg.max_concurrency} connections busy"
                 break
+            made += 1
+            limit = max(0.0, min(cfg.timeout_s, deadline - time.monotonic()))
+            late = False
             try:
-                status, headers, content = self._send(body, min(cfg.timeout_s, left),
-                                                      min(deadline, time.monotonic() + cfg.timeout_s))
-            except self._errors as err:
-                last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-            except self._decoding as err:  # a body its headers misdescribe (a Content-Encoding it is not in)
-                raise TeacherBadAnswer(f"{self.name} sent a body that cannot be decoded: {err}") from None
-            except self._other as err:  # anything else the HTTP client raises: typed, never a traceback
-                raise TeacherUnavailable(f"{self.name}: {type(err).__name__}: {err}") from None
-            else:
-                if status == 200:
-                    try:
-                        data = json.loads(content)
-                    except (ValueError, UnicodeDecodeError, RecursionError):
-                        raise TeacherBadAnswer(f"{self.name} answered 200 with a body that is not JSON: "
-                                               f"{content[:80]!r}") from None
-                    if not isinstance(data, dict):
-                        raise TeacherBadAnswer(f"{self.name} answered 200 with JSON that is not an object")
-                    return data
-                last = f"HTTP {status}: {_error_message(content)}"
-                if status not in RETRY_STATUSES:
-                    raise TeacherRefused(f"{self.name} refused the request ({last})")
-                wait = max(wait, _retry_after(headers))
+                outcome = await asyncio.wait_for(self._attempt(body), limit)
+            except asyncio.TimeoutError:  # the attempt's limit, enforced from outside its reads
+                late = given and limit < cfg.timeout_s
+                outcome = (f"no whole answer by the deadline ({limit:.3g} s left)" if late
+                           else f"no whole answer within {limit:.3g} s (the teacher's timeout: {cfg.timeout_s:g} s)"), 0.0
             finally:
                 self._slots.release()
-            if attempt < cfg.retries and time.monotonic() + wait < deadline:
-                time.sleep(wait)
-            elif attempt < cfg.retries:
+            if isinstance(outcome, dict):
+                return outcome
+            last, asked = outcome
+            wait = max(cfg.backoff_s * (2 ** attempt) * (0.5 + random.random()), asked)
+            if attempt == cfg.retries:
                 break
-        raise TeacherUnavailable(f"{self.name} at {cfg.url} gave no answer within the deadline or "
-                                 f"{cfg.retries + 1} attempts (last: {last})")
+            if time.monotonic() + wait >= deadline:
+                last += f"; a retry {wait:.3g} s later would pass the deadline"
+                break
+            await asyncio.sleep(wait)
+        error = TeacherLate if late else TeacherUnavailable
+        raise error(f"{self.name} at {cfg.url} gave no answer within the deadline ({made} of {cfg.retries + 1} "
+                    f"attempts made; last: {last})")
+
+    async def _attempt(self, body: dict):
+        """One exchange: the JSON object of a 200, or (why it failed, seconds the teacher asked to wait) where a retry
+        may pass; the typed error where none can."""
+        try:
+            async with self._http.stream("POST", self.path, json=body) as response:
+                content = bytearray()
+                async for chunk in response.aiter_bytes():
+                    content += chunk
+                    if len(content) > MAX_RESPONSE_BYTES:
+                        raise TeacherBadAnswer(f"{self.name} sent a response over {MAX_RESPONSE_BYTES >> 20} MiB")
+                status, headers = response.status_code, response.headers
+        except self._errors as err:
+            return (f"{type(err).__name__}: {err}" if str(err) else type(err).__name__), 0.0
+        except self._decoding as err:  # a body its headers misdescribe (a Content-Encoding it is not in)
+            raise TeacherBadAnswer(f"{self.name} sent a body that cannot be decoded: {err}") from None
+        except self._other as err:  # anything else the HTTP client raises: typed, never a traceback
+            raise TeacherUnavailable(f"{self.name}: {type(err).__name__}: {err}") from None
+        if status == 200:
+            try:
+                data = json.loads(content)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise TeacherBadAnswer(f"{self.name} answered 200 with a body that is not JSON: "
+                                       f"{bytes(content[:80])!r}") from None
+            if not isinstance(data, dict):
+                raise TeacherBadAnswer(f"{self.name} answered 200 with JSON that is not an object")
+            return data
+        if 300 <= status < 400:
+            raise TeacherRefused(f"{self.name} answered HTTP {status}, a redirect to "
+                                 f"{headers.get('location', '(no Location header)')[:200]!r}: redirects are not "
+                                 "followed; give the final URL as the teacher's")
+        why = f"HTTP {status}: {_error_message(bytes(content))}"
+        if status not in RETRY_STATUSES:
+            raise TeacherRefused(f"{self.name} refused the request ({why})")
+        asked = _retry_after(headers)
+        return (f"{why} (it asked to wait {asked:g} s)" if asked else why), asked
 
 
 def _error_message(content: bytes) -> str:
@@ -251,10 +345,12 @@ def _error_message(content: bytes) -> str:
 
 
 def _retry_after(headers) -> float:
+    """Seconds a Retry-After header asks for (a date, or nonsense: 0); the caller's deadline bounds the wait."""
     try:
-        return min(30.0, max(0.0, float(headers.get("retry-after", 0))))
+        seconds = float(headers.get("retry-after", 0))
     except ValueError:
         return 0.0
+    return min(1e6, seconds) if seconds > 0 else 0.0
 
 
 class SystemOneTeacher(Teacher):
@@ -262,11 +358,11 @@ class SystemOneTeacher(Teacher):
 
     path = "/v1/systemone"
 
-    def probabilities(self, state, questions, deadline=None) -> dict:
+    async def aprobabilities(self, state, questions, deadline=None) -> dict:
         body = {"state": state, "questions": {qid: to_wire(q) for qid, q in questions.items()}}
         if self.config.model:
             body["model"] = self.config.model
-        data = self.post(body, deadline)
+        data = await self.post(body, deadline)
         answers = data.get("answers")
         if not isinstance(answers, dict):
             raise TeacherBadAnswer(f"{self.name}: the response has no 'answers' object")
@@ -342,7 +438,7 @@ class OpenAITeacher(Teacher):
 
     path = "/v1/chat/completions"
 
-    def probabilities(self, state, questions, deadline=None) -> dict:
+    async def aprobabilities(self, state, questions, deadline=None) -> dict:
         out = {}
         for qid, q in questions.items():
             messages, labels = openai_prompt(state, q)
@@ -350,7 +446,7 @@ class OpenAITeacher(Teacher):
                     "top_logprobs": min(20, max(5, 2 * len(labels)))}
             if self.config.model:
                 body["model"] = self.config.model
-            data = self.post(body, deadline)
+            data = await self.post(body, deadline)
             try:
                 content = data["choices"][0]["logprobs"]["content"]
             except (KeyError, IndexError, TypeError):
