@@ -183,7 +183,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send the body, else 408")
     serve.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept")
     serve.add_argument("--max-header-bytes", type=int, default=16384, help="larger request heads get 431")
-    serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000)")
+    serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000; "
+                       "/healthz and /readyz are still answered)")
+    serve.add_argument("--max-connections-per-client", type=int, default=None,
+                       help="connections one client address may hold (default a quarter of --max-connections)")
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
     serve.add_argument("--min-confidence", type=float, default=None,

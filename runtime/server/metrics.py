@@ -26,6 +26,25 @@ class _CacheCollector:
         yield GaugeMetricFamily("onepass_state_cache_states", "States held by the state cache", value=len(cache))
 
 
+class _TransportCollector:
+    """Reads the transport's refusals and open connections at scrape time."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        refused = CounterMetricFamily("onepass_transport_refusals", "Connections and requests the transport refused "
+                                      "before the app (per_client and capacity: 503; head/body_timeout: 408; "
+                                      "head_too_large: 431; small_chunks, ambiguous_length: 400; body_framing: 413)",
+                                      labels=["reason"])
+        for reason, n in self.stats.refused.items():
+            refused.add_metric([reason], n)
+        yield refused
+        yield GaugeMetricFamily("onepass_connections_open", "Client connections open", value=self.stats.open)
+        yield GaugeMetricFamily("onepass_connection_clients", "Client addresses with a connection open",
+                                value=len(self.stats.by_client))
+
+
 class Metrics:
     """Request count by status, latency histogram, queue depth, batches, tokens, state cache."""
 
@@ -50,8 +69,8 @@ class Metrics:
         self.engine_failures = Counter("onepass_internal_errors", "Requests answered 500 by an unexpected fault",
                                        registry=self.registry)
         # a teacher (onepass serve --teacher): calls by mode (shadow, gate) and outcome (ok, unavailable, refused,
-        # bad_answer; dropped: the shadow queue was full; skipped: every gate connection busy; late: no time left;
-        # circuit_open: the teacher was found unavailable lately)
+        # bad_answer; dropped: the shadow queue was full; skipped: every gate connection busy; late: the request's
+        # time ran out first; circuit_open: the teacher was found unavailable lately; cancelled: the server stopped)
         self.teacher_calls = Counter("onepass_teacher_calls", "Calls to the teacher by mode and outcome",
                                      ["mode", "outcome"], registry=self.registry)
         self.teacher_latency = Histogram("onepass_teacher_seconds", "Latency of answered teacher calls", ["mode"],
@@ -70,6 +89,10 @@ class Metrics:
             depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
             depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))
+
+    def watch_transport(self, stats) -> None:
+        """Export a :class:`~onepass.runtime.server.transport.TransportStats` (``onepass serve``'s transport)."""
+        self.registry.register(_TransportCollector(stats))
 
     def on_timing(self, timing: dict) -> None:
         """One answered request's stage times (milliseconds, as in Server-Timing)."""

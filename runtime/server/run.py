@@ -4,6 +4,7 @@ cascade) and uvicorn with the transport's limits. The command only parses its fl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from ..core.engine import Engine
 from ..core.errors import OnepassError
 from .config import ServerConfig
-from .transport import TransportLimits, listen
+from .transport import TransportLimits, TransportStats, listen
 
 
 def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, record: str | None = None,
@@ -104,7 +105,10 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
     setup = None if teacher is None else teacher_setup(engine, min_confidence=min_confidence, **teacher)
     app = create_app(engine, config, cascade=second, min_confidence=min_confidence if second else None,
                      teacher=setup)
-    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **transport.uvicorn_options()))
+    stats = TransportStats()
+    app.state.server.metrics.watch_transport(stats)
+    transport = dataclasses.replace(transport, max_body_bytes=config.max_body_bytes)  # the framing cap follows it
+    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **transport.uvicorn_options(stats)))
     for sock in socks:
         address = sock.getsockname()
         logging.getLogger("onepass.serve").info("listening on http://%s:%d", *(

@@ -1,25 +1,34 @@
 """An HTTP transport that protects itself without a proxy in front.
 
-uvicorn already offers an idle keep-alive timeout (``timeout_keep_alive``), a cap on connections
-and tasks answered with 503 beyond it (``limit_concurrency``) and a bound on h11's buffer
-(``h11_max_incomplete_event_size``, answered 400). It has no timeout on reading a request's
-headers or body (a client that sends one byte a second, or nothing, holds its connection
-forever) and no 431; hypercorn's ``read_timeout`` is per read (one byte every few seconds
-evades it) and granian's header timeout comes without a body timeout and with a different
-server stack. So ``GuardedH11Protocol`` is uvicorn's own h11 protocol with what it lacks:
+uvicorn already offers an idle keep-alive timeout (``timeout_keep_alive``) and a bound on h11's buffer
+(``h11_max_incomplete_event_size``, answered 400). It has no timeout on reading a request's headers or body
+(a client that sends one byte a second, or nothing, holds its connection forever), no 431, a connection cap
+(``limit_concurrency``) that one client can fill and that refuses liveness probes and counts nothing, and it
+parses a chunked body chunk by chunk in Python (1-byte chunks made a 1 MB body cost 7.7 s of the event loop).
+hypercorn's ``read_timeout`` is per read (one byte every few seconds evades it) and granian's header timeout
+comes without a body timeout and with a different server stack. So ``GuardedH11Protocol`` is uvicorn's own h11
+protocol with what it lacks:
 
-* **header timeout**: a connection must deliver a request's whole head within
-  ``header_timeout_s`` of connecting (or of its first byte after a keep-alive pause), else 408
-  and the connection is closed;
-* **body timeout**: once the head is in, the whole body within ``body_timeout_s`` (408; the app
-  sees the client go away: a 499 in its log, never a 500);
-* **431** for a head over ``max_header_bytes`` (checked before h11 parses it, so an 8 MB header
-  costs 16 KiB of reading, not 8 MB of memory).
+* **header timeout**: a connection must deliver a request's whole head within ``header_timeout_s`` of
+  connecting (or of its first byte after a keep-alive pause), else 408 and the connection is closed;
+* **body timeout**: once the head is in, the whole body within ``body_timeout_s`` (408; the app sees the
+  client go away: a 499 in its log, never a 500);
+* **431** for a head over ``max_header_bytes`` (checked before h11 parses it, so an 8 MB header costs 16 KiB
+  of reading, not 8 MB of memory);
+* **a body's cost follows its bytes, not its framing**: a body in more than ``FREE_CHUNKS`` chunks must
+  average ``MIN_CHUNK_BYTES`` a chunk (400 at once otherwise), and its bytes on the wire, chunk extensions and
+  trailers included, are held to the body limit plus an eighth (413);
+* **400 for ambiguous framing**: Content-Length and Transfer-Encoding together (RFC 9112 6.3);
+* **a fair connection cap**: one client address holds at most ``per_client()`` connections (a quarter of the
+  cap by default; more are answered 503 and closed at once), beyond the cap a request is answered 503 unless it
+  is a probe (``/healthz``, ``/readyz``, ``/metrics``, with ``PROBE_RESERVE`` connections kept for them), and every refusal
+  is counted by reason (:class:`TransportStats`, in ``/metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import resource
 import socket
@@ -31,66 +40,171 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..core.errors import OnepassError
 
 
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered whatever the load: liveness, readiness, and the
+# metrics that show the overload
+PROBE_RESERVE = 8  # connections kept beyond the cap for the probes alone
+FREE_CHUNKS = 1024  # chunks a body may use whatever their size ...
+MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
+
+
 @dataclass(frozen=True)
 class TransportLimits:
-    """What one connection may take, with the defaults ``onepass serve`` uses."""
+    """What one connection, and one client address, may take, with the defaults ``onepass serve`` uses."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_header_bytes: int = 16384
     max_connections: int | None = None  # None: 1000, or below the open-files limit where that is lower
+    max_connections_per_client: int | None = None  # None: a quarter of the cap (at least 1)
+    max_body_bytes: int = 1 << 20  # the server's body limit; the body's bytes on the wire (framing) are held near it
 
     def __post_init__(self):
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     def connections(self) -> int:
         """The connection cap: as given, else 1000 kept 64 below this process's open-files limit."""
         if self.max_connections is not None:
             return self.max_connections
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(16, min(1000, soft - 64)) if soft != resource.RLIM_INFINITY else 1000
+        return max(16, min(1000, soft - 64 - PROBE_RESERVE)) if soft != resource.RLIM_INFINITY else 1000
 
-    def uvicorn_options(self) -> dict:
-        """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits."""
-        return {"http": protocol(self), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
-                "limit_concurrency": self.connections(), "h11_max_incomplete_event_size": self.max_header_bytes + 1}
+    def per_client(self) -> int:
+        """Connections one client address may hold at once."""
+        return self.max_connections_per_client or max(1, self.connections() // 4)
+
+    def body_wire_bytes(self) -> int:
+        """The most bytes a body may take on the wire: its limit plus room for framing (chunk sizes, extensions,
+        trailers) of a body sent in chunks of ``MIN_CHUNK_BYTES`` or more."""
+        return self.max_body_bytes + max(65536, self.max_body_bytes // 8)
+
+    def uvicorn_options(self, stats: "TransportStats | None" = None) -> dict:
+        """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits (the connection cap is the
+        protocol's own: uvicorn's would refuse the probes too, and count nothing); ``stats`` counts what is
+        refused."""
+        return {"http": protocol(self, stats or TransportStats()), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
+                "limit_concurrency": None, "h11_max_incomplete_event_size": self.max_header_bytes + 1}
 
 
-def _raw_response(status: int, reason: str, message: str) -> bytes:
+class TransportStats:
+    """What the transport refused, by reason, and the connections open (read by ``/metrics``; event loop only)."""
+
+    REASONS = ("per_client", "capacity", "head_timeout", "body_timeout", "head_too_large", "small_chunks",
+               "body_framing", "ambiguous_length")
+
+    def __init__(self):
+        self.refused = dict.fromkeys(self.REASONS, 0)
+        self.by_client: collections.Counter = collections.Counter()
+
+    @property
+    def open(self) -> int:
+        return sum(self.by_client.values())
+
+
+def _raw_response(status: int, reason: str, message: str, retry_after: int | None = None) -> bytes:
     """A complete HTTP/1.1 error response that closes the connection (written before the app saw a request)."""
     body = json.dumps({"error": {"message": message, "field": None}}).encode()
+    retry = f"retry-after: {retry_after}\r\n" if retry_after is not None else ""
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode()
+            f"{retry}connection: close\r\n\r\n").encode()
     return head + body
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with header and body read timeouts and 431 (see the module docstring)."""
+    """uvicorn's h11 protocol with read timeouts, 431, a chunk budget, a body wire cap, a refusal of ambiguous
+    framing, and a connection cap shared fairly between client addresses (see the module docstring)."""
 
     limits = TransportLimits()
+    stats = TransportStats()
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
-        self._phase = None
-        self._arm("head")
+        self._phase, self._host, self._received = None, None, 0
+        self._chunks = self._body_bytes = self._body_from = 0
+        self.conn.next_event = self._next_event  # h11's events, counted and checked before uvicorn handles them
+        host = self.client[0] if self.client else ""
+        held, cap = self.stats.by_client[host], self.limits.connections()
+        if held >= self.limits.per_client():
+            self._refuse(503, "Service Unavailable", f"this client address holds {held} connections, the most one "
+                         f"address may hold; reuse them (keep-alive) or close some", "per_client", retry_after=1)
+        elif len(self.connections) > cap + PROBE_RESERVE:
+            self._refuse(503, "Service Unavailable", f"the server holds its {cap} connections; retry shortly",
+                         "capacity", retry_after=1)
+        else:
+            self._host = host
+            self.stats.by_client[host] += 1
+            self.app = self._admit(self.app)
+            self._arm("head")
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._host is not None:
+            self.stats.by_client[self._host] -= 1
+            if not self.stats.by_client[self._host]:
+                del self.stats.by_client[self._host]
+            self._host = None
         super().connection_lost(exc)
+
+    def _admit(self, app):
+        """The app behind the connection cap: over it, a request gets 503 (counted) unless it is a probe."""
+        async def admitted(scope, receive, send):
+            cap = self.limits.connections()
+            if (len(self.connections) > cap or len(self.tasks) > cap) and scope.get("path") not in PROBES:
+                self.stats.refused["capacity"] += 1
+                body = json.dumps({"error": {"message": f"the server holds its {cap} connections; retry shortly",
+                                             "field": None}}).encode()
+                await send({"type": "http.response.start", "status": 503, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", b"1"), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await app(scope, receive, send)
+
+        return admitted
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE and self._head_too_long(data):
             self._refuse(431, "Request Header Fields Too Large", f"the request's head is over "
-                         f"{self.limits.max_header_bytes} bytes; send smaller headers")
+                         f"{self.limits.max_header_bytes} bytes; send smaller headers", "head_too_large")
+            return
+        self._received += len(data)
+        if self.conn.their_state is h11.SEND_BODY and self._received - self._body_from > self.limits.body_wire_bytes():
+            self._refuse(413, "Content Too Large", f"the body takes over {self.limits.body_wire_bytes()} bytes on the "
+                         f"wire (framing, chunk extensions and trailers included); the body limit is "
+                         f"{self.limits.max_body_bytes} bytes", "body_framing")
             return
         super().data_received(data)
         self._follow()
+
+    def _next_event(self):
+        """h11's next event, after the checks that need its parse: a request with both Content-Length and
+        Transfer-Encoding is refused (RFC 9112 6.3: its length is ambiguous, a smuggling vector); a body in more
+        chunks than ``FREE_CHUNKS`` plus one per ``MIN_CHUNK_BYTES`` of its data is refused (each chunk costs the
+        event loop a parse: 1-byte chunks made a 1 MB body cost seconds of it)."""
+        event = h11.Connection.next_event(self.conn)
+        if type(event) is h11.Data:
+            self._chunks += event.chunk_start
+            self._body_bytes += len(event.data)
+            if self._chunks > FREE_CHUNKS + self._body_bytes // MIN_CHUNK_BYTES:
+                self._refuse(400, "Bad Request", f"the body came in {self._chunks} chunks for {self._body_bytes} bytes; "
+                             f"send chunks of {MIN_CHUNK_BYTES} bytes or more on average (or a Content-Length)",
+                             "small_chunks")
+                return h11.NEED_DATA
+        elif type(event) is h11.Request:
+            names = {name for name, _ in event.headers}  # h11 gives them lower-cased
+            if b"transfer-encoding" in names and b"content-length" in names:
+                self._refuse(400, "Bad Request", "the request has both Transfer-Encoding and Content-Length; send one",
+                             "ambiguous_length")
+                return h11.NEED_DATA
+            self._chunks = self._body_bytes = 0
+            self._body_from = self._received - len(self.conn.trailing_data[0])  # the bytes up to the body's first
+        return event
 
     def _head_too_long(self, data: bytes) -> bool:
         """Whether the head being received (up to its blank line; body bytes after it do not count) is over the
@@ -134,25 +248,28 @@ class GuardedH11Protocol(H11Protocol):
     def _expired(self, phase: str) -> None:
         self._timer, self._phase = None, None
         seconds = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
-        self._refuse(408, "Request Timeout", f"the request's {phase} did not arrive within {seconds:g} s")
+        self._refuse(408, "Request Timeout", f"the request's {phase} did not arrive within {seconds:g} s",
+                     f"{phase}_timeout")
 
-    def _refuse(self, status: int, reason: str, message: str) -> None:
-        """Answer ``status`` and close, unless the app already started its own response."""
+    def _refuse(self, status: int, reason: str, message: str, why: str, retry_after: int | None = None) -> None:
+        """Answer ``status`` and close (counted as ``why``), unless the app already started its own response."""
         self._disarm()
         if self.transport.is_closing():
             return
+        self.stats.refused[why] += 1
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response byte sent yet (an app's early 413,
             # complete or under way, is left as it is)
-            self.transport.write(_raw_response(status, reason, message))
+            self.transport.write(_raw_response(status, reason, message, retry_after))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() now says the client is gone
             self.cycle.message_event.set()
         self.transport.close()
 
 
-def protocol(limits: TransportLimits) -> type:
-    """A ``GuardedH11Protocol`` class bound to ``limits`` (uvicorn instantiates the class per connection)."""
-    return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits})
+def protocol(limits: TransportLimits, stats: TransportStats) -> type:
+    """A ``GuardedH11Protocol`` class bound to ``limits`` and counting into ``stats`` (uvicorn instantiates the class
+    per connection)."""
+    return type("GuardedH11", (GuardedH11Protocol,), {"limits": limits, "stats": stats})
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
