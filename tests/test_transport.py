@@ -93,8 +93,8 @@ def _metric(url: str, name: str) -> dict:
 def test_300_half_open_connections_leave_valid_requests_served_and_are_closed_after_the_header_timeout(served):
     url, port, proc, _ = served
     held = []
-    for i in range(300):
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    for i in range(300):  # from three client addresses (one address may hold a quarter of the cap)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(f"127.0.0.{2 + i % 3}", 0))
         s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half a head, or nothing
         held.append(s)
     status, seconds = _valid(url)
@@ -233,11 +233,153 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2_before_loading_the_engine(
 
 
 def test_a_deadline_too_short_is_named_in_the_refusal(served):
-    """A 1 ms X-Request-Timeout is refused at admission (413 or 429) with a message naming that deadline (it used to
+    """A 1 ms X-Request-Timeout is refused (408 reading the body, or 413 or 429 at admission) with a message naming that deadline (it used to
     say only "the server is busy: 0 requests queued")."""
     url = served[0]
     status, body = _post(url, json.dumps({"state": "A new ticket about a late parcel.", "questions": {"q": NOUL}}).encode(),
                          {"X-Request-Timeout": "0.001"})
     message = json.loads(body)["error"]["message"]
-    assert status in (413, 429) and "the request's X-Request-Timeout: 0.001 s" in message, message
+    # 408 where the body's read outlasted it, else 413 or 429 at admission
+    assert status in (408, 413, 429) and "the request's X-Request-Timeout: 0.001 s" in message, message
     assert "0 requests" not in message
+
+
+def _chunked_head(extra: str = "") -> bytes:
+    return (f"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n{extra}\r\n").encode()
+
+
+def _send_until_closed(sock: socket.socket, pieces) -> None:
+    """Write ``pieces`` until the server closes the connection (what it does when it refuses the body)."""
+    try:
+        for piece in pieces:
+            sock.sendall(piece)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(served):
+    """6 MB of framing for 1 MB of data cost the event loop 7.7 s and /healthz up to 1.6 s: now the body is refused
+    (400, counted) once its chunks average under 1 KiB past the free 1,024. Control: a body of 1 KiB chunks passes."""
+    url, port, _, _ = served
+    before = _metric(url, "onepass_transport_refusals_total")
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(_chunked_head())
+    probes: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        sender = pool.submit(_send_until_closed, s, (b"1\r\n \r\n" * 4096 for _ in range(256)))  # 1 MiB of spaces
+        while not sender.done() and len(probes) < 200:
+            probes.append(_healthz(url))
+        sender.result()
+    answer = _read_all(s, 10)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"chunks" in answer, answer[:200]
+    assert max(probes, default=0.0) < 5  # a hang detector; the measured figures are in benchmarks/results
+    after = _metric(url, "onepass_transport_refusals_total")
+    key = 'onepass_transport_refusals_total{reason="small_chunks"}'
+    assert after[key] == before.get(key, 0) + 1
+
+    body = json.dumps({"state": "I was charged twice. " + " " * 200_000, "questions": {"q": NOUL}}).encode()
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1024]), body[i:i + 1024]) for i in range(0, len(body), 1024))
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(_chunked_head("Connection: close\r\n") + framed + b"0\r\n\r\n")
+    answer = _read_all(s, 30)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_chunk_extensions_count_against_the_body_limit(served):
+    """1 KiB of data per chunk, each with a 15 KiB extension: the wire bytes pass the body limit plus an eighth
+    long before the data does (413); the same data without extensions is read (the control above)."""
+    url, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(_chunked_head())
+    chunk = b"400;x=" + b"a" * 15_000 + b"\r\n" + b" " * 1024 + b"\r\n"
+    _send_until_closed(s, (chunk for _ in range(200)))  # 3 MB on the wire, 200 KiB of data
+    answer = _read_all(s, 10)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b"on the wire" in answer, answer[:200]
+
+
+def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(served):
+    _, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(_chunked_head("Content-Length: 5\r\n") + b"5\r\nhello\r\n0\r\n\r\n")
+    answer = _read_all(s, 10)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"Transfer-Encoding and Content-Length" in answer, answer[:200]
+
+
+def test_a_body_trickled_past_the_deadline_is_refused_at_the_deadline(served):
+    """X-Request-Timeout 0.5 s and a body that stalls: 408 naming the deadline at about 0.5 s, before the 2 s body
+    timeout (it used to be read to its end and then refused as 'arrived slowly')."""
+    _, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Timeout: 0.5\r\n"
+              b"Content-Length: 100\r\n\r\n{")
+    answer = _read_all(s, BODY_TIMEOUT + 5)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"X-Request-Timeout: 0.5 s" in answer, answer[:300]
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_engine_dir, tmp_path_factory):
+    """``onepass serve`` with a cap of 60 connections (15 per client address by default)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("capped") / "serve.log"
+    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--max-connections", "60")
+    yield url, port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _hold(port: int, address: str, n: int) -> list:
+    """``n`` connections from ``address`` that have sent half a request head (what a trickler keeps doing)."""
+    held = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+        try:
+            s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        held.append(s)
+    return held
+
+
+def test_one_client_address_cannot_fill_the_connection_cap(capped):
+    """80 trickling connections from 127.0.0.2 with the cap at 60: 15 are held, the rest answered 503 at once
+    (counted); every request of another address is answered 200."""
+    url, port = capped
+    held = _hold(port, "127.0.0.2", 80)
+    try:
+        time.sleep(0.3)
+        assert all(_valid(url)[0] == 200 for _ in range(5)) and _healthz(url) < 5
+        refused = [s for s in held if _read_all(s, 0.5).startswith(b"HTTP/1.1 503")]
+        counted = _metric(url, "onepass_transport_refusals_total")
+    finally:
+        for s in held:
+            s.close()
+    assert len(refused) == 80 - 15, len(refused)
+    assert counted['onepass_transport_refusals_total{reason="per_client"}'] >= 65
+
+
+def test_at_the_connection_cap_requests_get_503_counted_and_probes_are_still_answered(capped):
+    """The cap itself (the negative control of the one above): 60 connections from four addresses fill it; a
+    request is then 503 and counted, /healthz, /readyz and /metrics are 200."""
+    url, port = capped
+    held = [s for a in range(4) for s in _hold(port, f"127.0.0.{3 + a}", 15)]
+    try:
+        time.sleep(0.3)
+        before = _metric(url, "onepass_transport_refusals_total").get(
+            'onepass_transport_refusals_total{reason="capacity"}', 0)
+        status, _ = _valid(url)
+        assert _healthz(url) < 5
+        with urllib.request.urlopen(url + "/readyz", timeout=30) as r:
+            ready = r.status
+        after = _metric(url, "onepass_transport_refusals_total")['onepass_transport_refusals_total{reason="capacity"}']
+    finally:
+        for s in held:
+            s.close()
+    assert status == 503 and ready == 200 and after >= before + 1
+    time.sleep(0.3)
+    assert _valid(url)[0] == 200  # the cap frees as connections close

@@ -12,6 +12,7 @@ A request's deadline is the server's ``request_timeout_s`` or the client's ``X-R
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -228,7 +229,13 @@ class Server:
         """Parse, validate, queue and answer one System One request."""
         self.check_auth(request)
         deadline = request.state.deadline = self.deadline(request, arrived)
-        raw = await read_raw(request, self.config.max_body_bytes)
+        try:  # a body trickled past the deadline is refused at the deadline, not read to its end first
+            raw = await asyncio.wait_for(read_raw(request, self.config.max_body_bytes),
+                                         max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise HTTPError(408, f"the body did not arrive within the request's deadline "
+                                 f"({self.deadline_source(request)}); send it faster or allow more time",
+                            headers={"Connection": "close"}) from None
         encoding = request.headers.get("content-encoding", "")
         # decompression, JSON and validation are linear but not free on a 1 MiB body: off the event loop
         data, state, questions = await run_in_threadpool(self.parse_body, raw, encoding)

@@ -125,7 +125,8 @@ class Dispatcher:
         estimate over a limit may still be a legal request (a text of longer words than the rate assumes), and
         then it costs at most the limit's work; one the tokenizer finds over it is refused before any pass."""
         limits = getattr(getattr(self.engine, "manifest", None), "limits", None)
-        items = list(questions.values()) if isinstance(questions, dict) else []
+        # a question asked twice is packed once (the trie shares it whole): 400 copies are one question's work
+        items = list({repr(q): q for q in questions.values()}.values()) if isinstance(questions, dict) else []
         each = [QUESTION_TOKENS + OPTION_TOKENS * _options(q) + _chars(q) / CHARS_PER_TOKEN for q in items]
         state = (len(key) / CHARS_PER_TOKEN if isinstance(key, str) and key not in self._recent
                  and self._tokens[key] == 0 else 0.0)

@@ -114,6 +114,9 @@ def refusal(line: bytes) -> dict | str | None:
             return error(mcp_types.INVALID_REQUEST, "Invalid Request: the method is not Unicode text", ident)
         return error(mcp_types.INVALID_PARAMS, "Invalid params: a string holds a lone surrogate (\\ud800-\\udfff), "
                      "which is not Unicode text", ident)
+    if "method" not in message and "result" not in message and "error" not in message:  # neither kind: say what
+        return error(mcp_types.INVALID_REQUEST, "Invalid Request: the message has no method; a request needs a "
+                     "'method' (and an 'id' to be answered)")
     try:
         mcp_types.jsonrpc_message_adapter.validate_python(message, by_name=False)
     except ValidationError as err:
