@@ -260,10 +260,11 @@ def _send_until_closed(sock: socket.socket, pieces) -> None:
 
 def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(served):
     """6 MB of framing for 1 MB of data cost the event loop 7.7 s and /healthz up to 1.6 s: now the body is refused
-    (400, counted) once its chunks average under 1 KiB past the free 1,024. Control: a body of 1 KiB chunks passes."""
+    (400, counted) once its chunks average under 1 KiB past the free 256, and the address reconnecting at once is
+    refused (429) for a while. Control: a body of 1 KiB chunks from another address passes."""
     url, port, _, _ = served
     before = _metric(url, "onepass_transport_refusals_total")
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.7", 0))
     s.sendall(_chunked_head())
     probes: list[float] = []
     with ThreadPoolExecutor(1) as pool:
@@ -278,6 +279,10 @@ def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(ser
     after = _metric(url, "onepass_transport_refusals_total")
     key = 'onepass_transport_refusals_total{reason="small_chunks"}'
     assert after[key] == before.get(key, 0) + 1
+    again = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.7", 0))
+    answer = _read_all(again, 10)  # reconnecting at once: that address is refused for a while, others are not
+    again.close()
+    assert answer.startswith(b"HTTP/1.1 429") and b"retry-after" in answer.lower(), answer[:200]
 
     body = json.dumps({"state": "I was charged twice. " + " " * 200_000, "questions": {"q": NOUL}}).encode()
     framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1024]), body[i:i + 1024]) for i in range(0, len(body), 1024))
@@ -292,7 +297,7 @@ def test_chunk_extensions_count_against_the_body_limit(served):
     """1 KiB of data per chunk, each with a 15 KiB extension: the wire bytes pass the body limit plus an eighth
     long before the data does (413); the same data without extensions is read (the control above)."""
     url, port, _, _ = served
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.8", 0))
     s.sendall(_chunked_head())
     chunk = b"400;x=" + b"a" * 15_000 + b"\r\n" + b" " * 1024 + b"\r\n"
     _send_until_closed(s, (chunk for _ in range(200)))  # 3 MB on the wire, 200 KiB of data
@@ -303,7 +308,7 @@ def test_chunk_extensions_count_against_the_body_limit(served):
 
 def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(served):
     _, port, _, _ = served
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.9", 0))
     s.sendall(_chunked_head("Content-Length: 5\r\n") + b"5\r\nhello\r\n0\r\n\r\n")
     answer = _read_all(s, 10)
     s.close()

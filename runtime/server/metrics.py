@@ -34,8 +34,9 @@ class _TransportCollector:
 
     def collect(self):
         refused = CounterMetricFamily("onepass_transport_refusals", "Connections and requests the transport refused "
-                                      "before the app (per_client and capacity: 503; head/body_timeout: 408; "
-                                      "head_too_large: 431; small_chunks, ambiguous_length: 400; body_framing: 413)",
+                                      "before the app (per_client and capacity: 503; penalized: 429; head/body_timeout: "
+                                      "408; head_too_large: 431; small_chunks, ambiguous_length: 400; body_framing: "
+                                      "413)",
                                       labels=["reason"])
         for reason, n in self.stats.refused.items():
             refused.add_metric([reason], n)

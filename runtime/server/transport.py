@@ -19,6 +19,9 @@ protocol with what it lacks:
   average ``MIN_CHUNK_BYTES`` a chunk (400 at once otherwise), and its bytes on the wire, chunk extensions and
   trailers included, are held to the body limit plus an eighth (413);
 * **400 for ambiguous framing**: Content-Length and Transfer-Encoding together (RFC 9112 6.3);
+* **a penalty for abusive framing**: after one of the three refusals above, the address's new connections are
+  answered 429 for ``PENALTY_S`` (a refused connection costs the server about 4 ms, a penalised one a small
+  fraction of that, so reconnecting at once no longer buys the same work again);
 * **a fair connection cap**: one client address holds at most ``per_client()`` connections (a quarter of the
   cap by default; more are answered 503 and closed at once), beyond the cap a request is answered 503 unless it
   is a probe (``/healthz``, ``/readyz``, ``/metrics``, with ``PROBE_RESERVE`` connections kept for them), and every refusal
@@ -30,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import resource
 import socket
+import time
 from dataclasses import dataclass
 
 import h11
@@ -43,8 +48,10 @@ from ..core.errors import OnepassError
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered whatever the load: liveness, readiness, and the
 # metrics that show the overload
 PROBE_RESERVE = 8  # connections kept beyond the cap for the probes alone
-FREE_CHUNKS = 1024  # chunks a body may use whatever their size ...
+FREE_CHUNKS = 256  # chunks a body may use whatever their size (1-byte chunks are refused after 2 ms of parsing) ...
 MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
+ABUSE = frozenset({"small_chunks", "body_framing", "ambiguous_length"})  # framing no client library sends ...
+PENALTY_S = 2.0  # ... refuses the address's new connections (429) this long: reconnecting at once costs nothing else
 
 
 @dataclass(frozen=True)
@@ -94,12 +101,30 @@ class TransportLimits:
 class TransportStats:
     """What the transport refused, by reason, and the connections open (read by ``/metrics``; event loop only)."""
 
-    REASONS = ("per_client", "capacity", "head_timeout", "body_timeout", "head_too_large", "small_chunks",
-               "body_framing", "ambiguous_length")
+    REASONS = ("per_client", "capacity", "penalized", "head_timeout", "body_timeout", "head_too_large",
+               "small_chunks", "body_framing", "ambiguous_length")
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self.refused = dict.fromkeys(self.REASONS, 0)
         self.by_client: collections.Counter = collections.Counter()
+        self._penalties: dict = {}  # address -> monotonic time its penalty ends
+        self._clock = clock
+
+    def penalize(self, host: str) -> None:
+        self._penalties[host] = self._clock() + PENALTY_S
+        if len(self._penalties) > 10_000:  # bounded: drop the ended ones
+            now = self._clock()
+            self._penalties = {h: t for h, t in self._penalties.items() if t > now}
+
+    def penalty(self, host: str) -> float:
+        """Seconds left of ``host``'s penalty (0: none)."""
+        until = self._penalties.get(host)
+        if until is None:
+            return 0.0
+        left = until - self._clock()
+        if left <= 0:
+            del self._penalties[host]
+        return max(0.0, left)
 
     @property
     def open(self) -> int:
@@ -130,7 +155,11 @@ class GuardedH11Protocol(H11Protocol):
         self.conn.next_event = self._next_event  # h11's events, counted and checked before uvicorn handles them
         host = self.client[0] if self.client else ""
         held, cap = self.stats.by_client[host], self.limits.connections()
-        if held >= self.limits.per_client():
+        if penalty := self.stats.penalty(host):
+            self._refuse(429, "Too Many Requests", f"this client address sent a body in framing no client library "
+                         f"sends (counted in /metrics); its connections are refused for {PENALTY_S:g} s",
+                         "penalized", retry_after=max(1, math.ceil(penalty)))
+        elif held >= self.limits.per_client():
             self._refuse(503, "Service Unavailable", f"this client address holds {held} connections, the most one "
                          f"address may hold; reuse them (keep-alive) or close some", "per_client", retry_after=1)
         elif len(self.connections) > cap + PROBE_RESERVE:
@@ -257,6 +286,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         self.stats.refused[why] += 1
+        if why in ABUSE and self.client:
+            self.stats.penalize(self.client[0])
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response byte sent yet (an app's early 413,
             # complete or under way, is left as it is)
             self.transport.write(_raw_response(status, reason, message, retry_after))
