@@ -8,8 +8,9 @@
    so an interrupted run resumes where it stopped (the states already labelled are skipped; a last line cut
    short by the interruption is dropped) and no teacher call is paid for twice. A call is bounded as a whole
    (``--teacher-timeout`` per attempt, three attempts, whatever the teacher sends); once more than
-   ``max(2, 10%)`` of the states have failed, labelling stops and the calls under way are ended, so against a
-   teacher that never answers (or trickles its answer) the command ends within one call's bound, saying why.
+   ``max(2, 10%)`` of the states have failed, or ``max(3, concurrency)`` in a row with none answered between,
+   labelling stops and the calls under way are ended, so against a teacher that never answers (or trickles its
+   answer) the command ends after one wave of calls, within one call's bound, saying why.
 2. **Tune**: a split by whole states (``holdout``, seeded): `onepass tune` on the teacher's probabilities of
    the training states, the held-out states for early stopping.
 3. **Gate**: on the held-out states, per question, the lowest confidence at which the student's answers
@@ -136,7 +137,8 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
     todo = [(s, qs) for s, qs in todo if qs]
     if done:
         log(f"{len(states) - len(todo)} of {len(states)} states already labelled in {path}; asking the rest")
-    failed, first_error = 0, None
+    failed, streak, first_error = 0, 0, None
+    give_up = max(3, concurrency)  # this many states failing in a row, none answered between: the teacher is down
 
     def one(state, asked):
         probs = teacher.probabilities(state, asked)
@@ -153,13 +155,17 @@ def label(teacher, states: list, questions: dict, path: Path, concurrency: int =
                 try:
                     sid, rows = future.result()
                 except TeacherError as err:
-                    failed += 1
+                    failed, streak = failed + 1, streak + 1
                     first_error = first_error or err
                     if isinstance(err, TeacherRefused) or failed > max(2, MAX_FAILED_SHARE * len(todo)):
                         raise
+                    if streak >= give_up:
+                        raise type(err)(f"{streak} states in a row got no answer from the teacher, none answered "
+                                        f"between; labelling stopped (the last: {err})") from None
                     continue
                 finally:
                     bar.update(1)
+                streak = 0
                 fh.write(b"".join(dumps(r) for r in rows))  # one write per state: whole states only
                 fh.flush()
                 done.setdefault(sid, []).extend(rows)

@@ -178,6 +178,20 @@ def test_retries_honour_retry_after_then_answer(scripted):
     assert len(handler.seen) == 2 and handler.seen[0]["model"] == "big"
 
 
+def test_a_retry_after_past_the_deadline_and_a_redirect_say_so(scripted):
+    """After a 429 with Retry-After: 100000 the error said "within the deadline or 3 attempts" after one attempt; a
+    redirect was "refused (HTTP 307: )" without its target."""
+    url, handler = scripted
+    handler.script[:] = [(429, {"retry-after": "100000"}, {"error": "slow down"})]
+    with connect(url, retries=2, backoff_s=0.01) as client, \
+            pytest.raises(TeacherUnavailable, match=r"1 of 3 attempts made.*asked to wait 100000 s.*pass the deadline"):
+        client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+    assert len(handler.seen) == 1
+    handler.script[:] = [(307, {"location": "http://elsewhere:9000/v1/systemone"}, b"")]
+    with connect(url) as client, pytest.raises(TeacherRefused, match="redirect to 'http://elsewhere:9000/v1/"):
+        client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+
+
 def _completion(top):
     return {"choices": [{"message": {"content": top[0]["token"] if top else ""},
                          "logprobs": {"content": [{"token": "x", "logprob": -0.1, "top_logprobs": top}] if top
