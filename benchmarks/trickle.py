@@ -317,17 +317,62 @@ SCENARIOS = {"chunks": scenario_chunks, "cap": scenario_cap, "gate": scenario_ga
              "admission": scenario_admission}
 
 
+def _label(series: str, name: str) -> str:
+    """A Prometheus series' label value: ``x{a="1",b="2"}`` -> "2" for b."""
+    return series.split(f'{name}="', 1)[1].split('"', 1)[0]
+
+
+def _rows(run: dict) -> dict:
+    """The figures the issue's targets name, from one run."""
+    chunks, cap, gate = run.get("chunks", {}), run.get("cap", {}), run.get("gate", {})
+    distill, admission = run.get("distill", {}), run.get("admission", {})
+    cost = chunks.get("server_cpu_ms_per_connection", {})
+    alone, beside = chunks.get("load_alone", {}), chunks.get("load_beside_2_chunkers", {})
+    refusals = {k.split('"')[1]: int(v) for k, v in cap.get("refusals", {}).items() if '"' in k and v}
+    return {
+        "1 MB body in 1-byte chunks: its answer, seconds": f"{chunks.get('body', {}).get('status', '')[9:]}, "
+                                                            f"{chunks.get('body', {}).get('seconds')}",
+        "/healthz during it: p50 / max s": f"{chunks.get('healthz', {}).get('p50_s')} / "
+                                           f"{chunks.get('healthz', {}).get('max_s')}",
+        "server CPU per such connection, ms (new address / penalised)":
+            f"{cost.get('1MB_in_1_byte_chunks_refused')} / {cost.get('the same, reconnecting from a penalised address')}",
+        "server CPU per 1-byte invalid body / valid request, ms":
+            f"{cost.get('a 1-byte invalid body (400)')} / {cost.get('a valid 1-question request (200)')}",
+        "8 valid clients: requests/s alone -> beside 2 chunk senders":
+            f"{alone.get('requests_per_s')} -> {beside.get('requests_per_s')} (failed {beside.get('failed')}, "
+            f"p50 {alone.get('p50_s')} -> {beside.get('p50_s')} s)",
+        "cap 60, 80 connections from one address: other address's /healthz 200 / POST 200 (of 20)":
+            f"{cap.get('healthz_200')} / {cap.get('post_200')}" + (f" (refused: {refusals})" if refusals else ""),
+        "gate, teacher trickling 0.3 s/byte, deadlines 1/2/3/4.5 s: statuses": ", ".join(
+            str(r["status"]) for r in gate.get("one_by_one", [])),
+        "... seconds past the deadline (negative: before it)": ", ".join(
+            str(r["past_deadline_s"]) for r in gate.get("one_by_one", [])),
+        "... 8 at once (2 s): statuses; gate outcomes": f"{gate.get('burst_8_deadline_2s', {}).get('statuses')}; "
+            + ", ".join(f"{_label(k, 'outcome')} {int(v)}" for k, v in gate.get("gate_outcomes", {}).items()),
+        "distill vs a teacher trickling 0.5 s/byte: seconds, exit, --out written":
+            f"{distill.get('seconds')}, {distill.get('exit_code')}, {distill.get('out_exists')}",
+        "... its last line": f"{distill.get('last_line', '')[:160]}",
+        "400 identical questions, default deadline": f"{admission.get('identical_400', {}).get('status')} "
+                                                      f"{admission.get('identical_400', {}).get('message', '')[:90]}",
+        "300 distinct questions": f"{admission.get('distinct_300', {}).get('status')} "
+                                  f"{admission.get('distinct_300', {}).get('message', '')[:90]}",
+    }
+
+
 def report() -> None:
     runs = {p.stem.split("_", 1)[1]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("trickle_*.json"))}
-    lines = ["# Trickles and fairness (benchmarks/trickle.py)", "",
-             "A real `onepass serve` of the default engine over loopback on this machine (2 cores); `before` is the "
-             "code before the change, `after` with it. Raw figures: trickle_<label>.json.", ""]
-    for label, run in runs.items():
-        lines += [f"## {label}", "", f"- machine: {run.get('machine', '')}", ""]
-        for name in SCENARIOS:
-            if name in run:
-                lines += [f"### {name}", "", "```json", json.dumps(run[name], indent=1), "```", ""]
-    (RESULTS / "trickle.md").write_text("\n".join(lines))
+    labels = [label for label in ("before", "after") if label in runs] + sorted(set(runs) - {"before", "after"})
+    rows = {label: _rows(runs[label]) for label in labels}
+    lines = ["# Trickles and fairness (`python benchmarks/trickle.py`)", "",
+             "A real `onepass serve` of the default engine (SmolLM2-135M, OpenVINO) over loopback on this machine "
+             f"({', '.join(sorted({runs[label].get('machine', '') for label in labels}))}); `before`: the code before "
+             "the change (commit 862a9c5, `--pythonpath` to its checkout), `after`: with it. The attackers, the "
+             "clients and the server share the machine's 2 cores. Raw figures: `trickle_<label>.json`.", "",
+             "| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for name in rows[labels[0]] if labels else []:
+        lines.append(f"| {name} | " + " | ".join(rows[label][name].replace("|", "/") for label in labels) + " |")
+    lines += [""] + [f"Note on `{label}`: {runs[label]['notes']}." for label in labels if runs[label].get("notes")]
+    (RESULTS / "trickle.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
