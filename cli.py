@@ -80,7 +80,8 @@ def cmd_serve(args) -> int:
     transport = TransportLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                 keep_alive_s=args.keep_alive, max_header_bytes=args.max_header_bytes,
                                 max_connections=args.max_connections,
-                                max_connections_per_client=args.max_connections_per_client)
+                                max_connections_per_client=args.max_connections_per_client,
+                                framing_penalty_s=args.framing_penalty)
     limits = {k: v for k, v in _limits(args).items() if k != "max_request_tokens"}
     if args.teacher is None:
         given = [flag for flag, value in (("--shadow-rate", args.shadow_rate), ("--record", args.record),

@@ -187,6 +187,8 @@ def parser() -> argparse.ArgumentParser:
                        "/healthz and /readyz are still answered)")
     serve.add_argument("--max-connections-per-client", type=int, default=None,
                        help="connections one client address may hold (default a quarter of --max-connections)")
+    serve.add_argument("--framing-penalty", type=float, default=2.0,
+                       help="seconds an address that sent abusive chunked framing is refused (429); 0: never")
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
     serve.add_argument("--min-confidence", type=float, default=None,

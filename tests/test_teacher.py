@@ -737,12 +737,27 @@ def test_a_teacher_trickling_its_head_is_cut_at_the_deadline_and_at_each_attempt
         assert time.monotonic() - start < 4
 
 
+def test_cancel_ends_every_call_spawned_started_or_not(trickler):
+    """A review found cancel() missed calls spawned but not yet started on the client's loop (19 of 20 escaped) and
+    close() let them run on the closed client: both now cancel the calls' futures themselves."""
+    with connect(trickler.url, timeout_s=30.0) as client:
+        calls = [client.spawn(client.aprobabilities("A state.", {"q": QUESTIONS["sky"]}, time.monotonic() + 30))
+                 for _ in range(20)]
+        client.cancel()
+        time.sleep(0.5)
+        assert all(c.cancelled() for c in calls)
+        late = client.spawn(client.aprobabilities("A state.", {"q": QUESTIONS["sky"]}, time.monotonic() + 30))
+    assert late.cancelled()  # close() ended it too
+    with pytest.raises(TeacherUnavailable, match="closed"):
+        client.probabilities("A state.", {"q": QUESTIONS["sky"]})
+
+
 def test_gate_mode_with_a_trickling_teacher_answers_every_request_locally_by_its_deadline(tiny_engine_dir, tmp_path,
                                                                                         trickler):
     """Deadlines of 1, 2 and 3 s got 503 'ready after the deadline' though the local answer was ready in 0.13 s,
     and the stuck calls held every gate slot for 40 s. Now each request is answered 200 before its deadline with
-    the local answers; every call is counted once (late: the request's time ran out, which does not open the
-    breaker) and frees its slot at its cut-off: 4 concurrent requests after them are all asked, none skipped."""
+    the local answers, and every call is counted once: the first is cut at its cut-off (late, which opens the
+    breaker: the teacher was too slow), the others skip the teacher at once (circuit_open), none waits for a slot."""
     from concurrent.futures import ThreadPoolExecutor
 
     log = tmp_path / "student.log"
@@ -764,7 +779,8 @@ def test_gate_mode_with_a_trickling_teacher_answers_every_request_locally_by_its
     assert max(spans) < 0.3, spans  # answered before its deadline (the cut-off keeps a tenth of the time)
     outcomes = {o: _metric(text, "onepass_teacher_calls_total", mode="gate", outcome=o)
                 for o in ("late", "skipped", "unavailable", "circuit_open", "ok", "cancelled")}
-    assert outcomes["late"] == 7 and sum(outcomes.values()) == 7, outcomes
+    assert outcomes["late"] >= 1 and outcomes["late"] + outcomes["circuit_open"] == 7, outcomes
+    assert sum(outcomes.values()) == 7, outcomes
     assert "never retrieved" not in log.read_text() and "Traceback" not in log.read_text()
 
 

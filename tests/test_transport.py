@@ -294,8 +294,8 @@ def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(ser
 
 
 def test_chunk_extensions_count_against_the_body_limit(served):
-    """1 KiB of data per chunk, each with a 15 KiB extension: the wire bytes pass the body limit plus an eighth
-    long before the data does (413); the same data without extensions is read (the control above)."""
+    """1 KiB of data per chunk, each with a 15 KiB extension: the framing passes an eighth of the body limit long
+    before the data reaches the limit (413); the same data without extensions is read (the control above)."""
     url, port, _, _ = served
     s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.8", 0))
     s.sendall(_chunked_head())
@@ -303,7 +303,7 @@ def test_chunk_extensions_count_against_the_body_limit(served):
     _send_until_closed(s, (chunk for _ in range(200)))  # 3 MB on the wire, 200 KiB of data
     answer = _read_all(s, 10)
     s.close()
-    assert answer.startswith(b"HTTP/1.1 413") and b"on the wire" in answer, answer[:200]
+    assert answer.startswith(b"HTTP/1.1 413") and b"chunk framing" in answer, answer[:200]
 
 
 def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(served):
@@ -388,3 +388,36 @@ def test_at_the_connection_cap_requests_get_503_counted_and_probes_are_still_ans
     assert status == 503 and ready == 200 and after >= before + 1
     time.sleep(0.3)
     assert _valid(url)[0] == 200  # the cap frees as connections close
+
+
+def test_an_oversized_body_is_413_and_closed_without_penalising_its_address(served):
+    """A plain Content-Length body over the limit is the app's 413 with the connection closed, never counted as
+    abusive framing: the same address is answered at once afterwards (a review found it put in the penalty box)."""
+    url, port, _, _ = served
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.10", 0))
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 2097152\r\n\r\n")
+    _send_until_closed(s, (b" " * 65536 for _ in range(32)))
+    answer = _read_all(s, 10)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:300]
+    again = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.10", 0))
+    again.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = _read_all(again, 10)
+    again.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_connections_past_the_cap_must_send_their_head_at_once_so_probes_get_through(capped):
+    """The cap (60) filled from four addresses, then 8 more connections trickling heads fill the probes' reserve: they
+    have 1 s to send a head (not the 10 s header timeout), so a liveness probe 1.5 s later is answered."""
+    url, port = capped
+    held = [s for a in range(4) for s in _hold(port, f"127.0.0.{11 + a}", 15)] + _hold(port, "127.0.0.15", 8)
+    try:
+        time.sleep(1.5)
+        reserve = [_read_all(s, 0.5) for s in held[60:]]
+        assert _healthz(url) < 5
+    finally:
+        for s in held:
+            s.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in reserve), {a[:40] for a in reserve}

@@ -47,14 +47,15 @@ class HTTPError(Exception):
 async def read_raw(request: Request, limit: int) -> bytes:
     """The body as sent (still compressed), refused (413) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
+    close = {"Connection": "close"}  # the rest of the body is never read: the connection cannot be reused
     if declared and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}")
+        raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}", headers=close)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise HTTPError(413, f"the body exceeds {limit} bytes")
+                raise HTTPError(413, f"the body exceeds {limit} bytes", headers=close)
             chunks.append(chunk)
     except ClientDisconnect:
         raise HTTPError(CLIENT_CLOSED, "the client closed the connection before sending its whole body") from None

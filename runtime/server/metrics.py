@@ -35,8 +35,8 @@ class _TransportCollector:
     def collect(self):
         refused = CounterMetricFamily("onepass_transport_refusals", "Connections and requests the transport refused "
                                       "before the app (per_client and capacity: 503; penalized: 429; head/body_timeout: "
-                                      "408; head_too_large: 431; small_chunks, ambiguous_length: 400; body_framing: "
-                                      "413)",
+                                      "408; head_too_large: 431; small_chunks, ambiguous_length, malformed: 400; "
+                                      "body_framing: 413)",
                                       labels=["reason"])
         for reason, n in self.stats.refused.items():
             refused.add_metric([reason], n)
@@ -71,7 +71,8 @@ class Metrics:
                                        registry=self.registry)
         # a teacher (onepass serve --teacher): calls by mode (shadow, gate) and outcome (ok, unavailable, refused,
         # bad_answer; dropped: the shadow queue was full; skipped: every gate connection busy; late: the request's
-        # time ran out first; circuit_open: the teacher was found unavailable lately; cancelled: the server stopped)
+        # time ran out first; circuit_open: the teacher was found unavailable lately; cancelled: the server stopped;
+        # error: an unexpected fault, logged)
         self.teacher_calls = Counter("onepass_teacher_calls", "Calls to the teacher by mode and outcome",
                                      ["mode", "outcome"], registry=self.registry)
         self.teacher_latency = Histogram("onepass_teacher_seconds", "Latency of answered teacher calls", ["mode"],

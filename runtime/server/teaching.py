@@ -12,8 +12,9 @@
 * **A teacher that is down** is not asked again for a while (:class:`Breaker`): after a call finds it
   unavailable, gate calls skip it (outcome ``circuit_open``, the local answers standing at once) for a cool-down
   that starts at 0.5 s and doubles while it stays down (at most 30 s); then one call tries it again. Shadow calls
-  wait for the cool-down instead: a queued call is asked when the teacher is back. A call cut by the request's
-  deadline (``late``) says nothing of the teacher's health and does not open the breaker.
+  wait for the cool-down instead: a queued call is asked when the teacher is back. A call the request's deadline
+  cut (``late``) counts as unavailable when it reached the teacher (a teacher that hangs is skipped, not waited on
+  by every request until its cut-off), and as nothing when it never could (every connection busy).
 * **Records** (``--record DIR``): every teacher answer, shadow or gate, becomes an `onepass tune` row
   (state, question, probabilities) in rotating JSONL files with a byte cap (:mod:`onepass.runtime.server.records`).
   Nothing is recorded unless asked: the state text is user data.
@@ -112,7 +113,8 @@ class Breaker:
         time ran out first; a probe's turn passes to the next call)."""
         with self._lock:
             if available is None:
-                self._probing = False
+                if epoch == self._epoch:  # the probe's turn passes on (an older call's says nothing of it)
+                    self._probing = False
             elif available:
                 self._down, self._open_until, self._probing = 0, 0.0, False
             elif epoch == self._epoch:  # the first failure of this wave (or the probe's): open, cool down longer
@@ -157,7 +159,7 @@ class TeacherLink:
             self._pending += 1
         try:
             call = self.teacher.spawn(self._shadow(state, questions, answers))
-        except Exception:  # noqa: BLE001 - the client is closed (the server stops): nothing to shadow
+        except TeacherUnavailable:  # the client is closed (the server stops): nothing to shadow
             self._shadow_done(None)
             return
         call.add_done_callback(self._shadow_done)
@@ -200,8 +202,10 @@ class TeacherLink:
             self.breaker.result(epoch, None)  # counted by whoever cancelled it
             raise
         except Exception as err:
-            late = isinstance(err, TeacherLate)  # the caller's time ran out: says nothing of the teacher's health
-            self.breaker.result(epoch, None if late else not isinstance(err, TeacherUnavailable))
+            late = isinstance(err, TeacherLate)
+            # too slow for the time given counts as unavailable (a teacher that hangs is skipped, not waited on by
+            # every request until its cut-off); a call that never reached the teacher says nothing of it
+            self.breaker.result(epoch, None if late and not err.asked else not isinstance(err, TeacherUnavailable))
             self.metrics.teacher_calls.labels(mode, "late" if late else _outcome(err)).inc()
             if not isinstance(err, TeacherError):
                 log.exception("teacher call failed unexpectedly")
@@ -211,20 +215,24 @@ class TeacherLink:
         self.breaker.result(epoch, True)
         self.metrics.teacher_calls.labels(mode, "ok").inc()
         self.metrics.teacher_latency.labels(mode).observe(self._clock() - start)
-        if self.records is not None:
-            for qid, p in probs.items():
-                if self.records.write(dumps(row(state, questions[qid], p, self.teacher.name))):
-                    self.metrics.recorded.inc()
-                else:
-                    self.metrics.record_failures.inc()
+        if self.records is not None:  # a file write: off the teacher's loop, which other calls share
+            await asyncio.get_running_loop().run_in_executor(None, self._record, state, questions, probs)
         return probs
 
+    def _record(self, state, questions: dict, probs: dict) -> None:
+        for qid, p in probs.items():
+            if self.records.write(dumps(row(state, questions[qid], p, self.teacher.name))):
+                self.metrics.recorded.inc()
+            else:
+                self.metrics.record_failures.inc()
+
     def _gate_done(self, call) -> None:
-        """A gate call ended (by its cut-off at the latest): its connection's slot is free."""
+        """A gate call ended (by its cut-off at the latest): its connection's slot is free. One cancelled before
+        _call counted it (the server stopping, or a stuck teacher loop) is counted here."""
         with self._lock:
             self._gate_calls -= 1
         if call.cancelled():
-            self.metrics.teacher_calls.labels("gate", "late").inc()
+            self.metrics.teacher_calls.labels("gate", "cancelled" if self.teacher.closed else "late").inc()
 
     async def forward(self, engine, state, questions: dict, answers: dict, deadline: float) -> tuple[dict, set]:
         """(answers, ids answered by the teacher): the questions below the gate asked of the teacher, its call
@@ -251,17 +259,20 @@ class TeacherLink:
         doubtful = {q: questions[q] for q in review}
         try:
             call = self.teacher.spawn(self._call("gate", state, doubtful, until))
-        except Exception:  # noqa: BLE001 - the client is closed (the server stops)
+        except TeacherUnavailable:  # the client is closed (the server stops)
             with self._lock:
                 self._gate_calls -= 1
             return answers, set()
         call.add_done_callback(self._gate_done)
-        try:  # the call ends by `until` on its own; the grace only guards against a teacher loop that is stuck
-            probs = await asyncio.wait_for(asyncio.wrap_future(call), max(0.0, until - self._clock()) + GATE_GRACE_S)
-        except asyncio.TimeoutError:  # the call is cancelled with it (counted late in _gate_done)
+        # the call ends by `until` on its own; the grace only guards against a teacher loop that is stuck
+        waiting = asyncio.wrap_future(call)
+        done, _ = await asyncio.wait({waiting}, timeout=max(0.0, until - self._clock()) + GATE_GRACE_S)
+        if not done:
+            call.cancel()  # counted in _gate_done, unless _call counted it first
             return answers, set()
-        except Exception:  # noqa: BLE001 - counted and logged in _call; the local answers stand
+        if waiting.cancelled() or waiting.exception() is not None:  # counted and logged in _call; local answers
             return answers, set()
+        probs = waiting.result()
         return {**answers, **{q: answer(questions[q], p) for q, p in probs.items()}}, set(probs)
 
     def close(self) -> None:

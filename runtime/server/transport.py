@@ -16,16 +16,20 @@ protocol with what it lacks:
 * **431** for a head over ``max_header_bytes`` (checked before h11 parses it, so an 8 MB header costs 16 KiB
   of reading, not 8 MB of memory);
 * **a body's cost follows its bytes, not its framing**: a body in more than ``FREE_CHUNKS`` chunks must
-  average ``MIN_CHUNK_BYTES`` a chunk (400 at once otherwise), and its bytes on the wire, chunk extensions and
-  trailers included, are held to the body limit plus an eighth (413);
+  average ``MIN_CHUNK_BYTES`` a chunk (400 at once otherwise), and a chunked body's framing (chunk sizes,
+  extensions, trailers) may add at most an eighth of the body limit (at least 64 KiB) to its data (413);
 * **400 for ambiguous framing**: Content-Length and Transfer-Encoding together (RFC 9112 6.3);
-* **a penalty for abusive framing**: after one of the three refusals above, the address's new connections are
-  answered 429 for ``PENALTY_S`` (a refused connection costs the server about 4 ms, a penalised one a small
-  fraction of that, so reconnecting at once no longer buys the same work again);
+* **a penalty for abusive framing**: after chunks averaging under ``TINY_CHUNK_BYTES``, framing past its cap, or
+  ambiguous framing, the address's new connections are answered 429 for ``framing_penalty_s`` (2 s; 0: off). A
+  refused connection costs the server about 4 ms, a penalised one 0.3 ms, so reconnecting at once no longer buys
+  the same work again. Behind a proxy that puts many clients on one address, raise the per-address share to the
+  cap and turn the penalty off (the proxy re-frames bodies anyway);
 * **a fair connection cap**: one client address holds at most ``per_client()`` connections (a quarter of the
   cap by default; more are answered 503 and closed at once), beyond the cap a request is answered 503 unless it
-  is a probe (``/healthz``, ``/readyz``, ``/metrics``, with ``PROBE_RESERVE`` connections kept for them), and every refusal
-  is counted by reason (:class:`TransportStats`, in ``/metrics``).
+  is a probe (``/healthz``, ``/readyz``, ``/metrics``): ``PROBE_RESERVE`` connections are admitted past the cap
+  for them, each with ``PROBE_HEAD_S`` to send its head; a probe from an address over its share or penalised is
+  refused as any request from it. Every refusal is counted by reason (:class:`TransportStats`, in ``/metrics``),
+  uvicorn's own 400s for what h11 cannot parse too (``malformed``).
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ from ..core.errors import OnepassError
 
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered whatever the load: liveness, readiness, and the
 # metrics that show the overload
-PROBE_RESERVE = 8  # connections kept beyond the cap for the probes alone
+PROBE_RESERVE = 8  # connections admitted past the cap for the probes alone ...
+PROBE_HEAD_S = 1.0  # ... each with this long to send its head (a probe sends it at once; a trickler loses its place)
 FREE_CHUNKS = 256  # chunks a body may use whatever their size (1-byte chunks are refused after 2 ms of parsing) ...
 MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
-ABUSE = frozenset({"small_chunks", "body_framing", "ambiguous_length"})  # framing no client library sends ...
-PENALTY_S = 2.0  # ... refuses the address's new connections (429) this long: reconnecting at once costs nothing else
+TINY_CHUNK_BYTES = 16  # refused chunks averaging under this are an attack, not a client's small writes: penalised
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class TransportLimits:
     max_header_bytes: int = 16384
     max_connections: int | None = None  # None: 1000, or below the open-files limit where that is lower
     max_connections_per_client: int | None = None  # None: a quarter of the cap (at least 1)
-    max_body_bytes: int = 1 << 20  # the server's body limit; the body's bytes on the wire (framing) are held near it
+    max_body_bytes: int = 1 << 20  # the server's body limit; a chunked body's framing is held near it
+    framing_penalty_s: float = 2.0  # an address that sent abusive framing is refused (429) this long; 0: never
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):
@@ -73,6 +78,8 @@ class TransportLimits:
         for name in ("max_connections", "max_connections_per_client"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.framing_penalty_s <= 3600:
+            raise ValueError(f"framing_penalty_s must be within 0..3600, got {self.framing_penalty_s}")
 
     def connections(self) -> int:
         """The connection cap: as given, else 1000 kept 64 below this process's open-files limit."""
@@ -85,24 +92,25 @@ class TransportLimits:
         """Connections one client address may hold at once."""
         return self.max_connections_per_client or max(1, self.connections() // 4)
 
-    def body_wire_bytes(self) -> int:
-        """The most bytes a body may take on the wire: its limit plus room for framing (chunk sizes, extensions,
-        trailers) of a body sent in chunks of ``MIN_CHUNK_BYTES`` or more."""
-        return self.max_body_bytes + max(65536, self.max_body_bytes // 8)
+    def framing_bytes(self) -> int:
+        """The most bytes a chunked body's framing (chunk sizes, extensions, trailers) may add to its data: room for
+        ``FREE_CHUNKS`` chunks with extensions, or an eighth of the body limit."""
+        return max(65536, self.max_body_bytes // 8)
 
-    def uvicorn_options(self, stats: "TransportStats | None" = None) -> dict:
-        """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits (the connection cap is the
-        protocol's own: uvicorn's would refuse the probes too, and count nothing); ``stats`` counts what is
-        refused."""
-        return {"http": protocol(self, stats or TransportStats()), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
+    def uvicorn_options(self, stats: "TransportStats") -> dict:
+        """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits, counting refusals into
+        ``stats`` (the connection cap is the protocol's own: uvicorn's would refuse the probes too, and count
+        nothing)."""
+        return {"http": protocol(self, stats), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
                 "limit_concurrency": None, "h11_max_incomplete_event_size": self.max_header_bytes + 1}
 
 
 class TransportStats:
-    """What the transport refused, by reason, and the connections open (read by ``/metrics``; event loop only)."""
+    """What the transport refused, by reason, the connections open by client address, and the addresses penalised
+    for abusive framing (read by ``/metrics``; touched on the event loop only)."""
 
     REASONS = ("per_client", "capacity", "penalized", "head_timeout", "body_timeout", "head_too_large",
-               "small_chunks", "body_framing", "ambiguous_length")
+               "small_chunks", "body_framing", "ambiguous_length", "malformed")
 
     def __init__(self, clock=time.monotonic):
         self.refused = dict.fromkeys(self.REASONS, 0)
@@ -110,8 +118,14 @@ class TransportStats:
         self._penalties: dict = {}  # address -> monotonic time its penalty ends
         self._clock = clock
 
-    def penalize(self, host: str) -> None:
-        self._penalties[host] = self._clock() + PENALTY_S
+    @property
+    def open(self) -> int:
+        """Client connections open (those refused at once not counted)."""
+        return sum(self.by_client.values())
+
+    def penalize(self, host: str, seconds: float) -> None:
+        """Refuse ``host``'s new connections for ``seconds``."""
+        self._penalties[host] = self._clock() + seconds
         if len(self._penalties) > 10_000:  # bounded: drop the ended ones
             now = self._clock()
             self._penalties = {h: t for h, t in self._penalties.items() if t > now}
@@ -126,14 +140,14 @@ class TransportStats:
             del self._penalties[host]
         return max(0.0, left)
 
-    @property
-    def open(self) -> int:
-        return sum(self.by_client.values())
+
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "field": None}}).encode()
 
 
 def _raw_response(status: int, reason: str, message: str, retry_after: int | None = None) -> bytes:
     """A complete HTTP/1.1 error response that closes the connection (written before the app saw a request)."""
-    body = json.dumps({"error": {"message": message, "field": None}}).encode()
+    body = _error_body(message)
     retry = f"retry-after: {retry_after}\r\n" if retry_after is not None else ""
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"{retry}connection: close\r\n\r\n").encode()
@@ -141,35 +155,47 @@ def _raw_response(status: int, reason: str, message: str, retry_after: int | Non
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with read timeouts, 431, a chunk budget, a body wire cap, a refusal of ambiguous
-    framing, and a connection cap shared fairly between client addresses (see the module docstring)."""
+    """uvicorn's h11 protocol with read timeouts, 431, a chunk budget, a cap on chunked framing, a refusal of
+    ambiguous framing, and a connection cap shared fairly between client addresses (see the module docstring).
+    ``protocol()`` binds the class to its limits and stats."""
 
-    limits = TransportLimits()
-    stats = TransportStats()
+    limits: TransportLimits
+    stats: TransportStats
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
-        self._phase, self._host, self._received = None, None, 0
+        self._phase, self._host, self._received, self._head_s = None, None, 0, self.limits.header_timeout_s
         self._chunks = self._body_bytes = self._body_from = 0
-        self.conn.next_event = self._next_event  # h11's events, counted and checked before uvicorn handles them
-        host = self.client[0] if self.client else ""
-        held, cap = self.stats.by_client[host], self.limits.connections()
+        self._chunked = False
+        # h11's events, counted and checked before uvicorn handles them (uvicorn <0.55 calls self.conn.next_event()
+        # in handle_events; tests/test_transport.py fails if that changes)
+        self.conn.next_event = self._next_event
+        refusal = self._refusal(self.client[0] if self.client else "")
+        if refusal is not None:
+            self._refuse(*refusal)
+            return
+        self._host = self.client[0] if self.client else ""
+        self.stats.by_client[self._host] += 1
+        if len(self.connections) > self.limits.connections():  # admitted for the probes: a head at once, or out
+            self._head_s = min(PROBE_HEAD_S, self._head_s)
+        self.app = self._admit(self.app)
+        self._arm("head")
+
+    def _refusal(self, host: str) -> tuple | None:
+        """The refusal of a new connection from ``host`` (``_refuse``'s arguments), or None to admit it."""
         if penalty := self.stats.penalty(host):
-            self._refuse(429, "Too Many Requests", f"this client address sent a body in framing no client library "
-                         f"sends (counted in /metrics); its connections are refused for {PENALTY_S:g} s",
-                         "penalized", retry_after=max(1, math.ceil(penalty)))
-        elif held >= self.limits.per_client():
-            self._refuse(503, "Service Unavailable", f"this client address holds {held} connections, the most one "
-                         f"address may hold; reuse them (keep-alive) or close some", "per_client", retry_after=1)
-        elif len(self.connections) > cap + PROBE_RESERVE:
-            self._refuse(503, "Service Unavailable", f"the server holds its {cap} connections; retry shortly",
-                         "capacity", retry_after=1)
-        else:
-            self._host = host
-            self.stats.by_client[host] += 1
-            self.app = self._admit(self.app)
-            self._arm("head")
+            return (429, "Too Many Requests", "this client address sent a body in abusive framing (counted in "
+                    f"/metrics); its new connections are refused for {self.limits.framing_penalty_s:g} s",
+                    "penalized", max(1, math.ceil(penalty)))
+        held = self.stats.by_client[host]
+        if held >= self.limits.per_client():
+            return (503, "Service Unavailable", f"this client address holds {held} connections, the most one address "
+                    "may hold; reuse them (keep-alive) or close some", "per_client", 1)
+        if len(self.connections) > self.limits.connections() + PROBE_RESERVE:
+            return (503, "Service Unavailable", f"the server holds its {self.limits.connections()} connections; "
+                    "retry shortly", "capacity", 1)
+        return None
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -186,8 +212,7 @@ class GuardedH11Protocol(H11Protocol):
             cap = self.limits.connections()
             if (len(self.connections) > cap or len(self.tasks) > cap) and scope.get("path") not in PROBES:
                 self.stats.refused["capacity"] += 1
-                body = json.dumps({"error": {"message": f"the server holds its {cap} connections; retry shortly",
-                                             "field": None}}).encode()
+                body = _error_body(f"the server holds its {cap} connections; retry shortly")
                 await send({"type": "http.response.start", "status": 503, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                     (b"retry-after", b"1"), (b"connection", b"close")]})
@@ -197,18 +222,24 @@ class GuardedH11Protocol(H11Protocol):
 
         return admitted
 
+    def send_400_response(self, msg: str) -> None:  # uvicorn's answer to what h11 cannot parse: counted too
+        self.stats.refused["malformed"] += 1
+        super().send_400_response(msg)
+
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE and self._head_too_long(data):
             self._refuse(431, "Request Header Fields Too Large", f"the request's head is over "
                          f"{self.limits.max_header_bytes} bytes; send smaller headers", "head_too_large")
             return
         self._received += len(data)
-        if self.conn.their_state is h11.SEND_BODY and self._received - self._body_from > self.limits.body_wire_bytes():
-            self._refuse(413, "Content Too Large", f"the body takes over {self.limits.body_wire_bytes()} bytes on the "
-                         f"wire (framing, chunk extensions and trailers included); the body limit is "
-                         f"{self.limits.max_body_bytes} bytes", "body_framing")
-            return
         super().data_received(data)
+        if self._chunked and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            framing = self._received - self._body_from - self._body_bytes  # (bytes not parsed yet: at most a line)
+            if framing > self.limits.framing_bytes():
+                self._refuse(413, "Content Too Large", f"the body's chunk framing (sizes, extensions, trailers) takes "
+                             f"over {self.limits.framing_bytes()} bytes beside its {self._body_bytes} bytes of data; "
+                             "send fewer, larger chunks without extensions", "body_framing", penalize=True)
+                return
         self._follow()
 
     def _next_event(self):
@@ -223,15 +254,16 @@ class GuardedH11Protocol(H11Protocol):
             if self._chunks > FREE_CHUNKS + self._body_bytes // MIN_CHUNK_BYTES:
                 self._refuse(400, "Bad Request", f"the body came in {self._chunks} chunks for {self._body_bytes} bytes; "
                              f"send chunks of {MIN_CHUNK_BYTES} bytes or more on average (or a Content-Length)",
-                             "small_chunks")
+                             "small_chunks", penalize=self._body_bytes < TINY_CHUNK_BYTES * self._chunks)
                 return h11.NEED_DATA
         elif type(event) is h11.Request:
             names = {name for name, _ in event.headers}  # h11 gives them lower-cased
             if b"transfer-encoding" in names and b"content-length" in names:
                 self._refuse(400, "Bad Request", "the request has both Transfer-Encoding and Content-Length; send one",
-                             "ambiguous_length")
+                             "ambiguous_length", penalize=True)
                 return h11.NEED_DATA
             self._chunks = self._body_bytes = 0
+            self._chunked = b"transfer-encoding" in names
             self._body_from = self._received - len(self.conn.trailing_data[0])  # the bytes up to the body's first
         return event
 
@@ -266,7 +298,7 @@ class GuardedH11Protocol(H11Protocol):
         if self._phase == phase:
             return
         self._disarm()
-        seconds = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
+        seconds = self._head_s if phase == "head" else self.limits.body_timeout_s
         self._phase, self._timer = phase, self.loop.call_later(seconds, self._expired, phase)
 
     def _disarm(self) -> None:
@@ -276,18 +308,20 @@ class GuardedH11Protocol(H11Protocol):
 
     def _expired(self, phase: str) -> None:
         self._timer, self._phase = None, None
-        seconds = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
+        seconds = self._head_s if phase == "head" else self.limits.body_timeout_s
         self._refuse(408, "Request Timeout", f"the request's {phase} did not arrive within {seconds:g} s",
                      f"{phase}_timeout")
 
-    def _refuse(self, status: int, reason: str, message: str, why: str, retry_after: int | None = None) -> None:
-        """Answer ``status`` and close (counted as ``why``), unless the app already started its own response."""
+    def _refuse(self, status: int, reason: str, message: str, why: str, retry_after: int | None = None,
+                penalize: bool = False) -> None:
+        """Answer ``status`` and close (counted as ``why``; with ``penalize``, the address's new connections are
+        refused for the framing penalty), unless the app already started its own response."""
         self._disarm()
         if self.transport.is_closing():
             return
         self.stats.refused[why] += 1
-        if why in ABUSE and self.client:
-            self.stats.penalize(self.client[0])
+        if penalize and self.client and self.limits.framing_penalty_s:
+            self.stats.penalize(self.client[0], self.limits.framing_penalty_s)
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response byte sent yet (an app's early 413,
             # complete or under way, is left as it is)
             self.transport.write(_raw_response(status, reason, message, retry_after))

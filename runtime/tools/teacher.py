@@ -60,7 +60,12 @@ class TeacherUnavailable(TeacherError):
 
 
 class TeacherLate(TeacherUnavailable):
-    """The caller's deadline ended the last attempt (the teacher may be well, only slower than the time given)."""
+    """The caller's deadline ended the call: ``asked`` says whether an attempt reached the teacher (then it was too
+    slow for the time given) or none could start (every connection busy, no time left)."""
+
+    def __init__(self, message: str, asked: bool = True):
+        super().__init__(message)
+        self.asked = asked
 
 
 class TeacherRefused(TeacherError):
@@ -169,7 +174,8 @@ class Teacher:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="onepass-teacher", daemon=True)
         self._thread.start()
-        self._tasks: set = set()  # the calls under way (touched on the loop only)
+        self._calls: set = set()  # the futures of the calls spawned and not done
+        self._lock = threading.Lock()  # spawn, cancel and close, from any thread
         self._closed = False
 
         async def open_client():
@@ -178,7 +184,11 @@ class Teacher:
                                       limits=httpx2.Limits(max_connections=config.max_concurrency),
                                       timeout=httpx2.Timeout(config.timeout_s))
 
-        self._http = asyncio.run_coroutine_threadsafe(open_client(), self._loop).result()
+        try:
+            self._http = asyncio.run_coroutine_threadsafe(open_client(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def __enter__(self):
         return self
@@ -186,21 +196,25 @@ class Teacher:
     def __exit__(self, *exc):
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def spawn(self, coro) -> concurrent.futures.Future:
-        """Run ``coro`` on the client's loop; its future (``cancel()`` and ``close()`` end it, cancelled)."""
-        if self._closed:
-            coro.close()
-            raise TeacherUnavailable(f"{self.name}: the teacher client is closed")
+        """Run ``coro`` on the client's loop; its future (``cancel()`` and ``close()`` cancel it, started or not).
+        TeacherUnavailable once the client is closed."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise TeacherUnavailable(f"{self.name}: the teacher client is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._calls.add(future)
+        future.add_done_callback(self._forget)
+        return future
 
-        async def tracked():
-            task = asyncio.current_task()
-            self._tasks.add(task)
-            try:
-                return await coro
-            finally:
-                self._tasks.discard(task)
-
-        return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+    def _forget(self, future) -> None:
+        with self._lock:
+            self._calls.discard(future)
 
     def _wait(self, coro):
         """``coro``'s result, run on the client's loop, for a blocking caller (its own deadline bounds it)."""
@@ -214,16 +228,22 @@ class Teacher:
             raise
 
     def cancel(self) -> None:
-        """End every call under way now (each raises TeacherUnavailable, or is cancelled for an awaiting caller)."""
-        if not self._closed:
-            self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._tasks)])
+        """End every call spawned and not done, now (a blocking caller gets TeacherUnavailable, an awaiting one a
+        cancelled future)."""
+        with self._lock:
+            calls = list(self._calls)
+        for future in calls:
+            future.cancel()
 
     def close(self) -> None:
-        """Cancel the calls under way, close the connections, stop the loop's thread. Idempotent."""
-        if self._closed:
-            return
-        self.cancel()
-        self._closed = True
+        """Cancel the calls, close the connections, stop the loop's thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            calls = list(self._calls)
+        for future in calls:
+            future.cancel()
 
         async def shut():
             await asyncio.sleep(0)  # the cancelled calls unwind first
@@ -233,6 +253,9 @@ class Teacher:
             asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=5)
         except (concurrent.futures.TimeoutError, OSError):  # a connection that will not close: the thread is a daemon
             pass
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
@@ -270,7 +293,7 @@ class Teacher:
             try:
                 await asyncio.wait_for(self._slots.acquire(), left)
             except asyncio.TimeoutError:
-                last = f"all {cfg.max_concurrency} connections busy"
+                last, late = f"all {cfg.max_concurrency} connections busy", given
                 break
             made += 1
             limit = max(0.0, min(cfg.timeout_s, deadline - time.monotonic()))
@@ -293,9 +316,11 @@ class Teacher:
                 last += f"; a retry {wait:.3g} s later would pass the deadline"
                 break
             await asyncio.sleep(wait)
-        error = TeacherLate if late else TeacherUnavailable
-        raise error(f"{self.name} at {cfg.url} gave no answer within the deadline ({made} of {cfg.retries + 1} "
-                    f"attempts made; last: {last})")
+        message = (f"{self.name} at {cfg.url} gave no answer within the deadline ({made} of {cfg.retries + 1} "
+                   f"attempts made; last: {last})")
+        if late or (given and not made):
+            raise TeacherLate(message, asked=made > 0)
+        raise TeacherUnavailable(message)
 
     async def _attempt(self, body: dict):
         """One exchange: the JSON object of a 200, or (why it failed, seconds the teacher asked to wait) where a retry
