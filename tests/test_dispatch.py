@@ -15,6 +15,7 @@ import pytest
 
 from onepass import Choice, Noul, Score
 from onepass.runtime.server.dispatch import Dispatcher
+from fake_engine import FakeEngine
 
 TICKET = (Path(__file__).parent / "data" / "ticket.txt").read_text()
 QUESTIONS = [{"refund": Noul("Does the customer request a refund?")},
@@ -29,11 +30,12 @@ def _probs(answer) -> dict:
 
 
 def _submit_all(dispatcher: Dispatcher, requests: list, gap_s: float = 0.0) -> list:
-    """Submit (state, questions) requests from one event loop, ``gap_s`` apart; their results in order."""
+    """Submit (state, questions) requests, prepared by the dispatcher's engine, from one event loop, ``gap_s``
+    apart; their results in order."""
     async def main():
         futures = []
         for state, questions in requests:
-            futures.append(dispatcher.submit(state, questions, time.monotonic() + 120))
+            futures.append(dispatcher.submit(dispatcher.engine.prepare(state, questions), time.monotonic() + 120))
             if gap_s:
                 await asyncio.sleep(gap_s)
         return await asyncio.wait_for(asyncio.gather(*futures), 120)
@@ -51,9 +53,9 @@ class _Spy:
             self.passes += 1
             return real_score(kv, batch)
 
-        def run_group(state, requests, readout=None, **options):
-            self.batches.append(len(requests))
-            return real_group(state, requests, readout, **options)
+        def run_group(prepared, readout=None, **options):
+            self.batches.append(len(prepared))
+            return real_group(prepared, readout, **options)
 
         monkeypatch.setattr(engine.backend, "score_all", score_all)
         monkeypatch.setattr(engine, "run_group", run_group)
@@ -101,14 +103,11 @@ def test_a_merge_too_large_for_the_limits_falls_back_to_one_pass_each(engine, mo
     assert engine_spy.passes == 1
 
 
-class _FaultyEngine:
+class _FaultyEngine(FakeEngine):
     """An engine whose passes fail (a device fault): run_group raises for the whole group."""
 
-    def __init__(self):
-        self.calls = 0
-
-    def run_group(self, state, requests, readout=None, deadline=None):
-        self.calls += 1
+    def run_group(self, prepared, readout=None, deadline=None):
+        self.calls.append(len(prepared))
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
@@ -124,19 +123,20 @@ def test_an_engine_fault_reaches_every_waiting_request():
     finally:
         dispatcher.close()
     assert all(isinstance(r, RuntimeError) and "illegal memory access" in str(r) for r in results + later)
-    assert engine.calls == 3 and dispatcher.depth == 0  # two states in the first batch, then one
+    assert len(engine.calls) == 3 and dispatcher.depth == 0  # two states in the first batch, then one
 
 
-class _HeldEngine:
+class _HeldEngine(FakeEngine):
     """An engine whose passes wait until released: what is queued stays queued while a test submits."""
 
     def __init__(self):
-        self.release, self.calls = threading.Event(), []
+        super().__init__()
+        self.release = threading.Event()
 
-    def run_group(self, state, requests, readout=None, deadline=None):
-        self.calls.append(len(requests))
+    def run_group(self, prepared, readout=None, deadline=None):
+        self.calls.append(len(prepared))
         self.release.wait(30)
-        return [RuntimeError("not answered: the test only checks admission")] * len(requests)
+        return [RuntimeError("not answered: the test only checks admission")] * len(prepared)
 
 
 def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> list:
@@ -148,7 +148,8 @@ def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> li
         out = []
         for state, questions, left in requests:
             try:
-                futures.append(dispatcher.submit(state, questions, time.monotonic() + left))
+                futures.append(dispatcher.submit(dispatcher.engine.prepare(state, questions),
+                                                 time.monotonic() + left))
                 out.append("ok")
             except QueueFull as err:
                 out.append(str(err))
@@ -202,37 +203,45 @@ def test_seconds_per_token_are_measured_on_passes_of_enough_tokens():
         dispatcher.close()
 
 
-def test_an_estimate_over_a_limit_counts_as_that_limit_and_a_request_that_cannot_fit_is_refused_at_once():
-    """A state estimated over max_state_tokens may still be legal (a text of longer words than 4 characters a
-    token): counted as no work, a 5,500-word state was admitted and held the engine 23 s past its deadline. Each
-    part of an estimate is now capped at its limit (at most that much work), and a request that alone cannot
-    finish before its deadline is refused at admission (NeverFits: 413), before any queue or pass."""
-    from types import SimpleNamespace
-
-    from onepass.runtime.core.manifest import Limits
+def test_admission_counts_exact_tokens_and_a_request_that_cannot_fit_is_refused_at_once():
+    """A request arrives prepared, its size exact: its packed tokens, plus its state's unless the state was answered
+    lately or is queued already. A request that alone cannot finish before its deadline is refused at admission
+    (NeverFits: 413), before any queue or pass; one that fits its budget but not what is left of it is QueueFull."""
     from onepass.runtime.server.dispatch import NeverFits, QueueFull
 
-    engine = SimpleNamespace(manifest=SimpleNamespace(limits=Limits(max_packed_tokens=4096, max_state_tokens=7168)))
+    engine, loop = _HeldEngine(), asyncio.new_event_loop()
     dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
     try:
         q = {"q": Noul("Is it?")}
-        small = dispatcher.estimate_tokens("state", q)
-        assert dispatcher.estimate_tokens("word " * 6000, q) == pytest.approx(7168 + small - 5 / 4)  # capped
-        assert dispatcher.estimate_tokens("s", {"q": Noul("word " * 20000)}) == pytest.approx(4096 + 1 / 4)
-        spread = {f"q{i}": Noul(f"word{i} " * 1000) for i in range(20)}  # every question fits: counted in full
-        assert dispatcher.estimate_tokens("state", spread) > 20000
-        # a question asked 400 times is packed once: counted once (400 copies got 413, "about 17 s", for 0.21 s)
-        copies = {f"q{i}": Noul("Does the customer ask for a refund?") for i in range(400)}
-        assert dispatcher.estimate_tokens("state", copies) == dispatcher.estimate_tokens("state", {"q": copies["q0"]})
+        short = engine.prepare("a short state", q)
+        assert dispatcher.work_tokens(short) == short.packed_tokens + 3 == 6 + 3  # 2 words, 2 options; 3 words
         dispatcher.measured(0.1)
-        dispatcher.calibrate(0.3, 300)  # 1 ms per estimated token
-        with pytest.raises(NeverFits, match="its deadline allows"):
-            dispatcher.submit("word " * 5500, q, time.monotonic() + 2.0)  # ~7 s of work, 2 s to go
+        dispatcher.calibrate(0.3, 300)  # 1 ms per token
+        with pytest.raises(NeverFits, match="5506 tokens of work.*its deadline allows"):
+            dispatcher.submit(engine.prepare("word " * 5500, q), time.monotonic() + 2.0)  # 5.5 s of work, 2 s to go
         with pytest.raises(QueueFull, match="arrived slowly"):  # fits its 3 s budget, not the 0.1 s left of it
-            dispatcher.submit("word " * 400, q, time.monotonic() + 0.1, budget=3.0)
+            dispatcher.submit(engine.prepare("word " * 400, q), time.monotonic() + 0.1, budget=3.0)
         assert dispatcher.depth == 0
+        futures = _admitted(dispatcher, loop, [("a short state", q, 60), ("a short state", q, 60)], [])
+        assert futures == ["ok", "ok"]
+        assert dispatcher.work_tokens(short) == short.packed_tokens  # its state is queued: prefilled once
     finally:
+        engine.release.set()
         dispatcher.close()
+        loop.close()
+
+
+def test_a_question_asked_many_times_is_packed_and_counted_once(tiny_engine_dir):
+    """400 copies of one yes/no question were refused 413 ("about 17 s") by a character estimate for a 0.2 s pass:
+    the prepared size is the trie's, where the copies are one question. Control: 400 distinct questions."""
+    from onepass import Engine
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    one = engine.prepare(TICKET, {"q": Noul("Does the customer ask for a refund?")})
+    copies = engine.prepare(TICKET, {f"q{i}": Noul("Does the customer ask for a refund?") for i in range(400)})
+    distinct = engine.prepare(TICKET, {f"q{i}": Noul(f"Is point {i} about a refund?") for i in range(40)})
+    assert copies.packed_tokens == one.packed_tokens and copies.passes == 1
+    assert distinct.packed_tokens > 20 * one.packed_tokens // 2
 
 
 def test_stage_clocks_name_the_pack_apart_from_the_pass(engine, monkeypatch):
@@ -291,15 +300,8 @@ def test_a_request_split_into_blocks_stops_between_blocks_once_every_deadline_pa
     assert 1 <= len(passes) <= 3 < blocks  # stopped between blocks, and not retried alone
 
 
-class _AnsweringEngine:
+class _AnsweringEngine(FakeEngine):
     """An engine that answers every request at once (the request's own state as its answer)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def run_group(self, state, requests, readout=None, deadline=None):
-        self.calls += 1
-        return [state] * len(requests)
 
 
 def test_idle_housekeeping_runs_after_the_answers_are_out_and_only_when_nobody_waits():
@@ -318,7 +320,7 @@ def test_idle_housekeeping_runs_after_the_answers_are_out_and_only_when_nobody_w
     try:
         results = _submit_all(dispatcher, [("state one", {"q": Noul("a?")}), ("state two", {"q": Noul("b?")})])
         assert results == ["state one", "state two"] and idle.wait(30)
-        assert engine.calls == 2 and depths == [0]  # two groups (two states), one idle call after both
+        assert len(engine.calls) == 2 and depths == [0]  # two groups (two states), one idle call after both
         idle.clear()
         release.set()
         _submit_all(dispatcher, [("state three", {"q": Noul("c?")})])

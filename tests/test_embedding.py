@@ -184,8 +184,8 @@ def test_async_engine_merges_concurrent_asks_about_one_state_and_answers_as_alon
     alone = _wire(tiny.ask(TICKET, QUESTIONS))
     batches = []
     real = tiny.run_group
-    monkeypatch.setattr(tiny, "run_group", lambda state, requests, *a, **k: batches.append(len(requests)) or
-                        real(state, requests, *a, **k))
+    monkeypatch.setattr(tiny, "run_group", lambda prepared, *a, **k: batches.append(len(prepared)) or
+                        real(prepared, *a, **k))
 
     async def main():
         async with AsyncEngine(tiny, window_ms=300) as engine:

@@ -17,19 +17,18 @@ import numpy as np
 from . import manifest as manifest_mod
 from ..backends.base import Backend, StateKV
 from .readout_calibration import question_key
-from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded
-from .prompt import OLD_OPTION_LINE, PromptEncoder, state_text
+from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
+from .planner import Planner, Prepared
+from .prompt import OLD_OPTION_LINE, PromptEncoder
 from .questions import Answer, Question
 from .readout import answer, option_scores, softmax
 from .state_cache import StateCache
-from .tree import (PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, option_head_scores,
-                   option_logprobs, pack, packed_size)
-from .wire import check_question_id, parse_request, response_body
+from .tree import PackedBatch, QuestionTokens, option_head_scores, option_logprobs
+from .wire import parse_request, response_body
 
 DEFAULT_CACHE_BYTES = 512 << 20
 log = logging.getLogger("onepass.engine")
 _WARNED: set = set()  # engine directories already warned about
-MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
 PRIOR_CACHE_ITEMS = 4096
 
 
@@ -71,6 +70,8 @@ class Engine:
         self.manifest = manifest
         self.backend = backend
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
+        self.planner = Planner(self.encoder, manifest.limits, manifest.model.max_position,
+                               lambda: backend.block_tokens)
         if manifest.prompt.option_line == OLD_OPTION_LINE and str(root) not in _WARNED:  # once, not per with_limits
             _WARNED.add(str(root))
             log.warning("%s renders a described choice option as %r, which works against it (a choice with only some "
@@ -159,24 +160,20 @@ class Engine:
 
     def _state(self, state, clock: dict | None = None) -> tuple[State, bool]:
         """(the state, whether it came from the cache); ``clock`` gets the tokenize and prefill milliseconds."""
-        t0 = time.perf_counter()
         if isinstance(state, State):
             return state, True
-        text = state_text(state)
-        limit = self.manifest.limits.max_state_tokens
-        if self.encoder.surely_over(text, limit):
-            raise LimitExceeded(f"the state is more than {limit} tokens; this engine allows at most {limit}. "
-                                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
-        ids = tuple(self.encoder.state(text))
-        if len(ids) > limit:
-            raise LimitExceeded(
-                f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
-                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        ids = self.planner.state_ids(state)
         if clock is not None:
-            clock["tokenize"] = clock.get("tokenize", 0.0) + (t1 - t0) * 1000
-            clock["prefill"] = 0.0
+            clock["tokenize"] = clock.get("tokenize", 0.0) + (time.perf_counter() - t0) * 1000
+        return self._state_of(ids, clock)
+
+    def _state_of(self, ids: tuple, clock: dict | None = None) -> tuple[State, bool]:
+        """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached."""
+        t0 = time.perf_counter()
         cached = self.cache.get(ids)
+        if clock is not None:
+            clock["prefill"] = 0.0
         if cached is not None:
             return cached, True
         with self.backend.serial():
@@ -184,44 +181,19 @@ class Engine:
         prefilled = State(ids, kv)
         self.cache.put(ids, prefilled, kv.nbytes)
         if clock is not None:
-            clock["prefill"] = (time.perf_counter() - t1) * 1000
+            clock["prefill"] = (time.perf_counter() - t0) * 1000
         return prefilled, False
 
     # -- questions ------------------------------------------------------------------------------
 
+    def prepare(self, state, questions: Mapping[str, Question]) -> Prepared:
+        """A request checked against every limit, tokenised once and sized exactly, without the model: what
+        :meth:`run_group` answers (:class:`onepass.runtime.core.planner.Prepared`). Run it off the engine thread."""
+        return self.planner.prepare(state, questions)
+
     def check_counts(self, questions: Mapping[str, Question]) -> None:
-        """The limits no retry can meet that need no tokenizer: questions per request, options per question
-        (the server checks them before admission, so such a request is a 413 at once, never a retryable 429)."""
-        limits = self.manifest.limits
-        if not isinstance(questions, Mapping) or not questions:
-            raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
-        if len(questions) > limits.max_questions:
-            raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
-                                "per request", "questions")
-        for qid, q in questions.items():
-            n_opts = len(self.encoder.options(q)) if hasattr(q, "instructions") else 0
-            if n_opts > limits.max_options:
-                raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
-                                    f"questions.{qid}.criteria")
-
-    @property
-    def question_bound(self) -> int:
-        """The most tokens one question's text may have: its trunk must fit a state or a pass, within a request."""
-        limits = self.manifest.limits
-        return min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
-
-    def check_lengths(self, questions: Mapping[str, Question]) -> None:
-        """LimitExceeded (413) for a question whose text is over its token bound, found by tokenising at most about
-        the bound (nothing at all for a text of fewer bytes than the bound: a token is at least a byte). The server
-        checks this before admission, so such a request is refused at once, never queued behind others or answered
-        a retryable 429. (A state over its limit is refused by the engine, which tokenises it anyway.)"""
-        enc, bound = self.encoder, self.question_bound
-        for qid, q in questions.items():
-            text = enc.caller_text(q)
-            if len(text) > bound // 4 and len(text.encode("utf-8", "surrogatepass")) > bound and \
-                    enc.surely_over(text, bound):
-                raise LimitExceeded(f"the question's text is more than {bound} tokens; this engine allows at most "
-                                    f"{bound} per question", f"questions.{qid}")
+        """The limits that need no tokenizer: questions per request, options per question."""
+        self.planner.check_counts(questions)
 
     def question_key(self, question: Question) -> str:
         """The key a calibration group and a gate threshold are stored under: the question's type, instructions and
@@ -230,124 +202,34 @@ class Engine:
 
     def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
         """Validate a request's questions against the limits and turn them into token ids."""
-        limits = self.manifest.limits
-        self.check_counts(questions)
-        encoded, total = [], 0
-        # a question's text is in its trunk, which must fit a state (max_state_tokens) or a pass: past that bound it
-        # is refused after tokenising no more than the bound, never the whole text
-        bound = self.question_bound
-        budget = MAX_ENCODED_FACTOR * limits.max_request_tokens  # tokens before sharing: past it, stop tokenising
-        for qid, q in questions.items():
-            check_question_id(qid)
-            if not hasattr(q, "instructions"):
-                raise InvalidRequest("expected a Noul, Choice or Score question", f"questions.{qid}")
-            if self.encoder.surely_over(self.encoder.caller_text(q), bound):
-                raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
-                                    f"{bound} per question", f"questions.{qid}")
-            tokens = self.encoder.question(q)
-            if len(tokens.trunk) > limits.max_state_tokens:  # a long trunk is prefilled onto the state
-                raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens before its options; this engine "
-                                    f"allows at most {limits.max_state_tokens}", f"questions.{qid}")
-            longest = max(map(len, tokens.options))
-            if longest > limits.max_packed_tokens:
-                raise LimitExceeded(f"an option is {longest} tokens; this engine packs at most "
-                                    f"{limits.max_packed_tokens} per pass", f"questions.{qid}.criteria")
-            total += len(tokens.trunk) + sum(map(len, tokens.options))
-            if total > budget:
-                raise LimitExceeded(f"the questions are more than {budget} tokens before sharing; this engine packs "
-                                    f"at most {limits.max_request_tokens} per request", "questions")
-            encoded.append(tokens)
-        return encoded
+        return self.planner.encode_questions(questions)
 
     def pack(self, state: State, encoded: list[QuestionTokens]) -> PackedBatch:
-        """The questions packed into ONE pass over a state (at most max_packed_tokens); raises LimitExceeded past
-        the limits."""
-        limits = self.manifest.limits
-        try:
-            batch = pack(encoded, state.num_tokens, max_tokens=limits.max_packed_tokens)
-        except TooManyTokens as err:
-            raise LimitExceeded(f"the questions pack into {err.num_tokens} tokens; this engine allows at most "
-                                f"{limits.max_packed_tokens} per pass", "questions") from None
-        self._check_positions(batch, state.num_tokens)
-        return batch
-
-    def _check_positions(self, batch: PackedBatch, past: int) -> None:
-        """LimitExceeded when the batch's last token sits past the model's positions."""
-        model = self.manifest.model
-        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else past
-        if last + 1 > model.max_position:
-            raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {model.max_position}",
-                                "questions")
+        """The questions packed into ONE pass over a state (at most max_packed_tokens)."""
+        return self.planner.pack(state.num_tokens, encoded)
 
     @property
     def block_tokens(self) -> int:
-        """Packed tokens per pass when a request is split into blocks of whole questions: the backend's
-        choice (what measures fastest on it), never more than the engine's max_packed_tokens."""
-        limit = self.manifest.limits.max_packed_tokens
-        return min(self.backend.block_tokens or limit, limit)
+        """Packed tokens per pass when a request is split into blocks of whole questions (:class:`Planner`)."""
+        return self.planner.block_tokens
 
-    def passes(self, state: State, encoded: list[QuestionTokens],
-               plan_only: bool = False) -> list[tuple[list, PackedBatch, State]]:
-        """The packed passes that answer ``encoded`` over ``state``, as ([(question index, option indices)],
-        batch, the state the batch continues).
-
-        One pass when the questions pack into a block (the backend's :attr:`block_tokens`). Else blocks of
-        whole questions (:func:`onepass.runtime.core.tree.blocks`), each a pass over the same state K/V. A question
-        larger than a block (a choice of hundreds of options, listed in its own text) has its trunk but the
-        last token prefilled onto the state, like a longer state (and cached the same way), and its options
-        scored below that last token in parts (:func:`onepass.runtime.core.tree.option_groups`). A token attends to
-        the state, its trunk and its own option path only, so the answers do not depend on the split. Raises
-        LimitExceeded past the request's packed-token limit before any pass. ``plan_only``: every limit checked and
-        the sizes counted, with no tree mask built and no trunk prefilled (the passes' batches have no mask and a
-        long question's entry names its index instead of its longer state)."""
-        limits, block = self.manifest.limits, self.block_tokens
-        try:
-            whole = [(i, list(range(len(q.options)))) for i, q in enumerate(encoded)]
-            out = [(whole, pack(encoded, state.num_tokens, max_tokens=block, mask=not plan_only), state)]
-        except TooManyTokens:  # counted on the trie, before any [N, N] mask exists
-            small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
-            out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks],
-                                                                        state.num_tokens, mask=not plan_only), state)
-                   for ks in blocks([encoded[i] for i in small], block)]
-            long = sorted(set(range(len(encoded))) - set(small))
-            for i in long:  # packed against the longer state's length: every limit is checked before its prefill
-                q = encoded[i]
-                self._check_state_length(state.num_tokens + len(q.trunk) - 1)
-                tail = QuestionTokens(q.trunk[-1:], q.options)
-                for group in option_groups(tail, block):
-                    part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
-                    out.append(([(i, group)], pack([part], state.num_tokens + len(q.trunk) - 1, mask=not plan_only),
-                                i))
-        total = sum(batch.num_tokens for _, batch, _ in out)
-        if total > limits.max_request_tokens:
-            raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
-                                f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
-                                "questions")
-        for _, batch, over in out:
-            past = over.num_tokens if isinstance(over, State) else state.num_tokens + len(encoded[over].trunk) - 1
-            self._check_positions(batch, past)
-        if plan_only:
-            return out
-        longer = {}  # the prefills, once every limit passed
-        for k, (ids, batch, over) in enumerate(out):
-            if not isinstance(over, State):
-                if over not in longer:
-                    longer[over] = self._extended(state, encoded[over].trunk[:-1])
-                out[k] = (ids, batch, longer[over])
-        return out
-
-    def _check_state_length(self, n: int) -> None:
-        """A state and a long question's trunk prefilled onto it must fit a state."""
-        if n > self.manifest.limits.max_state_tokens:
-            raise LimitExceeded(f"the state and a question's text are {n} tokens together; this engine allows at "
-                                f"most {self.manifest.limits.max_state_tokens}", "questions")
+    def passes(self, state: State, encoded: list[QuestionTokens]) -> list[tuple[list, PackedBatch, State]]:
+        """The packed passes that answer ``encoded`` over ``state`` (:meth:`Planner.plan`), as ([(question index,
+        option indices)], batch, the state the batch continues): a long question's trunk is prefilled onto the state
+        (and cached), once every limit passed."""
+        plan, longer = self.planner.plan(state.num_tokens, encoded), {}
+        for k, (parts, batch, over) in enumerate(plan):
+            if over is not None and over not in longer:
+                longer[over] = self._extended(state, encoded[over].trunk[:-1])
+            plan[k] = (parts, batch, state if over is None else longer[over])
+        return plan
 
     def _extended(self, state: State, ids: tuple) -> State:
         """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
         prefilled onto ``state``'s K/V (which stays as it is)."""
         limits = self.manifest.limits
         joint = tuple(state.ids) + tuple(ids)
-        self._check_state_length(len(joint))
+        self.planner.check_state_length(len(joint))
         cached = self.cache.get(joint)
         if cached is not None:
             return cached
@@ -413,137 +295,88 @@ class Engine:
         with self._lock:
             return [self._priors.get(q) if q in self._priors else None for q in encoded]
 
-    def _prepare(self, state, questions: Mapping[str, Question]) -> tuple:
-        """(encoded questions, the state, whether it came from the cache, the stage clock so far: tokenize, prefill)."""
-        clock: dict = {}
-        t0 = time.perf_counter()
-        encoded = self.encode_questions(questions)
-        clock["tokenize"] = (time.perf_counter() - t0) * 1000
-        state, hit = self._state(state, clock)
-        return encoded, state, hit, clock
-
     def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
         """Answer questions about a state in one packed forward pass."""
-        encoded, state, hit, clock = self._prepare(state, questions)
-        packed, logprobs, heads = self._score(state, encoded, clock)
-        t2 = time.perf_counter()
-        answers = self._answers(questions, encoded, logprobs, readout, heads=heads)
-        clock["readout"] = (time.perf_counter() - t2) * 1000
-        return Result(answers, state.num_tokens + packed, packed,
-                      state.num_tokens if hit else 0, clock)
+        (result,) = self.run_group([self.prepare(state, questions)], readout)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def run_many(self, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
 
-        The requests are grouped here by their state's text (``state_text``), once, and each group answered by
+        Each request is prepared (:meth:`prepare`), then grouped by its state's token ids and each group answered by
         :meth:`run_group`. Returns, per request, a Result or the exception it raised (OnepassError for bad input): a
-        bad or failing request never fails the others. ``deadline``: as :meth:`run_group`'s.
-        """
+        bad or failing request never fails the others. ``deadline``: as :meth:`run_group`'s."""
         out: list = [None] * len(requests)
         groups: dict = {}
-        for i, (raw, _) in enumerate(requests):
+        for i, (state, questions) in enumerate(requests):
             try:
-                state = raw if isinstance(raw, State) else state_text(raw)
-            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
+                prepared = self.prepare(state, questions)
+            except OnepassError as err:  # a request's failure is its own answer
                 out[i] = err
                 continue
-            groups.setdefault(state.ids if isinstance(state, State) else state, (state, []))[1].append(i)
-        for state, members in groups.values():
-            for i, result in zip(members, self.run_group(state, [requests[i][1] for i in members], readout,
-                                                          deadline=deadline)):
+            groups.setdefault(prepared.key, []).append((i, prepared))
+        for members in groups.values():
+            results = self.run_group([p for _, p in members], readout, deadline=deadline)
+            for (i, _), result in zip(members, results):
                 out[i] = result
         return out
 
-    def run_group(self, state, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
-        """Answer several requests' questions (``requests``: one {id: Question} each) about ONE state in one merged
-        pass (or the blocks it splits into): the server's dispatcher groups requests by their state's text and hands
-        each group here, so a request is grouped once. The state is tokenised and prefilled (or taken from the cache)
-        once for the group, after the questions are checked.
+    def run_group(self, prepared: list[Prepared], readout: str | None = None, deadline: float | None = None) -> list:
+        """Answer prepared requests about ONE state (equal ``key``) in one merged pass (or the blocks it splits
+        into): the state is looked up or prefilled once for the group, nothing is tokenised again.
 
         Each request's questions are separate subtrees of the packed tree, so every answer equals its request run
-        alone. Returns, per request, a Result or the exception it raised (OnepassError for bad input): a bad or
-        failing request never fails the others — when a merged pass fails, its requests are run again one by one.
-        ``deadline`` (monotonic seconds, the latest of the waiters'): past it, no further pass starts, and the
-        requests get ``DeadlineExceeded`` (a request split into blocks stops between blocks).
-        """
-        out: list = [None] * len(requests)
-        clocks: list = [{} for _ in requests]
-        encoded: list = [None] * len(requests)
-        for i, questions in enumerate(requests):
-            try:
-                t0 = time.perf_counter()
-                encoded[i] = self.encode_questions(questions)
-                clocks[i]["tokenize"] = (time.perf_counter() - t0) * 1000
-            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
-                out[i] = err
-        valid = [i for i in range(len(requests)) if out[i] is None]
-        if not valid:
-            return out
-        first = clocks[valid[0]]  # the state's tokenize and prefill are the first request's; the others reuse them
-        given = state
+        alone. Returns, per request, a Result or the exception it raised: a failing request never fails the others —
+        when a merged pass fails, its requests are scored again one by one. ``deadline`` (monotonic seconds, the
+        latest of the waiters'): past it, no further pass starts, and the requests get ``DeadlineExceeded`` (a
+        request split into blocks stops between blocks)."""
+        clocks = [dict(p.timings) for p in prepared]
         try:
-            state, hit = self._state(state, first)
+            if prepared[0].state is not None:
+                state, hit = prepared[0].state, True
+                clocks[0]["prefill"] = 0.0
+            else:
+                state, hit = self._state_of(prepared[0].ids, clocks[0])
         except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
-            for i in valid:
-                out[i] = err
-            return out
-        # each later request looks the state up in the cache as it would alone (the cache's hit and miss counts and
-        # each answer's cached tokens say so), but is never prefilled again: a state the cache cannot hold is a miss
-        # for every request, prefilled once for the group
-        hits = {i: hit if i == valid[0] or isinstance(given, State) else self.cache.get(state.ids) is not None
-                for i in valid}
-        members = []
-        for i in valid:
-            clocks[i].setdefault("prefill", 0.0)
-            try:
-                t0 = time.perf_counter()
-                # its own size and limits, as alone: counted, never packed (the merged pass packs it once)
-                own = sum(b.num_tokens for _, b, _ in self.passes(state, encoded[i], plan_only=True))
-                clocks[i]["pack"] = (time.perf_counter() - t0) * 1000
-                members.append((i, requests[i], encoded[i], own))
-            except Exception as err:  # noqa: BLE001 - a request's failure is its own answer
-                out[i] = err
-        if not members:
-            return out
+            return [err] * len(prepared)
+        # each later request looks the state up in the cache as it would alone (the cache's counts and each answer's
+        # cached tokens say so), but is never prefilled again
+        hits = [hit] + [p.state is not None or self.cache.get(state.ids) is not None for p in prepared[1:]]
         shared: dict = {}  # the merged pass's pack and score, the same for every member
         try:
-            scored = self._score_merged(state, [q for _, _, mine, _ in members for q in mine], shared, deadline)
+            _, merged, merged_heads = self._score(state, [q for p in prepared for q in p.encoded], shared, deadline)
+            scored = list(zip(*_split(merged, merged_heads, [len(p.encoded) for p in prepared])))
         except DeadlineExceeded as err:
-            for i, *_ in members:
-                out[i] = err
-            return out
-        if scored is None:  # the pass failed: each request alone, so that it can only fail itself
-            for i, questions, _, _ in members:
-                try:
-                    out[i] = self.run(state, questions, readout)
-                except Exception as err:  # noqa: BLE001 - its failure is its own answer
-                    out[i] = err
-            return out
-        merged, merged_heads = scored
-        logprobs = iter(merged)
-        heads = iter(merged_heads) if merged_heads is not None else None
-        for i, questions, mine_encoded, own in members:
-            mine = [next(logprobs) for _ in mine_encoded]
-            my_heads = [next(heads) for _ in mine_encoded] if heads is not None else None
+            return [err] * len(prepared)
+        except Exception as err:  # noqa: BLE001 - a fault: each request alone, so that it can only fail itself
+            if len(prepared) == 1:
+                return [err]
+            scored = [self._score_alone(state, p.encoded, shared, deadline) for p in prepared]
+        out: list = []
+        for p, clock, cached, mine in zip(prepared, clocks, hits, scored):
+            if isinstance(mine, BaseException):
+                out.append(mine)
+                continue
             try:
-                t2 = time.perf_counter()
-                answers = self._answers(questions, mine_encoded, mine, readout, heads=my_heads)
-                clocks[i].update(pack=clocks[i]["pack"] + shared["pack"], score=shared["score"],
-                                 readout=(time.perf_counter() - t2) * 1000)
-                out[i] = Result(answers, state.num_tokens + own, own, state.num_tokens if hits[i] else 0, clocks[i])
+                t0 = time.perf_counter()
+                answers = self._answers(p.questions, p.encoded, mine[0], readout, heads=mine[1])
+                stages = {"tokenize": clock.get("tokenize", 0.0), "prefill": clock.get("prefill", 0.0),
+                          "pack": clock.get("pack", 0.0) + shared.get("pack", 0.0), "score": shared.get("score", 0.0),
+                          "readout": (time.perf_counter() - t0) * 1000}
+                out.append(Result(answers, state.num_tokens + p.packed_tokens, p.packed_tokens,
+                                  state.num_tokens if cached else 0, stages))
             except Exception as err:  # noqa: BLE001 - its failure is its own answer
-                out[i] = err
+                out.append(err)
         return out
 
-    def _score_merged(self, state: State, encoded: list, clock: dict, deadline: float | None = None):
-        """(logprobs, heads) of the requests' encoded questions in one pass, or None if that pass fails; DeadlineExceeded
-        when the deadline passed between its passes (then nothing is retried)."""
+    def _score_alone(self, state: State, encoded, clock: dict, deadline: float | None):
+        """(logprobs, heads) of one request's questions, or the exception its pass raised."""
         try:
-            _, logprobs, heads = self._score(state, encoded, clock, deadline)
-        except DeadlineExceeded:
-            raise
-        except Exception:  # noqa: BLE001 - too large together, or a fault: the caller retries each alone
-            return None
+            _, logprobs, heads = self._score(state, list(encoded), clock, deadline)
+        except Exception as err:  # noqa: BLE001 - its failure is its own answer
+            return err
         return logprobs, heads
 
     def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
@@ -604,3 +437,10 @@ class Engine:
         """Answer a TypeSafe System One request body; returns the response body."""
         state, questions = parse_request(body)
         return response_body(body, self.name, self.run(state, questions))
+
+
+def _split(logprobs: list, heads: list | None, sizes: list[int]) -> tuple[list, list]:
+    """A merged pass's per-question values cut back into the requests' (``sizes`` questions each)."""
+    cuts = np.cumsum([0, *sizes])
+    mine = [logprobs[a:b] for a, b in zip(cuts, cuts[1:])]
+    return mine, [None if heads is None else heads[a:b] for a, b in zip(cuts, cuts[1:])]

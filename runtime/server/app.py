@@ -142,7 +142,8 @@ class Server:
             text = f"A {word} warm-up, long enough to time the work per token of a state. " * sentences
             start = time.monotonic()
             self.engine.run(text, questions)
-        self.dispatcher.calibrate(time.monotonic() - start, self.dispatcher.estimate_tokens(text, questions))
+        prepared = self.engine.prepare(text, questions)
+        self.dispatcher.calibrate(time.monotonic() - start, prepared.packed_tokens + prepared.state_tokens)
         self.memory.mark()  # the size the server returns to when idle after heavy requests
         self.ready = True
 
@@ -211,19 +212,18 @@ class Server:
         return self.parse(decode(raw, encoding, self.config.max_body_bytes))
 
     def parse(self, raw: bytes) -> tuple:
-        """(body, state, questions) of a decoded request body, every check that needs no inference done;
-        HTTPError otherwise. Never raises anything else (fuzzed in the tests)."""
+        """(body, state, prepared request) of a decoded request body: parsed once, every check that needs no inference
+        done, tokenised and sized once (``Engine.prepare``: a request over a limit is a 413 now, never a retryable
+        429 at admission); HTTPError otherwise. Never raises anything else (fuzzed in the tests)."""
         data = parse_json(raw)
         model = data.get("model") if isinstance(data, dict) else None
         if isinstance(model, str) and model not in self.names:
             raise HTTPError(404, f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
         try:
             state, questions = parse_request(data)  # the one parse: form and values (SystemOneBody documents them)
-            self.engine.check_counts(questions)  # over a count limit: 413 now, not a retryable 429 at admission
-            self.engine.check_lengths(questions)  # so is a question's text over its token bound
+            return data, state, self.engine.prepare(state, questions)
         except OnepassError as err:
             raise _engine_error(err) from None
-        return data, state, questions
 
     async def systemone(self, request: Request, arrived: float, timing: dict) -> dict:
         """Parse, validate, queue and answer one System One request."""
@@ -238,9 +238,10 @@ class Server:
                             headers={"Connection": "close"}) from None
         encoding = request.headers.get("content-encoding", "")
         # decompression, JSON and validation are linear but not free on a 1 MiB body: off the event loop
-        data, state, questions = await run_in_threadpool(self.parse_body, raw, encoding)
+        data, state, prepared = await run_in_threadpool(self.parse_body, raw, encoding)
+        questions = prepared.questions
         queued = time.monotonic()
-        result = await self.answer(self.dispatcher, request, state, questions, deadline, deadline - arrived)
+        result = await self.answer(self.dispatcher, request, prepared, deadline, deadline - arrived)
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
         self.metrics.tokens.labels("input").inc(result.input_tokens)
         self.metrics.tokens.labels("packed").inc(result.packed_tokens)
@@ -274,12 +275,12 @@ class Server:
         teaching.shadow(state, {q: questions[q] for q in local}, {q: result.answers[q] for q in local})
         return result
 
-    async def answer(self, dispatcher: Dispatcher, request: Request, state, questions: dict, deadline: float,
+    async def answer(self, dispatcher: Dispatcher, request: Request, prepared, deadline: float,
                      budget: float | None = None):
-        """Queue parsed questions on ``dispatcher`` and await their Result; every refusal and failure as its
+        """Queue a prepared request on ``dispatcher`` and await its Result; every refusal and failure as its
         HTTPError (429 busy, 413 never fits its deadline, 503 deadline passed, 4xx bad input, 500 a fault)."""
         try:
-            future = dispatcher.submit(state, questions, deadline, budget=budget)
+            future = dispatcher.submit(prepared, deadline, budget=budget)
         except QueueFull as err:
             retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
             raise HTTPError(429, f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
@@ -308,8 +309,11 @@ class Server:
         by = {q: self.engine.name for q in result.answers}
         if doubtful:
             start = time.monotonic()  # the same deadline: the cascade cannot run past what the client waits for
-            strong = (await self.answer(self.cascade_dispatcher, request, state, doubtful,
-                                        request.state.deadline)).answers
+            try:  # its own tokenizer and limits: prepared off the event loop, as the request was
+                prepared = await run_in_threadpool(self.cascade.prepare, state, doubtful)
+            except OnepassError as err:
+                raise _engine_error(err) from None
+            strong = (await self.answer(self.cascade_dispatcher, request, prepared, request.state.deadline)).answers
             timing["cascade"] = (time.monotonic() - start) * 1000
             result = dataclasses.replace(result, answers={**result.answers, **strong})
             by.update({q: self.cascade.name for q in strong})

@@ -12,11 +12,11 @@ whose deadline would pass before its pass could end: no work is spent on answers
 waits for. The work ahead is counted in passes and in tokens, not requests: queued requests
 about one state share a pass (up to ``max_batch`` of them), and a pass costs at least the
 measured seconds per pass, more when its questions (and the state's prefill, unless the
-state was answered recently) hold many tokens. A request's tokens are estimated from its
-characters on the event loop (no tokenizer call); seconds per estimated token are measured
-on the passes themselves, so the estimate's units calibrate themselves. So one request of
-5000 questions ahead makes a short-deadline request behind it a 429 at once instead of a
-late 503.
+state was answered recently) hold many tokens. A request arrives prepared
+(``Engine.prepare``, off the event loop), so its tokens are exact: the packed tokens of its
+own passes and its state's tokens; seconds per token are measured on the passes themselves.
+So one request of 5000 questions ahead makes a short-deadline request behind it a 429 at once
+instead of a late 503.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import time
 from dataclasses import dataclass
 
 from ..core.engine import Engine
-from ..core.questions import Noul, as_text
+from ..core.planner import Prepared
 
 EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and seconds-per-token estimates
-CHARS_PER_TOKEN = 4.0  # a rough BPE rate for English; its error cancels: seconds per *estimated* token are measured
-QUESTION_TOKENS, OPTION_TOKENS = 12, 2  # template tokens around a question and around each option
 RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
 
 log = logging.getLogger("onepass.dispatch")
@@ -62,13 +60,15 @@ class DeadlinePassed(Exception):
 
 @dataclass
 class _Item:
-    state: object
-    questions: object
+    prepared: Prepared
     deadline: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    key: object = None  # the state's key (requests with equal keys share a pass)
-    tokens: float = 0.0  # estimated tokens of work: its questions, plus the state's prefill if not answered lately
+    tokens: int = 0  # tokens of work: its packed tokens, plus the state's prefill if not answered lately
+
+    @property
+    def key(self) -> tuple:  # requests with equal keys (the state's token ids) share a pass
+        return self.prepared.key
 
 
 class Dispatcher:
@@ -82,8 +82,8 @@ class Dispatcher:
         self.on_drop = on_drop or (lambda: None)
         self.on_idle = on_idle or (lambda: None)  # on the engine thread, once a batch is answered and none waits
         self.seconds_per_pass = 0.0  # measured; 0 until the first pass (the warm-up seeds it)
-        self.seconds_per_token = 0.0  # measured per estimated token; 0 until a pass of enough tokens
-        self._tokens: collections.Counter = collections.Counter()  # queued estimated tokens per state key
+        self.seconds_per_token = 0.0  # measured per token; 0 until a pass of enough tokens
+        self._tokens: collections.Counter = collections.Counter()  # queued tokens of work per state key
         self._recent: collections.OrderedDict = collections.OrderedDict()  # state keys answered lately
         self._queue: queue.Queue = queue.Queue()
         self._depth = 0
@@ -104,8 +104,8 @@ class Dispatcher:
         return self._thread.is_alive()
 
     def measured(self, seconds: float, tokens: float = 0.0) -> None:
-        """Fold one pass's time (one state's group of requests, ``tokens`` estimated tokens) into the estimates:
-        seconds per pass, and seconds per estimated token from passes large enough for tokens to dominate."""
+        """Fold one pass's time (one state's group of requests, ``tokens`` tokens of work) into the estimates:
+        seconds per pass, and seconds per token from passes large enough for tokens to dominate."""
         self.seconds_per_pass = seconds if self.seconds_per_pass == 0 else (
             (1 - EWMA) * self.seconds_per_pass + EWMA * seconds)
         if tokens >= 64:
@@ -114,30 +114,21 @@ class Dispatcher:
                 (1 - EWMA) * self.seconds_per_token + EWMA * rate)
 
     def calibrate(self, seconds: float, tokens: float) -> None:
-        """Seed the seconds per estimated token from one pass of ``tokens`` (the server's warm-up), where no pass
-        has measured it yet."""
+        """Seed the seconds per token from one pass of ``tokens`` (the server's warm-up), where no pass has
+        measured it yet."""
         if self.seconds_per_token == 0 and tokens > 0:
             self.seconds_per_token = seconds / tokens
 
-    def estimate_tokens(self, key, questions) -> float:
-        """A request's tokens of work from its characters: its questions, and the state's prefill unless the
-        state was answered lately (call under the lock). Each part is capped at the engine's limit for it: an
-        estimate over a limit may still be a legal request (a text of longer words than the rate assumes), and
-        then it costs at most the limit's work; one the tokenizer finds over it is refused before any pass."""
-        limits = getattr(getattr(self.engine, "manifest", None), "limits", None)
-        # a question asked twice is packed once (the trie shares it whole): 400 copies are one question's work
-        items = list({repr(q): q for q in questions.values()}.values()) if isinstance(questions, dict) else []
-        each = [QUESTION_TOKENS + OPTION_TOKENS * _options(q) + _chars(q) / CHARS_PER_TOKEN for q in items]
-        state = (len(key) / CHARS_PER_TOKEN if isinstance(key, str) and key not in self._recent
-                 and self._tokens[key] == 0 else 0.0)
-        if limits is None:
-            return state + sum(each)
-        packed = min(sum(min(t, limits.max_packed_tokens) for t in each), limits.max_request_tokens)
-        return min(state, limits.max_state_tokens) + packed
+    def work_tokens(self, prepared: Prepared) -> int:
+        """A request's tokens of work: its packed tokens, and its state's unless the state was given prefilled,
+        was answered lately, or is queued already (call under the lock)."""
+        key = prepared.key
+        fresh = prepared.state is None and key not in self._recent and self._tokens[key] == 0
+        return prepared.packed_tokens + (prepared.state_tokens if fresh else 0)
 
     def wait_with(self, key, tokens: float) -> tuple[int, float]:
         """(passes, seconds of work) the queue holds once one more request about state ``key`` of ``tokens``
-        estimated tokens joins it (call under the lock)."""
+        tokens joins it (call under the lock)."""
         counts, work = self._states.copy(), self._tokens.copy()
         counts[key] += 1
         work[key] += tokens
@@ -145,24 +136,24 @@ class Dispatcher:
         return sum(passes.values()), sum(self.pass_seconds(passes[k], work[k]) for k in counts)
 
     def pass_seconds(self, passes: int, tokens: float) -> float:
-        """Seconds for ``passes`` passes holding ``tokens`` estimated tokens (estimate)."""
+        """Seconds for ``passes`` passes holding ``tokens`` tokens (estimate)."""
         return max(passes * self.seconds_per_pass, tokens * self.seconds_per_token)
 
-    def submit(self, state, questions, deadline: float, budget: float | None = None) -> asyncio.Future:
-        """Queue one parsed request; the future resolves to a Result, an exception, or DeadlinePassed. ``budget``:
+    def submit(self, prepared: Prepared, deadline: float, budget: float | None = None) -> asyncio.Future:
+        """Queue one prepared request; the future resolves to a Result, an exception, or DeadlinePassed. ``budget``:
         the request's whole time allowance (its deadline minus its arrival; default: the time left now). A request
         whose own work exceeds its budget is NeverFits (no retry can help); one that exceeds only what is left (it
         spent its time arriving) is QueueFull, retryable."""
         if self._closed or not self._thread.is_alive():
             raise EngineStopped("the engine thread is stopped (closed, or it failed): nothing can be answered")
-        key = _state_key(state)
+        key = prepared.key
         with self._lock:
-            tokens = self.estimate_tokens(key, questions)
-            alone, left = self.pass_seconds(1, tokens), deadline - time.monotonic()
+            tokens = self.work_tokens(prepared)
+            alone, left = self.pass_seconds(prepared.passes, tokens), deadline - time.monotonic()
             allowance = left if budget is None else budget
             if alone > allowance:
-                raise NeverFits(f"this request is about {tokens:.0f} tokens of work, about {alone:.3g} s here, more "
-                                f"than the {max(0.0, allowance):.3g} s its deadline allows")
+                raise NeverFits(f"this request is {tokens} tokens of work, about {alone:.3g} s here, more than the "
+                                f"{max(0.0, allowance):.3g} s its deadline allows")
             if alone > left:
                 raise QueueFull(f"about {alone:.1f} s of work and {max(0.0, left):.1f} s left before the request's "
                                 "deadline (it arrived slowly)", alone - left)
@@ -171,7 +162,7 @@ class Dispatcher:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
             if wait > left:
                 queued = sum(self._tokens.values())
-                ahead = (f"{self._depth} requests ({passes} passes and about {queued + tokens:.0f} tokens with this "
+                ahead = (f"{self._depth} requests ({passes} passes and {queued + tokens} tokens with this "
                          "one) are queued: " if self._depth else "nothing else is queued, but this request needs ")
                 raise QueueFull(f"{ahead}about {wait:.2f} s of work, more than the {max(0.0, left):.2f} s left before "
                                 "this request's deadline", wait - left)
@@ -180,7 +171,7 @@ class Dispatcher:
             self._tokens[key] += tokens
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put(_Item(state, questions, deadline, loop, future, key, tokens))
+        self._queue.put(_Item(prepared, deadline, loop, future, tokens))
         return future
 
     def close(self) -> None:
@@ -223,7 +214,7 @@ class Dispatcher:
         start = time.monotonic()
         try:
             # grouped once, here: the engine answers the group about its one state without grouping again
-            results = self.engine.run_group(group[0].state, [item.questions for item in group],
+            results = self.engine.run_group([item.prepared for item in group],
                                             deadline=max(item.deadline for item in group))
         except Exception as err:  # noqa: BLE001 - run_group isolates requests; this is a last guard
             results = [err] * len(group)
@@ -245,7 +236,7 @@ class Dispatcher:
                         self._tokens[item.key] -= item.tokens
                         if self._states[item.key] <= 0:
                             del self._states[item.key], self._tokens[item.key]
-                    if kept and isinstance(group[0].key, str):
+                    if kept:
                         self._recent[group[0].key] = None
                         self._recent.move_to_end(group[0].key)
                         while len(self._recent) > RECENT_STATES:
@@ -255,35 +246,6 @@ class Dispatcher:
                     self.on_idle()
                 except Exception:  # noqa: BLE001 - housekeeping never stops the engine thread
                     log.exception("the engine thread's idle housekeeping failed")
-
-
-def _chars(value) -> int:
-    """Characters of text in a question (instructions, option names, descriptions, nested content)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_chars(k) + _chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(_chars(v) for v in value)
-    if value is None or isinstance(value, (int, float, bool)):
-        return 0
-    fields = getattr(value, "__dict__", None)
-    return _chars(fields) if isinstance(fields, dict) else len(str(value))
-
-
-def _options(question) -> int:
-    """How many options a question scores (2 for yes/no)."""
-    criteria = getattr(question, "criteria", None)
-    return len(criteria) if isinstance(criteria, (dict, list, tuple)) and not isinstance(question, Noul) else 2
-
-
-def _state_key(state):
-    """Requests with equal keys are about the same state (and share a pass): the state's text as the engine
-    reads it (a parsed request's state already is that text: ``prompt.StateText``)."""
-    try:
-        return as_text(state)
-    except (TypeError, ValueError, RecursionError):
-        return object()  # unkeyable: its own pass
 
 
 def _by_state(batch: list) -> list:

@@ -41,9 +41,13 @@ class AsyncEngine:
     async def ask(self, state, questions: Mapping[str, Question], *, timeout_s: float | None = None) -> dict[str, Answer]:
         """Typed answers by question id, as ``Engine.ask``; requests about the same state that arrive within the
         window share one pass. ``timeout_s`` (default: the engine's) bounds the wait and the work."""
-        self.engine.check_counts(questions)
         seconds = self.timeout_s if timeout_s is None else timeout_s
-        future = self.dispatcher.submit(state, questions, time.monotonic() + seconds)
+        deadline = time.monotonic() + seconds
+        # checked, tokenised and sized once, off the caller's event loop (and off the engine thread)
+        prepared = await asyncio.to_thread(self.engine.prepare, state, questions)
+        if time.monotonic() >= deadline:
+            raise DeadlinePassed(f"the timeout ({seconds:g} s) passed while the request was prepared")
+        future = self.dispatcher.submit(prepared, deadline, budget=seconds)
         try:  # the dispatcher answers by the deadline; this bounds a wait on an engine thread that died meanwhile
             result = await asyncio.wait_for(future, seconds + STUCK_S)
         except asyncio.TimeoutError:

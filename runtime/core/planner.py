@@ -1,0 +1,198 @@
+"""Planning a request: its questions checked and tokenised, its state tokenised, its passes sized — once, before
+it queues, and without the model (:meth:`Planner.prepare` gives a :class:`Prepared`).
+
+Where a request is prepared: ``onepass serve`` parses and prepares it in the thread pool, ``AsyncEngine`` in a worker
+thread, ``Engine.run_many`` before grouping; the engine thread then only looks up or prefills the state, packs
+the merged pass, scores and reads out. A prepared request's size is exact (its packed tokens, counted on the
+trie), so admission needs no estimate, and a merged pass that fails never tokenises anything again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .errors import InvalidRequest, LimitExceeded
+from .prompt import PromptEncoder, state_text
+from .questions import Question
+from .tree import PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, pack, packed_size
+from .wire import check_question_id
+
+MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request, checked, tokenised and sized: what the engine thread needs and nothing it must redo.
+
+    ``ids`` (the state's token ids, template included) are the state's one identity: requests with equal ids
+    share a pass, and the state cache is keyed by them. ``state`` is the prefilled state when the caller gave
+    one (``Engine.state``), else None."""
+
+    questions: Mapping[str, Question]
+    encoded: tuple
+    ids: tuple
+    packed_tokens: int  # over the request's own passes, exactly as they will be packed alone
+    passes: int
+    state: object = None
+    timings: dict = field(default_factory=dict)  # milliseconds: tokenize, and pack (the planning)
+
+    @property
+    def key(self) -> tuple:
+        return self.ids
+
+    @property
+    def state_tokens(self) -> int:
+        return len(self.ids)
+
+
+class Planner:
+    """The engine's limits applied to requests: checks, tokenising, and the passes that will answer them."""
+
+    def __init__(self, encoder: PromptEncoder, limits, max_position: int, block_tokens: Callable[[], int]):
+        self.encoder, self.limits, self.max_position = encoder, limits, max_position
+        self._block_tokens = block_tokens
+
+    @property
+    def block_tokens(self) -> int:
+        """Packed tokens per pass when a request is split into blocks of whole questions: the backend's choice
+        (what measures fastest on it), never more than the engine's max_packed_tokens."""
+        return min(self._block_tokens() or self.limits.max_packed_tokens, self.limits.max_packed_tokens)
+
+    def prepare(self, state, questions: Mapping[str, Question]) -> Prepared:
+        """``questions`` about ``state`` (text, bytes, a JSON value, or a prefilled State) checked against every
+        limit, tokenised once and planned: OnepassError (InvalidRequest, LimitExceeded) otherwise."""
+        t0 = time.perf_counter()
+        encoded = self.encode_questions(questions)
+        given = state if hasattr(state, "kv") else None
+        ids = tuple(given.ids) if given is not None else self.state_ids(state)
+        t1 = time.perf_counter()
+        plan = self.plan(len(ids), encoded, mask=False)
+        packed = sum(batch.num_tokens for _, batch, _ in plan)
+        timings = {"tokenize": (t1 - t0) * 1000, "pack": (time.perf_counter() - t1) * 1000}
+        return Prepared(questions, tuple(encoded), ids, packed, len(plan), given, timings)
+
+    def state_ids(self, state) -> tuple:
+        """The state segment's token ids (template included), within the state limit (LimitExceeded, found by
+        tokenising no more than about the limit)."""
+        text, limit = state_text(state), self.limits.max_state_tokens
+        if self.encoder.surely_over(text, limit):
+            raise LimitExceeded(f"the state is more than {limit} tokens; this engine allows at most {limit}. "
+                                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
+        ids = tuple(self.encoder.state(text))
+        if len(ids) > limit:
+            raise LimitExceeded(
+                f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
+                "Shorten the state or export an engine with a larger --max-state-tokens", "state")
+        return ids
+
+    def check_counts(self, questions: Mapping[str, Question]) -> None:
+        """The limits that need no tokenizer: questions per request, options per question."""
+        limits = self.limits
+        if not isinstance(questions, Mapping) or not questions:
+            raise InvalidRequest("questions must be a non-empty object of id -> question", "questions")
+        if len(questions) > limits.max_questions:
+            raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
+                                "per request", "questions")
+        for qid, q in questions.items():
+            n_opts = len(self.encoder.options(q)) if hasattr(q, "instructions") else 0
+            if n_opts > limits.max_options:
+                raise LimitExceeded(f"{n_opts} options; this engine allows at most {limits.max_options}",
+                                    f"questions.{qid}.criteria")
+
+    @property
+    def question_bound(self) -> int:
+        """The most tokens one question's text may have: its trunk must fit a state or a pass, within a request."""
+        limits = self.limits
+        return min(limits.max_state_tokens + limits.max_packed_tokens, limits.max_request_tokens)
+
+    def encode_questions(self, questions: Mapping[str, Question]) -> list[QuestionTokens]:
+        """A request's questions checked against the limits and turned into token ids (a question's text past its
+        bound is refused after tokenising no more than the bound, never the whole text)."""
+        limits = self.limits
+        self.check_counts(questions)
+        encoded, total = [], 0
+        bound = self.question_bound
+        budget = MAX_ENCODED_FACTOR * limits.max_request_tokens  # tokens before sharing: past it, stop tokenising
+        for qid, q in questions.items():
+            check_question_id(qid)
+            if not hasattr(q, "instructions"):
+                raise InvalidRequest("expected a Noul, Choice or Score question", f"questions.{qid}")
+            if self.encoder.surely_over(self.encoder.caller_text(q), bound):
+                raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
+                                    f"{bound} per question", f"questions.{qid}")
+            tokens = self.encoder.question(q)
+            if len(tokens.trunk) > limits.max_state_tokens:  # a long trunk is prefilled onto the state
+                raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens before its options; this engine "
+                                    f"allows at most {limits.max_state_tokens}", f"questions.{qid}")
+            longest = max(map(len, tokens.options))
+            if longest > limits.max_packed_tokens:
+                raise LimitExceeded(f"an option is {longest} tokens; this engine packs at most "
+                                    f"{limits.max_packed_tokens} per pass", f"questions.{qid}.criteria")
+            total += len(tokens.trunk) + sum(map(len, tokens.options))
+            if total > budget:
+                raise LimitExceeded(f"the questions are more than {budget} tokens before sharing; this engine packs "
+                                    f"at most {limits.max_request_tokens} per request", "questions")
+            encoded.append(tokens)
+        return encoded
+
+    def pack(self, past: int, encoded: list[QuestionTokens]) -> PackedBatch:
+        """The questions packed into ONE pass after ``past`` state tokens (at most max_packed_tokens)."""
+        try:
+            batch = pack(encoded, past, max_tokens=self.limits.max_packed_tokens)
+        except TooManyTokens as err:
+            raise LimitExceeded(f"the questions pack into {err.num_tokens} tokens; this engine allows at most "
+                                f"{self.limits.max_packed_tokens} per pass", "questions") from None
+        self.check_positions(batch, past)
+        return batch
+
+    def check_positions(self, batch: PackedBatch, past: int) -> None:
+        """LimitExceeded when the batch's last token sits past the model's positions."""
+        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else past
+        if last + 1 > self.max_position:
+            raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {self.max_position}",
+                                "questions")
+
+    def check_state_length(self, n: int) -> None:
+        """A state and a long question's trunk prefilled onto it must fit a state."""
+        if n > self.limits.max_state_tokens:
+            raise LimitExceeded(f"the state and a question's text are {n} tokens together; this engine allows at "
+                                f"most {self.limits.max_state_tokens}", "questions")
+
+    def plan(self, past: int, encoded: list[QuestionTokens], mask: bool = True) -> list[tuple]:
+        """The packed passes that answer ``encoded`` after ``past`` state tokens, as ([(question index, option
+        indices)], batch, over): ``over`` is None for a pass over the state, or the index of a long question whose
+        trunk (but its last token) is prefilled onto the state first.
+
+        One pass when the questions pack into a block (:attr:`block_tokens`). Else blocks of whole questions
+        (:func:`onepass.runtime.core.tree.blocks`), each a pass over the same state K/V. A question larger than a
+        block (a choice of hundreds of options, listed in its own text) has its trunk but the last token prefilled
+        onto the state, like a longer state, and its options scored below that last token in parts
+        (:func:`onepass.runtime.core.tree.option_groups`). A token attends to the state, its trunk and its own
+        option path only, so the answers do not depend on the split. Every limit is checked here, before any pass:
+        LimitExceeded past the request's packed-token limit. ``mask=False``: sizes only, no [N, N] tree mask."""
+        limits, block = self.limits, self.block_tokens
+        whole = [(i, list(range(len(q.options)))) for i, q in enumerate(encoded)]
+        try:
+            out = [(whole, pack(encoded, past, max_tokens=block, mask=mask), None)]
+        except TooManyTokens:  # counted on the trie, before any [N, N] mask exists
+            small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
+            out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks], past,
+                                                                        mask=mask), None)
+                   for ks in blocks([encoded[i] for i in small], block)]
+            for i in sorted(set(range(len(encoded))) - set(small)):  # against the longer state's length
+                q = encoded[i]
+                self.check_state_length(past + len(q.trunk) - 1)
+                tail = QuestionTokens(q.trunk[-1:], q.options)
+                for group in option_groups(tail, block):
+                    part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
+                    out.append(([(i, group)], pack([part], past + len(q.trunk) - 1, mask=mask), i))
+        total = sum(batch.num_tokens for _, batch, _ in out)
+        if total > limits.max_request_tokens:
+            raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
+                                f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
+                                "questions")
+        for _, batch, over in out:
+            self.check_positions(batch, past if over is None else past + len(encoded[over].trunk) - 1)
+        return out
