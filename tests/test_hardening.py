@@ -27,7 +27,8 @@ zstandard = pytest.importorskip("zstandard")
 
 from onepass.runtime.core.errors import OnepassError  # noqa: E402
 from onepass.runtime.server.app import Server  # noqa: E402
-from onepass.runtime.server.body import MAX_DEPTH, HTTPError, decode, nesting_depth, parse_json  # noqa: E402
+from onepass.runtime.server.body import MAX_DEPTH, decode, nesting_depth, parse_json  # noqa: E402
+from onepass.runtime.server.errors import HTTPError, status_of  # noqa: E402
 from onepass.runtime.server.config import ServerConfig  # noqa: E402
 from onepass.runtime.server.memory import rss_bytes  # noqa: E402
 from conftest import fuzz_cases, serve_process  # noqa: E402
@@ -83,20 +84,20 @@ def test_compressed_bodies_are_verified_to_the_end():
     corrupt_crc = gz[:-8] + bytes([gz[-8] ^ 1]) + gz[-7:]
     for bad, enc in [(gz[:-8], "gzip"), (gz + b"x", "gzip"), (corrupt_crc, "gzip"), (zs[:-6], "zstd"),
                      (zs + zs, "zstd"), (zs[:-1] + bytes([zs[-1] ^ 1]), "zstd")]:
-        with pytest.raises(HTTPError) as err:
+        with pytest.raises(OnepassError) as err:
             decode(bad, enc, 1 << 20)
-        assert err.value.status == 400, (enc, err.value.message)
+        assert status_of(err.value) == 400, (enc, str(err.value))
     bomb = zstandard.ZstdCompressor().compress(b" " * (64 << 20))  # 64 MiB of spaces in a few KiB
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(OnepassError) as err:
         decode(bomb, "zstd", 1 << 20)
-    assert err.value.status == 413
+    assert status_of(err.value) == 413
 
 
 def test_nesting_depth_ignores_brackets_in_strings():
     assert nesting_depth(b'{"a": [1, {"b": "[[[[\\" [[["}]}') == 3
     assert nesting_depth(b'"[[[["') == 0 and nesting_depth(b"1") == 0
     deep = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
-    with pytest.raises(HTTPError, match="more than 32 deep"):
+    with pytest.raises(OnepassError, match="more than 32 deep"):
         parse_json(deep)
     assert parse_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None  # the limit itself is allowed
 
@@ -108,9 +109,9 @@ def test_nesting_depth_ignores_brackets_in_strings():
     (b'{"questions": {"q": {"instructions": "\\udc00"}}}', "questions.q.instructions"),
 ])
 def test_refused_values_name_their_field(raw, field):
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(OnepassError) as err:
         parse_json(raw)
-    assert err.value.status == 422 and err.value.field == field
+    assert status_of(err.value) == 422 and err.value.field == field
 
 
 def _mutate(raw: bytes, rng: random.Random) -> bytes:

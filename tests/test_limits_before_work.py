@@ -29,7 +29,7 @@ import pytest
 from fake_engine import FakeEngine
 
 from onepass import Engine, Noul
-from onepass.runtime.core.errors import InvalidRequest, LimitExceeded
+from onepass.runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
 from onepass.runtime.core.tree import PackedBatch
 
 
@@ -171,15 +171,15 @@ def test_the_api_key_is_compared_exactly(tiny, header):
     import types
 
     from onepass.runtime.server.app import Server
-    from onepass.runtime.server.body import HTTPError
     from onepass.runtime.server.config import ServerConfig
+    from onepass.runtime.server.errors import Unauthorized, status_of
 
     server = Server(tiny, ServerConfig(api_key="sekret-key-123"))
     try:
         request = types.SimpleNamespace(headers={"authorization": header} if header else {})
-        with pytest.raises(HTTPError) as err:
+        with pytest.raises(Unauthorized) as err:
             server.check_auth(request)
-        assert err.value.status == 401
+        assert status_of(err.value) == 401
         for good in ("Bearer sekret-key-123", "bearer sekret-key-123"):
             server.check_auth(types.SimpleNamespace(headers={"authorization": good}))
     finally:
@@ -267,7 +267,7 @@ def test_the_server_refuses_count_limits_while_parsing_before_the_dispatcher(tin
     import json
 
     from onepass.runtime.server.app import Server
-    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.errors import HTTPError, status_of
     from onepass.runtime.server.config import ServerConfig
 
     server = Server(tiny.with_limits(max_questions=3), ServerConfig())
@@ -301,15 +301,16 @@ class _Stream:
 def test_the_body_limit_stops_reading_at_the_limit():
     """A body 10x the limit is refused once the bytes read pass the limit (not after reading it all); a declared
     Content-Length over the limit is refused before any read; a body of exactly the limit is read."""
-    from onepass.runtime.server.body import HTTPError, read_raw
+    from onepass.runtime.server.body import read_raw
+    from onepass.runtime.server.errors import BodyTooLarge, status_of
 
     limit, chunk = 64 * 1024, 4096
     over = _Stream(10 * limit, chunk)
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(BodyTooLarge) as err:
         asyncio.run(read_raw(over, limit))
-    assert err.value.status == 413 and over.pulled == limit // chunk + 1
+    assert status_of(err.value) == 413 and over.pulled == limit // chunk + 1
     declared = _Stream(10 * limit, chunk, declared=True)
-    with pytest.raises(HTTPError):
+    with pytest.raises(BodyTooLarge):
         asyncio.run(read_raw(declared, limit))
     assert declared.pulled == 0
     assert len(asyncio.run(read_raw(_Stream(limit, chunk), limit))) == limit
@@ -340,9 +341,9 @@ def test_a_gzip_bomb_is_refused_having_decompressed_at_most_the_limit(monkeypatc
 
     monkeypatch.setattr(body.zlib, "decompressobj", Counting)
     limit = 1 << 20
-    with pytest.raises(body.HTTPError) as err:
+    with pytest.raises(LimitExceeded) as err:
         body.decode(gzip.compress(bytes(100 << 20)), "gzip", limit)
-    assert err.value.status == 413 and sum(produced) <= limit + 1
+    assert "decompressed body exceeds" in str(err.value) and sum(produced) <= limit + 1
     assert len(body.decode(gzip.compress(bytes(limit)), "gzip", limit)) == limit
 
 
@@ -355,7 +356,7 @@ def test_the_nesting_limit_refuses_before_the_json_parser_runs(monkeypatch):
     real = body.json.loads
     monkeypatch.setattr(body.json, "loads", lambda *a, **k: calls.append(1) or real(*a, **k))
     deep = lambda n: ("[" * n + "]" * n).encode()  # noqa: E731
-    with pytest.raises(body.HTTPError, match=f"more than {body.MAX_DEPTH} deep"):
+    with pytest.raises(InvalidRequest, match=f"more than {body.MAX_DEPTH} deep"):
         body.parse_json(deep(body.MAX_DEPTH + 1))
     assert calls == []
     parsed = body.parse_json(deep(body.MAX_DEPTH))
@@ -459,7 +460,7 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
     import types
 
     from onepass.runtime.server.app import Server
-    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.errors import HTTPError, status_of
     from onepass.runtime.server.config import ServerConfig
 
     server = Server(tiny, ServerConfig(), cascade=tiny, min_confidence=1.0)  # every answer is doubtful
@@ -476,9 +477,9 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
         assert seen == [request.state.deadline] and ran == [1] and request.state.answered_by == "q=" + tiny.name
         assert abs(out.answers["q"].noul - result.answers["q"].noul) <= 1e-6
         late = types.SimpleNamespace(state=types.SimpleNamespace(deadline=time.monotonic() - 1), headers={})
-        with pytest.raises(HTTPError) as err:
+        with pytest.raises(OnepassError) as err:
             asyncio.run(server.escalate(late, "The parcel arrived late.", questions, result, {}))
-        assert err.value.status in (413, 429, 503) and ran == [1]  # refused: no cascade pass ran
+        assert status_of(err.value) in (413, 429, 503) and ran == [1]  # refused: no cascade pass ran
     finally:
         del tiny.run_group
         server.dispatcher.close()
@@ -492,7 +493,7 @@ def test_the_server_refuses_a_question_over_its_token_bound_while_parsing(tiny, 
     import json
 
     from onepass.runtime.server.app import Server
-    from onepass.runtime.server.body import HTTPError
+    from onepass.runtime.server.errors import HTTPError, status_of
     from onepass.runtime.server.config import ServerConfig
 
     server = Server(tiny.with_limits(max_request_tokens=4096), ServerConfig())

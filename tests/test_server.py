@@ -614,8 +614,8 @@ def test_statuses_come_from_error_types_not_message_words():
     """A state that is not UTF-8 (NotText) is 400; any other invalid request is 422 even when its message says
     "UTF-8" about the state (the status was once chosen by matching those words); limits are 413."""
     from onepass.runtime.core.errors import InvalidRequest, LimitExceeded, NotText
-    from onepass.runtime.server.app import _engine_error
+    from onepass.runtime.server.errors import http_error
 
-    assert _engine_error(NotText("the state is not valid UTF-8 (byte 3)", "state")).status == 400
-    assert _engine_error(InvalidRequest("must be UTF-8 text of at most 10 lines", "state")).status == 422
-    assert _engine_error(LimitExceeded("the state is 9000 tokens", "state")).status == 413
+    assert http_error(NotText("the state is not valid UTF-8 (byte 3)", "state")).status == 400
+    assert http_error(InvalidRequest("must be UTF-8 text of at most 10 lines", "state")).status == 422
+    assert http_error(LimitExceeded("the state is 9000 tokens", "state")).status == 413

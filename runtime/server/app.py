@@ -34,10 +34,12 @@ from ..core.cascade import Gate
 from ..core.engine import Engine
 from ..core.wire import parse_request, response_body
 from ..core.questions import MAX_LEVELS
-from ..core.errors import DeadlineExceeded, InvalidRequest, LimitExceeded, NotText, OnepassError
-from .body import CLIENT_CLOSED, HTTPError, clip, decode, parse_json, read_raw
+from ..core.errors import OnepassError
+from .body import clip, decode, parse_json, read_raw
 from .config import ServerConfig
-from .dispatch import DeadlinePassed, Dispatcher, NeverFits, QueueFull
+from .dispatch import Dispatcher
+from .errors import (CLIENT_CLOSED, BodyTimeout, DeadlineExceeded, HTTPError, InternalError, MalformedBody, NeverFits,
+                     NotReady, QueueFull, Unauthorized, UnknownModel, error_response, http_error, status_of)
 from .memory import MemoryFloor, release_free_memory
 from .metrics import Metrics
 from .teaching import TeacherLink, TeacherSetup
@@ -66,25 +68,6 @@ class SystemOneBody(BaseModel):
     state: str | dict[str, Any] | list[Any]
     questions: dict[str, QuestionBody] = Field(min_length=1)
     assets: dict[str, Any] | None = None
-
-
-def _error_response(err: HTTPError) -> JSONResponse:
-    """The JSON error response the SDK parses."""
-    body: dict = {"error": {"message": err.message, "field": err.field}}
-    if err.detail is not None:
-        body["detail"] = err.detail
-    return JSONResponse(body, status_code=err.status, headers=err.headers)
-
-
-def _engine_error(err: OnepassError) -> HTTPError:
-    field = getattr(err, "field", None)
-    if isinstance(err, LimitExceeded):
-        return HTTPError(413, str(err), field)
-    if isinstance(err, InvalidRequest):
-        status = 400 if isinstance(err, NotText) else 422  # by type, never by the message's words
-        detail = [{"loc": ["body", *(field or "").split(".")], "msg": err.reason, "type": "value_error"}]
-        return HTTPError(status, str(err), field, detail=detail if status == 422 else None)
-    return HTTPError(500, f"engine error: {err}")
 
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -184,7 +167,7 @@ class Server:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode("utf-8", "replace"),
                                                                  self.config.api_key.encode("utf-8")):
-            raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     def deadline_source(self, request: Request) -> str:
         """Which deadline a request has, for the errors that say it was too short."""
@@ -203,7 +186,7 @@ class Server:
         except ValueError:
             seconds = math.nan
         if not 0 < seconds <= MAX_CLIENT_TIMEOUT_S:
-            raise HTTPError(400, f"{TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_CLIENT_TIMEOUT_S:g}]; "
+            raise MalformedBody(f"{TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_CLIENT_TIMEOUT_S:g}]; "
                                  f"got {raw[:40]!r}")
         return arrived + seconds
 
@@ -218,12 +201,13 @@ class Server:
         data = parse_json(raw)
         model = data.get("model") if isinstance(data, dict) else None
         if isinstance(model, str) and model not in self.names:
-            raise HTTPError(404, f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
+            raise http_error(UnknownModel(f"model {clip(model)} is not served here; available: {sorted(self.names)}",
+                                          "model"))
         try:
             state, questions = parse_request(data)  # the one parse: form and values (SystemOneBody documents them)
             return data, state, self.engine.prepare(state, questions)
         except OnepassError as err:
-            raise _engine_error(err) from None
+            raise http_error(err) from None
 
     async def systemone(self, request: Request, arrived: float, timing: dict) -> dict:
         """Parse, validate, queue and answer one System One request."""
@@ -233,9 +217,8 @@ class Server:
             raw = await asyncio.wait_for(read_raw(request, self.config.max_body_bytes),
                                          max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise HTTPError(408, f"the body did not arrive within the request's deadline "
-                                 f"({self.deadline_source(request)}); send it faster or allow more time",
-                            headers={"Connection": "close"}) from None
+            raise BodyTimeout(f"the body did not arrive within the request's deadline "
+                              f"({self.deadline_source(request)}); send it faster or allow more time") from None
         encoding = request.headers.get("content-encoding", "")
         # decompression, JSON and validation are linear but not free on a 1 MiB body: off the event loop
         data, state, prepared = await run_in_threadpool(self.parse_body, raw, encoding)
@@ -277,28 +260,26 @@ class Server:
 
     async def answer(self, dispatcher: Dispatcher, request: Request, prepared, deadline: float,
                      budget: float | None = None):
-        """Queue a prepared request on ``dispatcher`` and await its Result; every refusal and failure as its
-        HTTPError (429 busy, 413 never fits its deadline, 503 deadline passed, 4xx bad input, 500 a fault)."""
+        """Queue a prepared request on ``dispatcher`` and await its Result; every refusal and failure as its typed
+        error (QueueFull, NeverFits, DeadlineExceeded, the engine's; InternalError for a fault, counted and logged)."""
         try:
             future = dispatcher.submit(prepared, deadline, budget=budget)
         except QueueFull as err:
-            retry = str(max(self.config.retry_after_s, math.ceil(err.retry_after_s)))
-            raise HTTPError(429, f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
-                            headers={"Retry-After": retry}) from None
+            raise QueueFull(f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
+                            err.retry_after_s) from None
         except NeverFits as err:  # no retry can help: the request itself is too slow for its deadline
-            raise HTTPError(413, f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
-                                 f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
-                                 f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
+            raise NeverFits(f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
+                            f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
+                            f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
         result = await future
-        if isinstance(result, (DeadlinePassed, DeadlineExceeded)):
-            raise HTTPError(503, f"{result}; retry later or with a longer {TIMEOUT_HEADER}",
-                            headers={"Retry-After": str(self.config.retry_after_s)})
+        if isinstance(result, DeadlineExceeded):
+            raise DeadlineExceeded(f"{result}; retry later or with a longer {TIMEOUT_HEADER}")
         if isinstance(result, OnepassError):
-            raise _engine_error(result)
+            raise result
         if isinstance(result, Exception):
             self.metrics.engine_failures.inc()
             access_log.error("engine failure: %r", result)
-            raise HTTPError(500, f"engine failure: {type(result).__name__}")
+            raise InternalError(f"engine failure: {type(result).__name__}")
         return result
 
     async def escalate(self, request: Request, state, questions: dict, result, timing: dict):
@@ -309,10 +290,8 @@ class Server:
         by = {q: self.engine.name for q in result.answers}
         if doubtful:
             start = time.monotonic()  # the same deadline: the cascade cannot run past what the client waits for
-            try:  # its own tokenizer and limits: prepared off the event loop, as the request was
-                prepared = await run_in_threadpool(self.cascade.prepare, state, doubtful)
-            except OnepassError as err:
-                raise _engine_error(err) from None
+            # its own tokenizer and limits: prepared off the event loop, as the request was
+            prepared = await run_in_threadpool(self.cascade.prepare, state, doubtful)
             strong = (await self.answer(self.cascade_dispatcher, request, prepared, request.state.deadline)).answers
             timing["cascade"] = (time.monotonic() - start) * 1000
             result = dataclasses.replace(result, answers={**result.answers, **strong})
@@ -378,19 +357,19 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         request.state.timing = {}
         try:
             response = await call_next(request)
-        except HTTPError as err:
-            response = _error_response(err)
+        except (HTTPError, OnepassError) as err:
+            response = error_response(err, server.config.retry_after_s)
         except Exception:  # noqa: BLE001 - any fault is a logged 500 with the request id, never a dropped socket
             access_log.exception("unexpected error in request %s", rid)
             server.metrics.engine_failures.inc()
-            response = JSONResponse({"error": {"message": f"internal error (request id {rid})", "field": None}},
-                                    status_code=500, headers={"Connection": "close"})
+            response = error_response(InternalError(f"internal error (request id {rid})"))
+            response.headers["Connection"] = "close"
         deadline = getattr(request.state, "deadline", None)
         if response.status_code == 200 and deadline is not None and time.monotonic() > deadline:
             server.metrics.deadline_drops.inc()  # ready too late: nobody waits for it any more
-            response = _error_response(HTTPError(
-                503, f"the answer was ready after the request's deadline; retry later or with a longer "
-                     f"{TIMEOUT_HEADER}", headers={"Retry-After": str(server.config.retry_after_s)}))
+            response = error_response(DeadlineExceeded(
+                f"the answer was ready after the request's deadline; retry later or with a longer {TIMEOUT_HEADER}"),
+                server.config.retry_after_s)
         ms = (time.monotonic() - start) * 1000
         response.headers[REQUEST_ID] = rid
         if hasattr(request.state, "cached_tokens"):
@@ -417,8 +396,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         return response
 
     @app.exception_handler(HTTPError)
-    async def http_error(_: Request, err: HTTPError):
-        return _error_response(err)
+    @app.exception_handler(OnepassError)
+    async def refused(_: Request, err: Exception):
+        return error_response(err, server.config.retry_after_s)
 
     @app.post("/v1/systemone", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": SystemOneBody.model_json_schema()}}}})
@@ -448,8 +428,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
 
     @app.get("/readyz")
     async def readyz():
-        if not server.ready:
-            return JSONResponse({"status": "warming up"}, status_code=503)
+        if not server.ready:  # a probe's answer, not a refusal: its own body, the table's status
+            return JSONResponse({"status": "warming up"}, status_code=status_of(NotReady("warming up")))
         return {"status": "ready", "engine": engine.name, "backend": engine.backend.name}
 
     @app.get("/metrics")

@@ -1,7 +1,8 @@
 """Reading a request body that cannot crash the server: size, compression and JSON limits before any work.
 
-Every failure is an :class:`HTTPError` (400/413/422, or 499 when the client went away mid-body) naming what was
-wrong and what is allowed; a client's value is repeated back at most ``ECHO_CHARS`` characters long:
+Every failure is a typed error (:mod:`onepass.runtime.server.errors`: MalformedBody, BodyTooLarge, InvalidRequest with
+the field's path, ClientClosed when the client went away mid-body; the table there gives their statuses) naming what
+was wrong and what is allowed; a client's value is repeated back at most ``ECHO_CHARS`` characters long:
 
 * the body: at most ``limit`` bytes on the wire and after decompression (never more is produced);
 * Content-Encoding zstd or gzip, verified to the end (gzip trailer CRC and length, zstd frame end
@@ -22,9 +23,11 @@ import numpy as np
 import zstandard
 from starlette.requests import ClientDisconnect, Request
 
+from ..core.errors import InvalidRequest
+from .errors import BodyTooLarge, ClientClosed, MalformedBody
+
 MAX_DEPTH = 32  # objects and arrays inside one another; System One bodies need about 6
 ECHO_CHARS = 200  # at most this much of a client's value is repeated in an answer or a log line
-CLIENT_CLOSED = 499  # the client went away before its request was read (nginx's code): never a server error
 MAX_INT_DIGITS = 64
 ZSTD_FEED = 256  # compressed bytes fed at a time, so one step can only produce a bounded output
 
@@ -35,30 +38,20 @@ def clip(value, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-class HTTPError(Exception):
-    """An error answer: status, message, optional field and headers."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, headers: dict | None = None,
-                 detail: list | None = None):
-        super().__init__(message)
-        self.status, self.message, self.field, self.headers, self.detail = status, message, field, headers, detail
-
-
 async def read_raw(request: Request, limit: int) -> bytes:
-    """The body as sent (still compressed), refused (413) as soon as it passes ``limit`` bytes."""
+    """The body as sent (still compressed), refused (BodyTooLarge) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    close = {"Connection": "close"}  # the rest of the body is never read: the connection cannot be reused
     if declared and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, f"the body is {declared} bytes; this server accepts at most {limit}", headers=close)
+        raise BodyTooLarge(f"the body is {declared} bytes; this server accepts at most {limit}")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise HTTPError(413, f"the body exceeds {limit} bytes", headers=close)
+                raise BodyTooLarge(f"the body exceeds {limit} bytes")
             chunks.append(chunk)
     except ClientDisconnect:
-        raise HTTPError(CLIENT_CLOSED, "the client closed the connection before sending its whole body") from None
+        raise ClientClosed("the client closed the connection before sending its whole body") from None
     return b"".join(chunks)
 
 
@@ -71,11 +64,11 @@ def decode(raw: bytes, encoding: str, limit: int) -> bytes:
         return _zstd(raw, limit)
     if encoding in ("gzip", "x-gzip"):
         return _gzip(raw, limit)
-    raise HTTPError(400, f"Content-Encoding {clip(encoding)} is not supported; use zstd, gzip or none")
+    raise MalformedBody(f"Content-Encoding {clip(encoding)} is not supported; use zstd, gzip or none")
 
 
-def _too_big(limit: int) -> HTTPError:
-    return HTTPError(413, f"the decompressed body exceeds {limit} bytes")
+def _too_big(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"the decompressed body exceeds {limit} bytes")
 
 
 def _gzip(raw: bytes, limit: int) -> bytes:
@@ -83,13 +76,13 @@ def _gzip(raw: bytes, limit: int) -> bytes:
     try:
         out = d.decompress(raw, limit + 1)
     except zlib.error as err:
-        raise HTTPError(400, f"the body is not valid gzip: {err}") from None
+        raise MalformedBody(f"the body is not valid gzip: {err}") from None
     if len(out) > limit:
         raise _too_big(limit)
     if not d.eof:
-        raise HTTPError(400, "the gzip body is truncated (no end of stream, CRC or length)")
+        raise MalformedBody("the gzip body is truncated (no end of stream, CRC or length)")
     if d.unused_data:
-        raise HTTPError(400, f"the gzip body has {len(d.unused_data)} bytes after its end; send one gzip member")
+        raise MalformedBody(f"the gzip body has {len(d.unused_data)} bytes after its end; send one gzip member")
     return out
 
 
@@ -99,18 +92,18 @@ def _zstd(raw: bytes, limit: int) -> bytes:
     try:
         for i in range(0, len(raw), ZSTD_FEED):
             if d.eof:
-                raise HTTPError(400, f"the zstd body has {len(raw) - i} bytes after its frame; send one frame")
+                raise MalformedBody(f"the zstd body has {len(raw) - i} bytes after its frame; send one frame")
             piece = d.decompress(raw[i:i + ZSTD_FEED])
             size += len(piece)
             if size > limit:
                 raise _too_big(limit)
             out.append(piece)
     except zstandard.ZstdError as err:
-        raise HTTPError(400, f"the body is not valid zstd: {err}") from None
+        raise MalformedBody(f"the body is not valid zstd: {err}") from None
     if not d.eof:
-        raise HTTPError(400, "the zstd body is truncated (its frame does not end)")
+        raise MalformedBody("the zstd body is truncated (its frame does not end)")
     if d.unused_data:
-        raise HTTPError(400, f"the zstd body has {len(d.unused_data)} bytes after its frame; send one frame")
+        raise MalformedBody(f"the zstd body has {len(d.unused_data)} bytes after its frame; send one frame")
     return b"".join(out)
 
 
@@ -158,21 +151,21 @@ def nesting_depth(raw: bytes) -> int:
 
 
 def parse_json(raw: bytes):
-    """The body as JSON, within the depth, number and text limits; HTTPError names the field otherwise."""
+    """The body as JSON, within the depth, number and text limits; a typed error (its field named) otherwise."""
     if nesting_depth(raw) > MAX_DEPTH:
-        raise HTTPError(400, f"the body nests arrays/objects more than {MAX_DEPTH} deep; at most {MAX_DEPTH} "
+        raise MalformedBody(f"the body nests arrays/objects more than {MAX_DEPTH} deep; at most {MAX_DEPTH} "
                              "are allowed")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise HTTPError(400, f"the body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON") from None
+        raise MalformedBody(f"the body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON") from None
     try:
         data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant,
                           object_pairs_hook=_unique)
     except json.JSONDecodeError as err:
-        raise HTTPError(400, f"the body is not valid JSON: {err}") from None
+        raise MalformedBody(f"the body is not valid JSON: {err}") from None
     except RecursionError:  # the depth scan makes this unreachable; kept as a guard
-        raise HTTPError(400, f"the body nests more than {MAX_DEPTH} deep") from None
+        raise MalformedBody(f"the body nests more than {MAX_DEPTH} deep") from None
     _check_values(data)
     return data
 
@@ -184,7 +177,7 @@ def _unique(pairs: list) -> dict:
     if len(out) != len(pairs):
         seen: set = set()
         key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise HTTPError(400, f"the key {clip(key)} appears twice in one JSON object; keys must be unique")
+        raise MalformedBody(f"the key {clip(key)} appears twice in one JSON object; keys must be unique")
     return out
 
 
@@ -216,12 +209,12 @@ def _check_text(text: str, path: tuple, is_key: bool = False) -> None:
                              "send UTF-8 text") from None
 
 
-def _refused(path: tuple, why: str) -> HTTPError:
-    """422 naming the field at ``path`` (keys UTF-8 cannot encode shown as "?")."""
+def _refused(path: tuple, why: str) -> InvalidRequest:
+    """InvalidRequest (422) naming the field at ``path`` (keys UTF-8 cannot encode shown as "?")."""
     loc = [p if isinstance(p, int) or _printable(p) else "?" for p in path]
-    field = ".".join(map(str, loc))
-    return HTTPError(422, f"{field}: {why}" if field else why, field or None,
-                     detail=[{"loc": ["body", *loc], "msg": why, "type": "value_error"}])
+    err = InvalidRequest(why, ".".join(map(str, loc)) or None)
+    err.loc = loc
+    return err
 
 
 def _printable(key: str) -> bool:

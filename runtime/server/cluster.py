@@ -41,9 +41,10 @@ from starlette.responses import JSONResponse, Response
 
 from ..core.errors import OnepassError
 from ..core.prompt import state_text
-from .app import STATE_CACHE, _error_response, create_app, server_engine
-from .body import HTTPError, decode, parse_json, read_raw
+from .app import STATE_CACHE, create_app, server_engine
+from .body import decode, parse_json, read_raw
 from .config import ServerConfig
+from .errors import InternalError, NotFound, NotReady, error_response, status_of
 from .metrics import MULTIPROC_ENV
 
 REPLICA = "x-onepass-replica"
@@ -94,7 +95,7 @@ def state_key(raw: bytes, encoding: str, limit: int) -> str | None:
     try:
         data = parse_json(decode(raw, encoding, limit))
         text = state_text(data["state"])
-    except (HTTPError, OnepassError, KeyError, TypeError):
+    except (OnepassError, KeyError, TypeError):
         return None
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
@@ -103,7 +104,7 @@ async def call_asgi(app, method: str, path: str, query: bytes, headers: list, bo
     """(status, raw headers, body) of one request answered by an ASGI app in this process. Hand-written because
     it is this small: an HTTP client's in-process transport (httpx) would be a dependency for it."""
     done = asyncio.Event()
-    response: dict = {"status": 500, "headers": [], "body": []}
+    response: dict = {"status": status_of(InternalError("no response")), "headers": [], "body": []}
     delivered = False
 
     async def receive():
@@ -187,8 +188,8 @@ class Ingress:
             return self.metrics()
         try:
             raw = await read_raw(request, self.limit)
-        except HTTPError as err:
-            return _error_response(err)
+        except OnepassError as err:
+            return error_response(err)
         key = None
         if path == "/v1/systemone" and request.method == "POST":
             key = state_key(raw, request.headers.get("content-encoding", ""), self.limit)
@@ -202,8 +203,7 @@ class Ingress:
             except (ActorDiedError, ActorUnavailableError):
                 self.retried.inc()
                 if attempt == self.cfg.retries:  # Serve's router has dropped the dead replica from the ring
-                    return _error_response(HTTPError(503, "no replica could answer; retry later",
-                                                     headers={"Retry-After": "1"}))
+                    return error_response(NotReady("no replica could answer; retry later"))
         response = Response(content, status_code=status)
         response.raw_headers = [(k, v) for k, v in out if k.lower() not in HOP_BY_HOP]
         return response
@@ -211,7 +211,7 @@ class Ingress:
     def metrics(self) -> Response:
         """Every replica's counters and histograms, summed (Prometheus multiprocess), and per-replica cache counts."""
         if not os.environ.get(MULTIPROC_ENV):
-            return _error_response(HTTPError(404, "metrics are off: no multiprocess directory"))
+            return error_response(NotFound("metrics are off: no multiprocess directory"))
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

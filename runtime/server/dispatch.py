@@ -31,31 +31,14 @@ from dataclasses import dataclass
 
 from ..core.engine import Engine
 from ..core.planner import Prepared
+from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
+
+__all__ = ["DeadlinePassed", "Dispatcher", "EngineStopped", "NeverFits", "QueueFull"]
 
 EWMA = 0.2  # weight of the newest measurement in the seconds-per-pass and seconds-per-token estimates
 RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
 
 log = logging.getLogger("onepass.dispatch")
-
-
-class QueueFull(Exception):
-    """The bounded queue is full, or the deadline cannot be met: answer 429 with Retry-After."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineStopped(RuntimeError):
-    """The dispatcher was closed or its engine thread is gone: a request can no longer be queued."""
-
-
-class NeverFits(Exception):
-    """The request alone needs more time than its deadline allows: no retry can help (answer 413)."""
-
-
-class DeadlinePassed(Exception):
-    """A queued request's deadline passed (or would pass) before its pass: answer 503 with Retry-After."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ awaited from the caller's event loop::
 
 Errors are the engine's typed ones (``InvalidRequest``, ``LimitExceeded``), plus ``QueueFull`` (busy: retry
 after ``retry_after_s``), ``NeverFits`` (the request alone needs more time than its timeout) and
-``DeadlinePassed`` (its timeout passed before the engine could answer), and ``EngineStopped`` after ``close()``.
+``DeadlinePassed`` (its timeout passed before the engine could answer: the engine's ``DeadlineExceeded``), and
+``EngineStopped`` after ``close()`` — every one an ``OnepassError``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Mapping
 
 from ..core.engine import Engine
 from ..core.questions import Answer, Question
-from .dispatch import DeadlinePassed, Dispatcher, EngineStopped, NeverFits, QueueFull
+from .dispatch import Dispatcher
+from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
 
 __all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]
 STUCK_S = 5.0  # past its deadline a request is answered DeadlinePassed by the engine thread; past this, by ask()
