@@ -421,11 +421,11 @@ def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, m
                 assert abs((a.get("probabilities") or {"noul": a.get("noul")})[k] - v) <= 1e-5
 
 
-def test_run_many_groups_by_the_states_tokens_and_tokenises_each_request_once(tiny, monkeypatch):
+def test_run_many_groups_by_the_states_tokens_and_tokenises_each_state_once(tiny, monkeypatch):
     """A JSON state, the same state as its canonical text and a third request about it are one group (equal token
-    ids): each request's state is tokenised once (when it is prepared) and the state prefilled at most once for the
-    three, whose answers equal each alone; a different state is its own group. The cache counts a lookup per
-    request, as alone. A bad request (an empty state) fails alone, before any tokenising."""
+    ids): the state text is tokenised once for the three (the batch's requests are prepared together) and prefilled
+    at most once, their answers equal to each alone; a different state is its own group. The cache counts a lookup
+    per request, as alone. A bad request (an empty state) fails alone, before any tokenising."""
     from onepass.runtime.core import prompt
     from onepass.runtime.core.prompt import state_text
 
@@ -443,7 +443,7 @@ def test_run_many_groups_by_the_states_tokens_and_tokenises_each_request_once(ti
                         real_group(prepared, *a, **k))
     hits, misses = tiny.cache.hits, tiny.cache.misses
     results = tiny.run_many(requests)
-    assert sorted(groups) == [1, 3] and len(tokenised) == 4  # one per valid request, prepared before grouping
+    assert sorted(groups) == [1, 3] and len(tokenised) == 2  # two state texts, each tokenised once for the batch
     # each request looked the state up as it would alone: the first two misses (two states), the later two hits
     assert (tiny.cache.hits - hits, tiny.cache.misses - misses) == (2, 2)
     assert results[0].cached_tokens == 0 and results[1].cached_tokens == results[1].input_tokens - \

@@ -1,6 +1,6 @@
 """A request is prepared once (``Engine.prepare``): each question and the state tokenised once per request, on
-every path in (HTTP, ``AsyncEngine``, ``run_many``), never on the engine thread, and a merged pass that fails never
-tokenises anything again.
+every path in (HTTP, ``AsyncEngine``, ``run_many``, where a state text the batch shares is tokenised once for it),
+never on the engine thread, and a merged pass that fails never tokenises anything again.
 
 The tokenizer's two entry points (``PromptEncoder.state`` and ``PromptEncoder.question``) are counted, with the
 thread that called them. The negative control: the same counter sees the engine's own second tokenisation when a
@@ -57,7 +57,7 @@ def test_run_many_tokenises_each_request_once_and_a_failed_merge_never_again(tin
     requests = [(s, {f"{q}{i}": v for q, v in QUESTIONS.items()}) for i, s in enumerate(STATES * 2)]
     results = tiny.run_many(requests)
     assert all(not isinstance(r, Exception) for r in results)
-    assert count.of("state") == 4 and count.of("question") == 8  # one per request's state, one per question
+    assert count.of("state") == 2 and count.of("question") == 8  # one per state text of the batch, one per question
     real = tiny._score
     calls = []
 
@@ -71,7 +71,7 @@ def test_run_many_tokenises_each_request_once_and_a_failed_merge_never_again(tin
     count.calls.clear()
     results = tiny.run_many([(STATES[0], {"a": QUESTIONS["late"]}), (STATES[0], {"b": QUESTIONS["team"]})])
     assert all(not isinstance(r, Exception) for r in results) and calls == [2, 1, 1]
-    assert count.of("state") == 2 and count.of("question") == 2  # the re-runs tokenised nothing
+    assert count.of("state") == 1 and count.of("question") == 2  # the re-runs tokenised nothing
     count.calls.clear()
     prepared = tiny.prepare(STATES[0], QUESTIONS)
     tiny.run(STATES[0], QUESTIONS)  # the control: a second request tokenises again, and the counter sees it

@@ -186,10 +186,11 @@ class Engine:
 
     # -- questions ------------------------------------------------------------------------------
 
-    def prepare(self, state, questions: Mapping[str, Question]) -> Prepared:
+    def prepare(self, state, questions: Mapping[str, Question], known: dict | None = None) -> Prepared:
         """A request checked against every limit, tokenised once and sized exactly, without the model: what
-        :meth:`run_group` answers (:class:`onepass.runtime.core.planner.Prepared`). Run it off the engine thread."""
-        return self.planner.prepare(state, questions)
+        :meth:`run_group` answers (:class:`onepass.runtime.core.planner.Prepared`). Run it off the engine thread.
+        ``known``: {state text: ids} shared by the requests of one batch, so a state they share is tokenised once."""
+        return self.planner.prepare(state, questions, known)
 
     def check_counts(self, questions: Mapping[str, Question]) -> None:
         """The limits that need no tokenizer: questions per request, options per question."""
@@ -305,14 +306,16 @@ class Engine:
     def run_many(self, requests: list, readout: str | None = None, deadline: float | None = None) -> list:
         """Answer several ``(state, questions)`` requests; those about the same state share ONE pass.
 
-        Each request is prepared (:meth:`prepare`), then grouped by its state's token ids and each group answered by
+        Each request is prepared (:meth:`prepare`; a state text they share tokenised once), then grouped by its state's
+        token ids and each group answered by
         :meth:`run_group`. Returns, per request, a Result or the exception it raised (OnepassError for bad input): a
         bad or failing request never fails the others. ``deadline``: as :meth:`run_group`'s."""
         out: list = [None] * len(requests)
         groups: dict = {}
+        known: dict = {}  # a state the requests share is tokenised once
         for i, (state, questions) in enumerate(requests):
             try:
-                prepared = self.prepare(state, questions)
+                prepared = self.prepare(state, questions, known)
             except OnepassError as err:  # a request's failure is its own answer
                 out[i] = err
                 continue

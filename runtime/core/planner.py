@@ -60,13 +60,20 @@ class Planner:
         (what measures fastest on it), never more than the engine's max_packed_tokens."""
         return min(self._block_tokens() or self.limits.max_packed_tokens, self.limits.max_packed_tokens)
 
-    def prepare(self, state, questions: Mapping[str, Question]) -> Prepared:
+    def prepare(self, state, questions: Mapping[str, Question], known: dict | None = None) -> Prepared:
         """``questions`` about ``state`` (text, bytes, a JSON value, or a prefilled State) checked against every
-        limit, tokenised once and planned: OnepassError (InvalidRequest, LimitExceeded) otherwise."""
+        limit, tokenised once and planned: OnepassError (InvalidRequest, LimitExceeded) otherwise. ``known``: state
+        texts already tokenised ({text: ids}, filled here), for a caller preparing many requests at once."""
         t0 = time.perf_counter()
         encoded = self.encode_questions(questions)
         given = state if hasattr(state, "kv") else None
-        ids = tuple(given.ids) if given is not None else self.state_ids(state)
+        if given is not None:
+            ids = tuple(given.ids)
+        elif known is None:
+            ids = self.state_ids(state)
+        else:
+            text = state_text(state)
+            ids = known[text] if text in known else known.setdefault(text, self.state_ids(text))
         t1 = time.perf_counter()
         plan = self.plan(len(ids), encoded, mask=False)
         packed = sum(batch.num_tokens for _, batch, _ in plan)
