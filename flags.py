@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .runtime.backends import BACKENDS
+from .runtime.core.state_cache import DEFAULT_CACHE_MIB
 from .runtime.backends.devices import DEVICES
 
 
@@ -29,7 +30,7 @@ def _http(p) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests (per replica) before answering 429")
     p.add_argument("--request-timeout", type=float, default=10.0, help="seconds, unless it sends X-Request-Timeout")
     p.add_argument("--batch-window-ms", type=float, default=2.0, help="requests about one state within it share a pass")
-    p.add_argument("--cache-mib", type=int, default=512, help="state cache size in MiB (per replica)")
+    p.add_argument("--cache-mib", type=int, default=DEFAULT_CACHE_MIB, help="state cache size in MiB (per replica)")
 
 
 def _teacher(p, required: bool) -> None:

@@ -100,22 +100,7 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
     if not parser.parse_from_file(str(graph)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineFileError(f"TensorRT could not parse {graph}: {errors}")
-    config = builder.create_builder_config()
-    if compute_capability:
-        if not hasattr(config, "set_compute_capability"):
-            raise BackendUnavailable(f"{trt.__name__} cannot target {compute_capability} ahead of time; "
-                                     "build on the device or use tensorrt_rtx")
-        config.num_compute_capabilities = 1
-        config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
-    if workspace_bytes is not None:  # a device's budget (devices.DEVICES): tactics needing more are not chosen
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
-    if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
-        if tf32:  # (TF32 is on by default in TensorRT)
-            config.set_flag(trt.BuilderFlag.TF32)
-        else:
-            config.clear_flag(trt.BuilderFlag.TF32)
-    if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):  # TensorRT for RTX >= 1.2: the plan runs in the
-        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)  # memory the backend gives it, as stream capture needs
+    config = _builder_config(trt, builder, manifest, compute_capability, workspace_bytes, tf32)
     profiles = profiles or role_profiles(manifest)
     m = manifest.model
     for profile in profiles.values():
@@ -154,6 +139,29 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
             "user_allocation": (bool(config.get_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION))
                                 if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION") else None),
             "build_seconds": round(seconds, 1)}
+
+
+def _builder_config(trt, builder, manifest: Manifest, compute_capability: str | None, workspace_bytes: int | None,
+                    tf32: bool):
+    """The builder's settings: the target architecture, the workspace budget, TF32 for an fp32 plan, and memory
+    the backend allocates itself."""
+    config = builder.create_builder_config()
+    if compute_capability:
+        if not hasattr(config, "set_compute_capability"):
+            raise BackendUnavailable(f"{trt.__name__} cannot target {compute_capability} ahead of time; "
+                                     "build on the device or use tensorrt_rtx")
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability.upper()), 0)
+    if workspace_bytes is not None:  # a device's budget (devices.DEVICES): tactics needing more are not chosen
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    if manifest.precision == "fp32" and hasattr(trt.BuilderFlag, "TF32"):
+        if tf32:  # (TF32 is on by default in TensorRT)
+            config.set_flag(trt.BuilderFlag.TF32)
+        else:
+            config.clear_flag(trt.BuilderFlag.TF32)
+    if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):  # TensorRT for RTX >= 1.2: the plan runs in the
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)  # memory the backend gives it, as stream capture needs
+    return config
 
 
 def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str | None = None,

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -15,37 +13,21 @@ from typing import Mapping
 import numpy as np
 
 from . import manifest as manifest_mod
-from ..backends.base import Backend, StateKV
+from ..backends.base import Backend
 from .readout_calibration import question_key
+from .answering import Answering
 from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
 from .planner import Planner, Prepared
 from .prompt import OLD_OPTION_LINE, PromptEncoder
 from .questions import Answer, Question
-from .readout import answer, option_scores, softmax
-from .state_cache import StateCache
+from .state_cache import DEFAULT_CACHE_MIB, StateCache
+from .states import State, States
 from .tree import PackedBatch, QuestionTokens, option_head_scores, option_logprobs
 from .wire import parse_request, response_body
 
-DEFAULT_CACHE_BYTES = 512 << 20
+DEFAULT_CACHE_BYTES = DEFAULT_CACHE_MIB << 20
 log = logging.getLogger("onepass.engine")
 _WARNED: set = set()  # engine directories already warned about
-PRIOR_CACHE_ITEMS = 4096
-
-
-@dataclass(frozen=True)
-class State:
-    """A prefilled state: its token ids and its K/V. Asking never changes it."""
-
-    ids: tuple
-    kv: StateKV
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the state segment (template included)."""
-        return len(self.ids)
-
-    def __repr__(self) -> str:  # never the ids or the arrays: a state is thousands of numbers
-        return f"State({self.num_tokens} tokens, K/V {self.kv.nbytes / 2**20:.1f} MiB)"
 
 
 @dataclass(frozen=True)
@@ -65,7 +47,8 @@ class Result:
 class Engine:
     """An engine directory loaded for serving. Thread-safe for concurrent ``ask`` calls."""
 
-    def __init__(self, root: Path, manifest, backend: Backend, cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, root: Path, manifest, backend: Backend, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 cache: StateCache | None = None):
         self.root = root
         self.manifest = manifest
         self.backend = backend
@@ -84,10 +67,10 @@ class Engine:
             log.warning("the backend's graph slots or workspace take %d MiB of the %d MiB state-cache budget: no state will be "
                         "cached; give a larger cache (onepass serve --cache-mib, Engine.load(cache_bytes=...))",
                         reserved >> 20, cache_bytes >> 20)
-        self.cache = StateCache(max(0, cache_bytes - reserved))
-        self._priors: OrderedDict = OrderedDict()
+        self.cache = cache if cache is not None else StateCache(max(0, cache_bytes - reserved))
+        self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk)
+        self.answering = Answering(manifest, self.encoder, self._null_logprobs)
         self._null: State | None = None
-        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
@@ -143,9 +126,7 @@ class Engine:
                                     "export an engine with a larger limit instead", key)
         manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
         budget = self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0)  # as this engine was given
-        engine = Engine(self.root, manifest, self.backend, budget)
-        engine.cache = self.cache
-        return engine
+        return Engine(self.root, manifest, self.backend, budget, cache=self.cache)
 
     @property
     def name(self) -> str:
@@ -160,29 +141,7 @@ class Engine:
 
     def _state(self, state, clock: dict | None = None) -> tuple[State, bool]:
         """(the state, whether it came from the cache); ``clock`` gets the tokenize and prefill milliseconds."""
-        if isinstance(state, State):
-            return state, True
-        t0 = time.perf_counter()
-        ids = self.planner.state_ids(state)
-        if clock is not None:
-            clock["tokenize"] = clock.get("tokenize", 0.0) + (time.perf_counter() - t0) * 1000
-        return self._state_of(ids, clock)
-
-    def _state_of(self, ids: tuple, clock: dict | None = None) -> tuple[State, bool]:
-        """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached."""
-        t0 = time.perf_counter()
-        cached = self.cache.get(ids)
-        if clock is not None:
-            clock["prefill"] = 0.0
-        if cached is not None:
-            return cached, True
-        with self.backend.serial():
-            kv = self.backend.prefill(ids, self.manifest.limits.prefill_chunk)
-        prefilled = State(ids, kv)
-        self.cache.put(ids, prefilled, kv.nbytes)
-        if clock is not None:
-            clock["prefill"] = (time.perf_counter() - t0) * 1000
-        return prefilled, False
+        return self.states.get(state, clock)
 
     # -- questions ------------------------------------------------------------------------------
 
@@ -221,24 +180,9 @@ class Engine:
         plan, longer = self.planner.plan(state.num_tokens, encoded), {}
         for k, (parts, batch, over) in enumerate(plan):
             if over is not None and over not in longer:
-                longer[over] = self._extended(state, encoded[over].trunk[:-1])
+                longer[over] = self.states.extended(state, encoded[over].trunk[:-1])
             plan[k] = (parts, batch, state if over is None else longer[over])
         return plan
-
-    def _extended(self, state: State, ids: tuple) -> State:
-        """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
-        prefilled onto ``state``'s K/V (which stays as it is)."""
-        limits = self.manifest.limits
-        joint = tuple(state.ids) + tuple(ids)
-        self.planner.check_state_length(len(joint))
-        cached = self.cache.get(joint)
-        if cached is not None:
-            return cached
-        with self.backend.serial():
-            kv = self.backend.extend(state.kv, ids, limits.prefill_chunk)
-        longer = State(joint, kv)
-        self.cache.put(joint, longer, kv.nbytes)
-        return longer
 
     def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Summed log-likelihood of every option of every question (one packed pass, or blocks of whole
@@ -282,19 +226,12 @@ class Engine:
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
-        with self._lock:
-            missing = [q for q in dict.fromkeys(encoded) if q not in self._priors]
-        if missing:
-            if self._null is None:
-                self._null = self.state(self.manifest.prompt.null_state)
-            values = self.option_logprobs(self._null, missing)
-            with self._lock:
-                for q, v in zip(missing, values):
-                    self._priors[q] = v
-                while len(self._priors) > PRIOR_CACHE_ITEMS:
-                    self._priors.popitem(last=False)
-        with self._lock:
-            return [self._priors.get(q) if q in self._priors else None for q in encoded]
+        return self.answering.prior_logprobs(encoded)
+
+    def _null_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
+        if self._null is None:
+            self._null = self.state(self.manifest.prompt.null_state)
+        return self.option_logprobs(self._null, encoded)
 
     def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
         """Answer questions about a state in one packed forward pass."""
@@ -341,7 +278,7 @@ class Engine:
                 state, hit = prepared[0].state, True
                 clocks[0]["prefill"] = 0.0
             else:
-                state, hit = self._state_of(prepared[0].ids, clocks[0])
+                state, hit = self.states.of_ids(prepared[0].ids, clocks[0])
         except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
             return [err] * len(prepared)
         # each later request looks the state up in the cache as it would alone (the cache's counts and each answer's
@@ -364,7 +301,7 @@ class Engine:
                 continue
             try:
                 t0 = time.perf_counter()
-                answers = self._answers(p.questions, p.encoded, mine[0], readout, heads=mine[1])
+                answers = self.answering.answers(p.questions, p.encoded, mine[0], readout, heads=mine[1])
                 stages = {"tokenize": clock.get("tokenize", 0.0), "prefill": clock.get("prefill", 0.0),
                           "pack": clock.get("pack", 0.0) + shared.get("pack", 0.0), "score": shared.get("score", 0.0),
                           "readout": (time.perf_counter() - t0) * 1000}
@@ -382,38 +319,11 @@ class Engine:
             return err
         return logprobs, heads
 
-    def _answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
-        scores = self.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
-        return {qid: answer(q, softmax(sc)) for (qid, q), sc in zip(questions.items(), scores)}
-
     def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True,
                       heads=None) -> list:
-        """Per question, the [K] scores that are soft-maxed: the read-out, then the manifest's calibration.
-
-        The ``head`` read-out is ``beta * mean + head score`` and needs ``heads`` (from a graph
-        with a decision head).
-        """
-        readout = readout or self.manifest.scoring.readout
-        if readout == "head" and (self.manifest.head is None or heads is None):
-            raise InvalidRequest("the 'head' read-out needs an engine with a decision head "
-                                 "(export one with `onepass export --head FILE`, trained by `make head`); this one has none", "readout")
-        cal = self.manifest.calibration if calibrated else None
-        if cal is not None and cal.readout != readout:
-            cal = None  # fitted on another read-out: not applicable
-        priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
-        head_iter = iter(heads) if heads is not None else None
-        out = []
-        for q, tokens, lp, prior in zip(questions.values(), encoded, logprobs, priors):
-            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
-            if readout == "head":
-                scores = self.manifest.head.beta * (lp / lengths) + next(head_iter)
-            else:
-                scores = option_scores(lp, lengths, prior, readout)
-            if cal is not None:
-                names = self.encoder.options(q)
-                scores = cal.apply(q.type, scores, names, question_key(q.type, self.encoder.instructions(q), names))
-            out.append(scores)
-        return out
+        """Per question, the [K] scores that are soft-maxed: the read-out, then the manifest's calibration
+        (:class:`onepass.runtime.core.answering.Answering`)."""
+        return self.answering.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
 
     def ask(self, state, questions: Mapping[str, Question], readout: str | None = None,
             min_confidence: float | None = None) -> dict[str, Answer]:

@@ -6,6 +6,8 @@ import threading
 from collections import OrderedDict
 from typing import Hashable
 
+DEFAULT_CACHE_MIB = 512  # the state cache's default budget: Engine.load, onepass serve and the cluster alike
+
 
 class StateCache:
     """Maps a state's token ids to its prefilled state; evicts least recently used past ``max_bytes``."""

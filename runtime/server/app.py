@@ -197,13 +197,13 @@ class Server:
     def parse(self, raw: bytes) -> tuple:
         """(body, state, prepared request) of a decoded request body: parsed once, every check that needs no inference
         done, tokenised and sized once (``Engine.prepare``: a request over a limit is a 413 now, never a retryable
-        429 at admission); HTTPError otherwise. Never raises anything else (fuzzed in the tests)."""
-        data = parse_json(raw)
-        model = data.get("model") if isinstance(data, dict) else None
-        if isinstance(model, str) and model not in self.names:
-            raise http_error(UnknownModel(f"model {clip(model)} is not served here; available: {sorted(self.names)}",
-                                          "model"))
+        429 at admission); the HTTPError of the error table otherwise. Never raises anything else (fuzzed in the
+        tests)."""
         try:
+            data = parse_json(raw)
+            model = data.get("model") if isinstance(data, dict) else None
+            if isinstance(model, str) and model not in self.names:
+                raise UnknownModel(f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
             state, questions = parse_request(data)  # the one parse: form and values (SystemOneBody documents them)
             return data, state, self.engine.prepare(state, questions)
         except OnepassError as err:
@@ -324,15 +324,34 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     if cascade is not None and teacher is not None and teacher.gate is not None:
         raise ValueError("one second opinion per server: a cascade engine or a teacher's gate, not both")
     server = Server(engine, config or ServerConfig(), cascade, min_confidence, teacher)
-    config = server.config
-    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
+    docs = {} if server.config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
     if not warm:
         server.ready = True
+    app = FastAPI(title="onepass", version="0.1.0", lifespan=_lifespan(server, warm),
+                  description="TypeSafe System One compatible decision engine", **docs)
+    app.state.server = server
 
+    @app.middleware("http")
+    async def request_id_and_log(request: Request, call_next):
+        if warm:
+            server.warm_up_if_never_started()
+        return await _observed(server, request, call_next)
+
+    async def refused(_: Request, err: Exception):
+        return error_response(err, server.config.retry_after_s)
+
+    app.add_exception_handler(HTTPError, refused)
+    app.add_exception_handler(OnepassError, refused)
+    _routes(app, server)
+    return app
+
+
+def _lifespan(server: Server, warm: bool):
+    """Warm up in the background at start; stop the engine threads and the teacher at the end. A host app that
+    mounts this one runs it from its own lifespan (``async with onepass_app.router.lifespan_context(onepass_app):
+    yield``)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        """Warm up in the background at start; stop the engine thread at the end. A host app that mounts this one
-        runs it from its own lifespan (``async with onepass_app.router.lifespan_context(onepass_app): yield``)."""
         if warm:
             server.start_warm_up()
         try:
@@ -344,61 +363,62 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
             if server.teaching is not None:
                 await run_in_threadpool(server.teaching.close)
 
-    app = FastAPI(title="onepass", version="0.1.0", lifespan=lifespan,
-                  description="TypeSafe System One compatible decision engine", **docs)
-    app.state.server = server
+    return lifespan
 
-    @app.middleware("http")
-    async def request_id_and_log(request: Request, call_next):
-        if warm:
-            server.warm_up_if_never_started()
-        rid = uuid.uuid4().hex
-        start = request.state.arrived = time.monotonic()
-        request.state.timing = {}
-        try:
-            response = await call_next(request)
-        except (HTTPError, OnepassError) as err:
-            response = error_response(err, server.config.retry_after_s)
-        except Exception:  # noqa: BLE001 - any fault is a logged 500 with the request id, never a dropped socket
-            access_log.exception("unexpected error in request %s", rid)
-            server.metrics.engine_failures.inc()
-            response = error_response(InternalError(f"internal error (request id {rid})"))
-            response.headers["Connection"] = "close"
-        deadline = getattr(request.state, "deadline", None)
-        if response.status_code == 200 and deadline is not None and time.monotonic() > deadline:
-            server.metrics.deadline_drops.inc()  # ready too late: nobody waits for it any more
-            response = error_response(DeadlineExceeded(
-                f"the answer was ready after the request's deadline; retry later or with a longer {TIMEOUT_HEADER}"),
-                server.config.retry_after_s)
-        ms = (time.monotonic() - start) * 1000
-        response.headers[REQUEST_ID] = rid
-        if hasattr(request.state, "cached_tokens"):
-            response.headers[CACHED_TOKENS] = str(request.state.cached_tokens)
-            response.headers[STATE_CACHE] = "hit" if request.state.cached_tokens else "miss"
-        if hasattr(request.state, "answered_by"):
-            response.headers[ANSWERED_BY] = request.state.answered_by
-        response.headers["Server-Timing"] = ", ".join(
-            [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
-        route, length = _route_label(request), request.headers.get("content-length") or ""
-        if response.status_code == CLIENT_CLOSED:  # nobody reads it: one line, never an internal error
-            access_log.info(json.dumps({"request_id": rid, "path": route, "status": CLIENT_CLOSED,
-                                        "event": "client_closed", "ms": round(ms, 2)}))
-            server.metrics.requests.labels(route, str(CLIENT_CLOSED)).inc()
-            return response
-        if response.status_code == 200 and request.state.timing:
-            server.metrics.on_timing(request.state.timing)
-        server.metrics.requests.labels(route, str(response.status_code)).inc()
-        access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": route,
-                                    "status": response.status_code, "ms": round(ms, 2),
-                                    "bytes": int(length) if length.isdigit() and len(length) < 20 else None,
-                                    "encoding": (request.headers.get("content-encoding") or "")[:64] or None},
-                                   ensure_ascii=True))
-        return response
 
-    @app.exception_handler(HTTPError)
-    @app.exception_handler(OnepassError)
-    async def refused(_: Request, err: Exception):
-        return error_response(err, server.config.retry_after_s)
+async def _observed(server: Server, request: Request, call_next):
+    """One request answered, whatever happens: its refusal from the error table, a fault as a logged 500 with the
+    request id, an answer ready past its deadline as 503; then its headers, metrics and one access-log line."""
+    rid = uuid.uuid4().hex
+    start = request.state.arrived = time.monotonic()
+    request.state.timing = {}
+    try:
+        response = await call_next(request)
+    except (HTTPError, OnepassError) as err:
+        response = error_response(err, server.config.retry_after_s)
+    except Exception:  # noqa: BLE001 - any fault is a logged 500 with the request id, never a dropped socket
+        access_log.exception("unexpected error in request %s", rid)
+        server.metrics.engine_failures.inc()
+        response = error_response(InternalError(f"internal error (request id {rid})"))
+        response.headers["Connection"] = "close"
+    deadline = getattr(request.state, "deadline", None)
+    if response.status_code == 200 and deadline is not None and time.monotonic() > deadline:
+        server.metrics.deadline_drops.inc()  # ready too late: nobody waits for it any more
+        response = error_response(DeadlineExceeded(
+            f"the answer was ready after the request's deadline; retry later or with a longer {TIMEOUT_HEADER}"),
+            server.config.retry_after_s)
+    _account(server, request, response, rid, (time.monotonic() - start) * 1000)
+    return response
+
+
+def _account(server: Server, request: Request, response, rid: str, ms: float) -> None:
+    """A response's headers (request id, cache, who answered, Server-Timing), its metrics and its log line."""
+    response.headers[REQUEST_ID] = rid
+    if hasattr(request.state, "cached_tokens"):
+        response.headers[CACHED_TOKENS] = str(request.state.cached_tokens)
+        response.headers[STATE_CACHE] = "hit" if request.state.cached_tokens else "miss"
+    if hasattr(request.state, "answered_by"):
+        response.headers[ANSWERED_BY] = request.state.answered_by
+    response.headers["Server-Timing"] = ", ".join(
+        [f"{k};dur={v:.2f}" for k, v in request.state.timing.items()] + [f"total;dur={ms:.2f}"])
+    route, length = _route_label(request), request.headers.get("content-length") or ""
+    server.metrics.requests.labels(route, str(response.status_code)).inc()
+    if response.status_code == CLIENT_CLOSED:  # nobody reads it: one line, never an internal error
+        access_log.info(json.dumps({"request_id": rid, "path": route, "status": CLIENT_CLOSED,
+                                    "event": "client_closed", "ms": round(ms, 2)}))
+        return
+    if response.status_code == 200 and request.state.timing:
+        server.metrics.on_timing(request.state.timing)
+    access_log.info(json.dumps({"request_id": rid, "method": request.method, "path": route,
+                                "status": response.status_code, "ms": round(ms, 2),
+                                "bytes": int(length) if length.isdigit() and len(length) < 20 else None,
+                                "encoding": (request.headers.get("content-encoding") or "")[:64] or None},
+                               ensure_ascii=True))
+
+
+def _routes(app: FastAPI, server: Server) -> None:
+    """The app's routes: the System One wire, models, limits, the probes and the metrics."""
+    engine = server.engine
 
     @app.post("/v1/systemone", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": SystemOneBody.model_json_schema()}}}})
@@ -435,5 +455,3 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -39,6 +39,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..core.state_cache import DEFAULT_CACHE_MIB
 from ..core.errors import OnepassError
 from ..core.prompt import state_text
 from .app import STATE_CACHE, create_app, server_engine
@@ -62,7 +63,7 @@ class ClusterConfig:
     routing: str = "state"  # "state": consistent hash of the state; "default": Serve's own router
     cpus_per_replica: float = 1.0  # Ray's logical CPUs reserved per replica
     threads: int | None = 1  # ONNX Runtime intra-op threads per replica
-    cache_mib: int = 512
+    cache_mib: int = DEFAULT_CACHE_MIB
     retries: int = 1  # a request whose replica died is retried this often on the ring's next replica
     metrics_dir: str | None = None  # Prometheus multiprocess directory shared by the ingress and replicas
     server: dict = field(default_factory=dict)
@@ -292,7 +293,7 @@ def autoscale_range(text: str | None) -> tuple | None:
 
 def run(engine_dir: str, server: ServerConfig, *, replicas: int = 2, autoscale: str | None = None,
         routing: str = "state", address: str | None = None, num_cpus: int | None = None,
-        cpus_per_replica: float = 1.0, threads: int | None = 1, cache_mib: int = 512, retries: int = 1,
+        cpus_per_replica: float = 1.0, threads: int | None = 1, cache_mib: int = DEFAULT_CACHE_MIB, retries: int = 1,
         echo=print) -> None:
     """`onepass cluster`: serve ``engine_dir`` from replicas on Ray Serve until SIGINT or SIGTERM (SIGINT also when
     inherited ignored, as in a script's background job), then stop Serve and Ray and every process started here."""

@@ -23,18 +23,20 @@ from collections.abc import Mapping
 
 from ..core.engine import Engine
 from ..core.questions import Answer, Question
+from .config import ServerConfig
 from .dispatch import Dispatcher
 from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
 
 __all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]
+SERVER = ServerConfig()  # the defaults: those of `onepass serve`, one source for both
 STUCK_S = 5.0  # past its deadline a request is answered DeadlinePassed by the engine thread; past this, by ask()
 
 
 class AsyncEngine:
     """``engine`` behind a merging dispatcher: ``await ask(...)`` from any coroutine of one or more event loops."""
 
-    def __init__(self, engine: Engine, *, window_ms: float = 2.0, max_queue: int = 256, max_batch: int = 64,
-                 timeout_s: float = 10.0):
+    def __init__(self, engine: Engine, *, window_ms: float = SERVER.batch_window_ms, max_queue: int = SERVER.max_queue,
+                 max_batch: int = SERVER.max_batch, timeout_s: float = SERVER.request_timeout_s):
         if timeout_s <= 0 or window_ms < 0 or max_queue < 1 or max_batch < 1:
             raise ValueError("timeout_s must be > 0, window_ms >= 0, max_queue and max_batch >= 1")
         self.engine, self.timeout_s = engine, timeout_s

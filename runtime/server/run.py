@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from ..core.engine import Engine
+from ..core.state_cache import DEFAULT_CACHE_MIB
 from ..core.errors import OnepassError
 from .config import ServerConfig
 from .transport import TransportLimits, TransportStats, listen
@@ -65,7 +66,7 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
 
 
 def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | None = None, *, backend: str = "auto",
-          threads: int | None = None, cache_mib: int = 512, limits: dict | None = None,
+          threads: int | None = None, cache_mib: int = DEFAULT_CACHE_MIB, limits: dict | None = None,
           max_request_tokens: int | None = None, cascade: str | None = None, min_confidence: float | None = None,
           exporter=None, build_trt_if_missing: bool = False, teacher: dict | None = None) -> None:
     """Serve ``engine_dir`` until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). ``limits`` lowers the

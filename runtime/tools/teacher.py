@@ -244,9 +244,10 @@ class Teacher:
             calls = list(self._calls)
         for future in calls:
             future.cancel()
+        if threading.current_thread() is not self._thread:  # (on the loop itself they could never finish)
+            concurrent.futures.wait(calls, timeout=5)  # the cancelled calls unwind before their connections close
 
         async def shut():
-            await asyncio.sleep(0)  # the cancelled calls unwind first
             await self._http.aclose()
 
         try:
@@ -298,8 +299,10 @@ class Teacher:
             made += 1
             limit = max(0.0, min(cfg.timeout_s, deadline - time.monotonic()))
             late = False
+            attempt_task = asyncio.ensure_future(self._attempt(body))
+            attempt_task.add_done_callback(_retrieved)  # one that ends after its caller was cancelled logs nothing
             try:
-                outcome = await asyncio.wait_for(self._attempt(body), limit)
+                outcome = await asyncio.wait_for(attempt_task, limit)
             except asyncio.TimeoutError:  # the attempt's limit, enforced from outside its reads
                 late = given and limit < cfg.timeout_s
                 outcome = (f"no whole answer by the deadline ({limit:.3g} s left)" if late
@@ -357,6 +360,12 @@ class Teacher:
             raise TeacherRefused(f"{self.name} refused the request ({why})")
         asked = _retry_after(headers)
         return (f"{why} (it asked to wait {asked:g} s)" if asked else why), asked
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a finished attempt's exception as seen (its caller reports what matters)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _error_message(content: bytes) -> str:

@@ -1,0 +1,75 @@
+"""The state side of an engine: prefilled states, the cache that holds them by their token ids, and a long
+question's trunk prefilled onto a state as a longer state of its own."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..backends.base import Backend, StateKV
+from .planner import Planner
+from .state_cache import StateCache
+
+
+@dataclass(frozen=True)
+class State:
+    """A prefilled state: its token ids and its K/V. Asking never changes it."""
+
+    ids: tuple
+    kv: StateKV
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the state segment (template included)."""
+        return len(self.ids)
+
+    def __repr__(self) -> str:  # never the ids or the arrays: a state is thousands of numbers
+        return f"State({self.num_tokens} tokens, K/V {self.kv.nbytes / 2**20:.1f} MiB)"
+
+
+class States:
+    """Prefills and cache lookups for one engine (and the engines :meth:`Engine.with_limits` makes of it)."""
+
+    def __init__(self, backend: Backend, planner: Planner, cache: StateCache, prefill_chunk: int):
+        self.backend, self.planner, self.cache, self.prefill_chunk = backend, planner, cache, prefill_chunk
+
+    def get(self, state, clock: dict | None = None) -> tuple[State, bool]:
+        """(the state of ``state``, a State or text to tokenise, whether it came from the cache); ``clock`` gets the
+        tokenize and prefill milliseconds."""
+        if isinstance(state, State):
+            return state, True
+        t0 = time.perf_counter()
+        ids = self.planner.state_ids(state)
+        if clock is not None:
+            clock["tokenize"] = clock.get("tokenize", 0.0) + (time.perf_counter() - t0) * 1000
+        return self.of_ids(ids, clock)
+
+    def of_ids(self, ids: tuple, clock: dict | None = None) -> tuple[State, bool]:
+        """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached."""
+        t0 = time.perf_counter()
+        cached = self.cache.get(ids)
+        if clock is not None:
+            clock["prefill"] = 0.0
+        if cached is not None:
+            return cached, True
+        with self.backend.serial():
+            kv = self.backend.prefill(ids, self.prefill_chunk)
+        prefilled = State(ids, kv)
+        self.cache.put(ids, prefilled, kv.nbytes)
+        if clock is not None:
+            clock["prefill"] = (time.perf_counter() - t0) * 1000
+        return prefilled, False
+
+    def extended(self, state: State, ids: tuple) -> State:
+        """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
+        prefilled onto ``state``'s K/V (which stays as it is)."""
+        joint = tuple(state.ids) + tuple(ids)
+        self.planner.check_state_length(len(joint))
+        cached = self.cache.get(joint)
+        if cached is not None:
+            return cached
+        with self.backend.serial():
+            kv = self.backend.extend(state.kv, ids, self.prefill_chunk)
+        longer = State(joint, kv)
+        self.cache.put(joint, longer, kv.nbytes)
+        return longer
