@@ -43,7 +43,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hardening import NOUL, TICKET, body, free_port, post  # noqa: E402
+from hostile import Trickler  # noqa: E402  (the tests' hostile teacher)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -214,46 +216,6 @@ def scenario_cap(args) -> dict:
         for s in held:
             s.close()
         server.stop()
-
-
-class Trickler:
-    """A teacher that reads a request and sends its response head a byte every ``gap`` seconds."""
-
-    HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
-
-    def __init__(self, gap: float):
-        self.gap, self.stop = gap, threading.Event()
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(128)
-        self.listener.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
-
-    def _trickle(self, conn):
-        conn.settimeout(1.0)
-        try:
-            conn.recv(1 << 16)
-            for byte in self.HEAD:
-                if self.stop.wait(self.gap):
-                    break
-                conn.sendall(bytes([byte]))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self):
-        self.stop.set()
-        self.listener.close()
 
 
 def scenario_gate(args) -> dict:

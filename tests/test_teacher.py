@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 httpx2 = pytest.importorskip("httpx2")
 
 from conftest import serve_process  # noqa: E402
+from hostile import Trickler  # noqa: E402
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
 from onepass.calibration import tune as tn  # noqa: E402
@@ -672,51 +673,9 @@ def test_a_teacher_found_down_is_skipped_for_a_doubling_cool_down_then_tried_aga
     link.close()
 
 
-class _Trickler:
-    """A hostile teacher: it accepts, reads the request, then sends its response head one byte every ``gap``
-    seconds (a per-read timeout never fires: each read gets a byte in time)."""
-
-    HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
-
-    def __init__(self, gap: float = 0.3):
-        self.gap, self.accepted, self._stop = gap, 0, threading.Event()
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        self._listener.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
-
-    def _trickle(self, conn):
-        conn.settimeout(1.0)
-        try:
-            conn.recv(1 << 16)
-            for byte in self.HEAD:
-                if self._stop.wait(self.gap):
-                    break
-                conn.sendall(bytes([byte]))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self):
-        self._stop.set()
-        self._listener.close()
-
-
 @pytest.fixture
 def trickler():
-    t = _Trickler()
+    t = Trickler(0.3)
     yield t
     t.close()
 

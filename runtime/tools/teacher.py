@@ -177,6 +177,8 @@ class Teacher:
         self._calls: set = set()  # the futures of the calls spawned and not done
         self._lock = threading.Lock()  # spawn, cancel and close, from any thread
         self._closed = False
+        self._cancels = 0  # cancel() calls so far: an attempt of an older call does not start (asyncio.wait_for can
+        # swallow a cancellation that meets its result, python/cpython#86296)
 
         async def open_client():
             self._slots = asyncio.Semaphore(config.max_concurrency)
@@ -231,6 +233,7 @@ class Teacher:
         """End every call spawned and not done, now (a blocking caller gets TeacherUnavailable, an awaiting one a
         cancelled future)."""
         with self._lock:
+            self._cancels += 1
             calls = list(self._calls)
         for future in calls:
             future.cancel()
@@ -240,18 +243,26 @@ class Teacher:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed, self._cancels = True, self._cancels + 1
             calls = list(self._calls)
         for future in calls:
             future.cancel()
-        if threading.current_thread() is not self._thread:  # (on the loop itself they could never finish)
-            concurrent.futures.wait(calls, timeout=5)  # the cancelled calls unwind before their connections close
 
-        async def shut():
+        async def shut():  # every call and attempt ended (their errors seen) before the connections close
+            for _ in range(3):
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if not tasks:
+                    break
+                for task in tasks:
+                    task.cancel()
+                done, _ = await asyncio.wait(tasks, timeout=1.0)
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()
             await self._http.aclose()
 
         try:
-            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
         except (concurrent.futures.TimeoutError, OSError):  # a connection that will not close: the thread is a daemon
             pass
         self._stop_loop()
@@ -284,10 +295,13 @@ class Teacher:
         attempt ends within ``timeout_s`` and by ``deadline`` whatever the teacher sends (TeacherLate when the
         deadline cut the last one)."""
         cfg = self.config
+        cancels = self._cancels
         given = deadline is not None  # else the attempts' own limits make the deadline: no call is "late"
         deadline = time.monotonic() + cfg.timeout_s * (cfg.retries + 1) if deadline is None else deadline
         last, made, late = "the deadline had passed before the first attempt", 0, False
         for attempt in range(cfg.retries + 1):
+            if self._cancels != cancels:
+                raise TeacherUnavailable(f"{self.name}: the call was cancelled (the client stopped)")
             left = deadline - time.monotonic()
             if left <= 0:
                 break
