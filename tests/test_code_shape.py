@@ -1,5 +1,7 @@
 """The runtime stays readable: no function in runtime/ is over 60 lines (argparse tables live in flags.py, outside
-it). A negative control: the same measure finds a long function in a source written for it."""
+it), and the engine's front door stays a front door (engine.py at most 300 lines; its jobs live in planner.py,
+states.py, grouping.py and answering.py). A negative control: the same measure finds a long function in a source
+written for it."""
 
 from __future__ import annotations
 
@@ -29,3 +31,8 @@ def test_the_measure_finds_a_long_function():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
     assert _long_functions(f"def long():\n{body}\n", "sample") == ["sample:1 long (61 lines)"]
     assert not _long_functions("def short():\n    return 1\n", "sample")
+
+
+def test_the_engine_module_stays_a_front_door():
+    lines = len((RUNTIME / "core" / "engine.py").read_text().splitlines())
+    assert lines <= 300, f"runtime/core/engine.py is {lines} lines: move a job into a module of its own"

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -16,6 +15,7 @@ from . import manifest as manifest_mod
 from ..backends.base import Backend
 from .readout_calibration import question_key
 from .answering import Answering
+from .grouping import Result, answer_group
 from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
 from .planner import Planner, Prepared
 from .prompt import OLD_OPTION_LINE, PromptEncoder
@@ -28,20 +28,6 @@ from .wire import parse_request, response_body
 DEFAULT_CACHE_BYTES = DEFAULT_CACHE_MIB << 20
 log = logging.getLogger("onepass.engine")
 _WARNED: set = set()  # engine directories already warned about
-
-
-@dataclass(frozen=True)
-class Result:
-    """Answers of one request plus what was spent: tokens, the state tokens served from the cache, and the
-    milliseconds of each stage (tokenize, prefill — 0 when cached —, pack — the packed tree, its mask and
-    positions —, score — the backend's passes; a merged pass is counted for each request it answered —,
-    readout)."""
-
-    answers: dict
-    input_tokens: int
-    packed_tokens: int
-    cached_tokens: int = 0
-    timings: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -265,59 +251,9 @@ class Engine:
 
     def run_group(self, prepared: list[Prepared], readout: str | None = None, deadline: float | None = None) -> list:
         """Answer prepared requests about ONE state (equal ``key``) in one merged pass (or the blocks it splits
-        into): the state is looked up or prefilled once for the group, nothing is tokenised again.
-
-        Each request's questions are separate subtrees of the packed tree, so every answer equals its request run
-        alone. Returns, per request, a Result or the exception it raised: a failing request never fails the others —
-        when a merged pass fails, its requests are scored again one by one. ``deadline`` (monotonic seconds, the
-        latest of the waiters'): past it, no further pass starts, and the requests get ``DeadlineExceeded`` (a
-        request split into blocks stops between blocks)."""
-        clocks = [dict(p.timings) for p in prepared]
-        try:
-            if prepared[0].state is not None:
-                state, hit = prepared[0].state, True
-                clocks[0]["prefill"] = 0.0
-            else:
-                state, hit = self.states.of_ids(prepared[0].ids, clocks[0])
-        except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
-            return [err] * len(prepared)
-        # each later request looks the state up in the cache as it would alone (the cache's counts and each answer's
-        # cached tokens say so), but is never prefilled again
-        hits = [hit] + [p.state is not None or self.cache.get(state.ids) is not None for p in prepared[1:]]
-        shared: dict = {}  # the merged pass's pack and score, the same for every member
-        try:
-            _, merged, merged_heads = self._score(state, [q for p in prepared for q in p.encoded], shared, deadline)
-            scored = list(zip(*_split(merged, merged_heads, [len(p.encoded) for p in prepared])))
-        except DeadlineExceeded as err:
-            return [err] * len(prepared)
-        except Exception as err:  # noqa: BLE001 - a fault: each request alone, so that it can only fail itself
-            if len(prepared) == 1:
-                return [err]
-            scored = [self._score_alone(state, p.encoded, shared, deadline) for p in prepared]
-        out: list = []
-        for p, clock, cached, mine in zip(prepared, clocks, hits, scored):
-            if isinstance(mine, BaseException):
-                out.append(mine)
-                continue
-            try:
-                t0 = time.perf_counter()
-                answers = self.answering.answers(p.questions, p.encoded, mine[0], readout, heads=mine[1])
-                stages = {"tokenize": clock.get("tokenize", 0.0), "prefill": clock.get("prefill", 0.0),
-                          "pack": clock.get("pack", 0.0) + shared.get("pack", 0.0), "score": shared.get("score", 0.0),
-                          "readout": (time.perf_counter() - t0) * 1000}
-                out.append(Result(answers, state.num_tokens + p.packed_tokens, p.packed_tokens,
-                                  state.num_tokens if cached else 0, stages))
-            except Exception as err:  # noqa: BLE001 - its failure is its own answer
-                out.append(err)
-        return out
-
-    def _score_alone(self, state: State, encoded, clock: dict, deadline: float | None):
-        """(logprobs, heads) of one request's questions, or the exception its pass raised."""
-        try:
-            _, logprobs, heads = self._score(state, list(encoded), clock, deadline)
-        except Exception as err:  # noqa: BLE001 - its failure is its own answer
-            return err
-        return logprobs, heads
+        into), each as if alone (:func:`onepass.runtime.core.grouping.answer_group`): per request, a Result or the
+        exception it raised. ``deadline``: past it, no further pass starts (``DeadlineExceeded``)."""
+        return answer_group(self, prepared, readout, deadline)
 
     def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True,
                       heads=None) -> list:
@@ -351,9 +287,3 @@ class Engine:
         state, questions = parse_request(body)
         return response_body(body, self.name, self.run(state, questions))
 
-
-def _split(logprobs: list, heads: list | None, sizes: list[int]) -> tuple[list, list]:
-    """A merged pass's per-question values cut back into the requests' (``sizes`` questions each)."""
-    cuts = np.cumsum([0, *sizes])
-    mine = [logprobs[a:b] for a, b in zip(cuts, cuts[1:])]
-    return mine, [None if heads is None else heads[a:b] for a, b in zip(cuts, cuts[1:])]
