@@ -64,7 +64,7 @@ class _Engine(FakeEngine):
         self.hold_s, self.ran = hold_s, []
 
     def run_group(self, prepared, readout=None, deadline=None):
-        self.ran.extend(" ".join(p.ids) for p in prepared)
+        self.ran.extend(self.text(p) for p in prepared)
         time.sleep(self.hold_s)
         return [RuntimeError("answered")] * len(prepared)
 

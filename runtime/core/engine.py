@@ -286,4 +286,3 @@ class Engine:
         """Answer a TypeSafe System One request body; returns the response body."""
         state, questions = parse_request(body)
         return response_body(body, self.name, self.run(state, questions))
-

@@ -50,7 +50,7 @@ class _Item:
     tokens: int = 0  # tokens of work: its packed tokens, plus the state's prefill if not answered lately
 
     @property
-    def key(self) -> tuple:  # requests with equal keys (the state's token ids) share a pass
+    def key(self) -> bytes:  # requests with equal keys (a digest of the state's token ids) share a pass
         return self.prepared.key
 
 
