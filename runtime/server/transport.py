@@ -171,12 +171,13 @@ class GuardedH11Protocol(H11Protocol):
         # h11's events, counted and checked before uvicorn handles them (uvicorn <0.55 calls self.conn.next_event()
         # in handle_events; tests/test_transport.py fails if that changes)
         self.conn.next_event = self._next_event
-        refusal = self._refusal(self.client[0] if self.client else "")
+        host = self.client[0] if self.client else ""
+        refusal = self._refusal(host)
         if refusal is not None:
             self._refuse(*refusal)
             return
-        self._host = self.client[0] if self.client else ""
-        self.stats.by_client[self._host] += 1
+        self._host = host
+        self.stats.by_client[host] += 1
         if len(self.connections) > self.limits.connections():  # admitted for the probes: a head at once, or out
             self._head_s = min(PROBE_HEAD_S, self._head_s)
         self.app = self._admit(self.app)
