@@ -198,7 +198,7 @@ def cmd_plan(args) -> int:
 
 def cmd_build_trt(args) -> int:
     """Build TensorRT plans (one per compute capability) into the engine directory and record them."""
-    from .runtime.backends.tensorrt_build import build_plans
+    from .runtime.core.plans import build_plans
 
     records = build_plans(Path(args.engine), args.arch, precision=args.precision, flavour=args.flavour,
                           device=args.device, tf32=args.tf32)

@@ -218,7 +218,8 @@ def tensorrt_engine(engine: Path, copy: Path) -> Path:
     """A copy of ``engine`` with a TensorRT plan built on this GPU (the images' ``--build-trt-if-missing`` path)."""
     from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends.cuda_device import CudaDevice
-    from onepass.runtime.backends.tensorrt_build import build_native_plan_if_missing, import_tensorrt
+    from onepass.runtime.backends.tensorrt_build import import_tensorrt
+    from onepass.runtime.core.plans import build_native_plan_if_missing
 
     import_tensorrt(), CudaDevice()  # fail fast, before copying, where either is missing
     if not (copy / "manifest.json").exists():

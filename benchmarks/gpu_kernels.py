@@ -29,7 +29,7 @@ from latency import QUESTIONS, many_questions, state_of_tokens  # noqa: E402
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends import factory  # noqa: E402
 from onepass.runtime.backends.launches import count  # noqa: E402
-from onepass.runtime.core.tree import bucket  # noqa: E402
+from onepass.runtime.backends.batch import bucket  # noqa: E402
 
 TARGET_PER_LAYER = 14
 TARGET_PADDING = 1.25

@@ -29,7 +29,8 @@ from ..runtime.core import manifest as mf
 from ..runtime.core.errors import LimitExceeded, OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from ..runtime.core.questions import Score
-from ..runtime.core.tree import causal, pack
+from ..runtime.core.tree import pack
+from ..runtime.backends.batch import causal
 from .rlcd import rlcd_loss
 from .tune_data import TuneRow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from ..runtime.core import contract
+from ..runtime.backends import contract
 from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import EngineFileError

@@ -15,7 +15,8 @@ import torch
 from ..runtime.core.prompt import PromptEncoder
 from ..runtime.core.questions import Choice, Noul, Score
 from ..runtime.core.selfcheck import GOLDEN_VERSION
-from ..runtime.core.tree import causal, pack
+from ..runtime.core.tree import pack
+from ..runtime.backends.batch import causal
 
 SAMPLE_STATE = ("Hi, I was charged twice for my subscription this month and nobody answers my emails. "
                 "Please refund the second payment today.")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from ..runtime.core import contract
+from ..runtime.backends import contract
 from ..runtime.backends.torch_decoder import PackedDecoder
 
 log = logging.getLogger("onepass.export")

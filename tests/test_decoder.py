@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
-from onepass.runtime.core.tree import QuestionTokens, causal, option_logprobs, pack  # noqa: E402
+from onepass.runtime.core.tree import QuestionTokens, option_logprobs, pack  # noqa: E402
+from onepass.runtime.backends.batch import causal  # noqa: E402
 from reference import option_logprobs_alone  # noqa: E402
 
 TOL = 1e-4  # float32 vs transformers' float32 eager forward, summed over an option's tokens

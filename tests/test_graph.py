@@ -4,9 +4,9 @@ import numpy as np
 import onnx
 import pytest
 
-from onepass.runtime.core import contract
+from onepass.runtime.backends import contract
 from onepass.runtime.core.selfcheck import TOLERANCES, check_golden, run_golden
-from onepass.runtime.core.tree import causal
+from onepass.runtime.backends.batch import causal
 
 pytestmark = pytest.mark.slow
 

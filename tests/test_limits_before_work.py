@@ -30,7 +30,7 @@ from fake_engine import FakeEngine
 
 from onepass import Engine, Noul
 from onepass.runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
-from onepass.runtime.core.tree import PackedBatch
+from onepass.runtime.backends.batch import PackedBatch
 
 
 @pytest.fixture(scope="module")

@@ -89,13 +89,13 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     installed (quietly: it is an extra), and for engines that are not plain fp32 (fp16, INT8) without trying it."""
     import logging
 
-    from onepass.runtime import backends
+    from onepass.runtime.core import backend_choice
     from onepass.runtime.core import manifest as mf
     from onepass.runtime.backends.openvino_cpu import OpenVinoCpuBackend
     from onepass.runtime.backends.ort import OrtBackend
     from onepass.runtime.core.manifest import copy_engine
 
-    monkeypatch.setattr(backends, "_verdicts", {})
+    monkeypatch.setattr(backend_choice, "_verdicts", {})
     default = Engine.load(tiny_engine_dir, verify=False)
     assert isinstance(default.backend, OpenVinoCpuBackend) and default.backend.name == "openvino-cpu"
     reference = Engine.load(tiny_engine_dir, verify=False, backend="onnxruntime")
@@ -104,25 +104,25 @@ def test_the_default_backend_is_openvino_where_it_reproduces_the_golden_file_els
     for a, b in zip(reference.option_logprobs(STATE, encoded), default.option_logprobs(STATE, encoded)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
     checks = []
-    import onepass.runtime.core.selfcheck as selfcheck  # default() imports run_golden_on from it when it checks
+    import onepass.runtime.core.selfcheck as selfcheck  # default() calls run_golden_on through it
 
     monkeypatch.setattr(selfcheck, "run_golden_on", lambda *args: checks.append(1) or {"target_logprob": 0.1})
     assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OpenVinoCpuBackend) and not checks
-    monkeypatch.setattr(backends, "_verdicts", {})  # a new process: checked again, and missed
+    monkeypatch.setattr(backend_choice, "_verdicts", {})  # a new process: checked again, and missed
     with caplog.at_level(logging.WARNING, logger="onepass.backends"):
         fallback = Engine.load(tiny_engine_dir, verify=False)
     assert isinstance(fallback.backend, OrtBackend) and checks == [1]
     assert "not openvino-cpu (it does not reproduce the golden file" in caplog.text
 
-    monkeypatch.setattr(backends, "_openvino_installed", lambda: False)
-    monkeypatch.setattr(backends, "_verdicts", {})
+    monkeypatch.setattr(backend_choice, "_openvino_installed", lambda: False)
+    monkeypatch.setattr(backend_choice, "_verdicts", {})
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="onepass.backends"):
         assert isinstance(Engine.load(tiny_engine_dir, verify=False).backend, OrtBackend)
     assert caplog.text == ""  # an extra not installed is no warning
 
-    monkeypatch.setattr(backends, "_openvino_installed", lambda: True)
-    monkeypatch.setattr(backends, "_verdicts", {})
+    monkeypatch.setattr(backend_choice, "_openvino_installed", lambda: True)
+    monkeypatch.setattr(backend_choice, "_verdicts", {})
     copy = copy_engine(tiny_engine_dir, tmp_path / "int8-ish")
     mf.write(copy, dataclasses.replace(mf.load(copy, verify=False), quantization={"scheme": "stand-in"}))
     assert isinstance(Engine.load(copy, verify=False).backend, OrtBackend) and checks == [1]

@@ -502,7 +502,7 @@ def test_negative_control_a_slot_not_refilled_for_a_new_state_is_caught(plan_dir
 
 def _distinct_keys(trt, encoded, n: int) -> list[str]:
     """``n`` states whose (state bucket, packed bucket) differ from each other's."""
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     seen, out = set(), []
     for i in range(200):
@@ -534,7 +534,7 @@ def test_a_shape_seen_once_is_never_captured(plan_dir, engine):
 
 def _one_bucket_states(trt) -> list[str]:
     """Tickets of different token lengths that pad to one state bucket (and one pass bucket)."""
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     texts = [STATE + " Please." * i for i in range(16)]
     groups: dict = {}
@@ -577,7 +577,7 @@ def test_passes_pad_to_buckets_capped_at_max_packed_tokens(plan_dir, engine, tmp
     """A limit that is not on the bucket ladder (the Orin advice: 1500) ends the buckets: a pass of 1,400 tokens pads
     to 1,500, which the plan's profile accepts, not to 1,536, which it refuses. Here: a plan built for 90 packed
     tokens and a pass of 84 (bucket 96 before the cap)."""
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     assert bucket(1400) == 1536 and bucket(1400, 1500) == 1500 and bucket(1600, 1500) == 1792
     assert bucket(84) == 96 and bucket(84, 90) == 90
@@ -604,6 +604,7 @@ def test_build_native_plan_if_missing_records_this_devices_plan_through_the_libr
     command-line namespace (a forged one lacked ``device`` and crashed). On the stand-in device (sm87) with the
     stand-in builder: the plan is built once, recorded under the device's compute capability, and then loads."""
     from onepass.runtime.backends import cuda_device, tensorrt_build
+    from onepass.runtime.core import plans
 
     root = mf.copy_engine(plan_dir, tmp_path / "engine")
     device = HostDevice(compute_capability="sm87")
@@ -622,11 +623,11 @@ def test_build_native_plan_if_missing_records_this_devices_plan_through_the_libr
     monkeypatch.setattr(tensorrt_build, "import_tensorrt", lambda flavour=None: module)
     monkeypatch.setattr(tensorrt_build, "build_plan", build_plan)
     monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
-    record = tensorrt_build.build_native_plan_if_missing(root)
+    record = plans.build_native_plan_if_missing(root)
     assert record["compute_capability"] == "sm87" and built[0]["compute_capability"] is None  # built on the device
-    assert tensorrt_build.build_native_plan_if_missing(root) is None and len(built) == 1  # present: not rebuilt
-    plans = {p["compute_capability"] for p in mf.load(root).plans}
-    assert plans == {"sm90", "sm87"}
+    assert plans.build_native_plan_if_missing(root) is None and len(built) == 1  # present: not rebuilt
+    recorded = {p["compute_capability"] for p in mf.load(root).plans}
+    assert recorded == {"sm90", "sm87"}
     trt = Engine.load(root, backend=open_backend("tensorrt", device=device, tensorrt=module))
     assert trt.backend.plan["compute_capability"] == "sm87"
 

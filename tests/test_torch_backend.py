@@ -77,7 +77,7 @@ def test_golden_check_catches_a_broken_weight(tiny_engine_dir):
 def test_bucket_padding_changes_no_real_output(tiny_engine_dir):
     """On the tiny Llama: padding is the tree's and the backend's logic, not the weights'."""
     from onepass.runtime.backends import factory
-    from onepass.runtime.core.tree import bucket, pad_batch
+    from onepass.runtime.backends.batch import bucket, pad_batch
 
     torch_engine = Engine.load(tiny_engine_dir, backend=factory("torch-cpu"), verify=False)
     padded = Engine.load(tiny_engine_dir, backend=factory("torch-cpu", buckets=True), verify=False)
@@ -335,7 +335,7 @@ def test_200_distinct_states_capture_at_most_buckets_graphs_and_answer_like_onnx
     """A service's traffic: every request a new state. Captures stay within the shapes seen twice (score passes by
     state, packed and read-out bucket; prefill chunks by past and chunk bucket), never one per state; every replay
     gives its own state's answers; the workspace's bytes are fixed and counted in the state cache's budget."""
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     cache = 64 << 20
     eng = Engine.load(tiny_engine_dir, backend=_host_graph_backend(), verify=False, cache_bytes=cache)
@@ -388,7 +388,7 @@ def test_negative_control_unmasked_padding_rows_of_a_state_bucket_are_caught(tin
     tree_bias = eng.backend.decoder._tree_bias
     monkeypatch.setattr(eng.backend.decoder, "_tree_bias",
                         lambda order, past_length, rows: tree_bias(order, past_length + rows, rows))
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     text = next(t for t in _distinct_states(6) if eng.state(t).num_tokens != bucket(eng.state(t).num_tokens))
     assert _worst(eng, engine_tiny, text) > 1e-3  # (a state with padding rows)

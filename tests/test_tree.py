@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from onepass.runtime.core.tree import QuestionTokens, ancestor_mask, causal, option_logprobs, pack
+from onepass.runtime.core.tree import QuestionTokens, ancestor_mask, option_logprobs, pack
+from onepass.runtime.backends.batch import causal
 
 
 def test_two_questions_with_shared_option_prefix():
@@ -105,7 +106,7 @@ def test_the_tree_in_2n_numbers_is_exactly_its_ancestor_mask():
     """``intervals`` (what the GPU pass uploads instead of the [N, N] mask): on random forests, on packed batches
     whose trunks run into other questions' options (not packed in preorder), after padding and for a causal chunk,
     the interval formula gives exactly the ancestor mask; a batch carrying only its mask gets the same numbers."""
-    from onepass.runtime.core.tree import interval_mask, intervals, intervals_of_mask, pad_batch
+    from onepass.runtime.backends.batch import interval_mask, intervals, intervals_of_mask, pad_batch
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -122,7 +123,7 @@ def test_the_tree_in_2n_numbers_is_exactly_its_ancestor_mask():
 
 
 def test_negative_control_a_mask_that_is_no_tree_or_a_wrong_order_is_caught():
-    from onepass.runtime.core.tree import interval_mask, intervals, intervals_of_mask
+    from onepass.runtime.backends.batch import interval_mask, intervals, intervals_of_mask
 
     parent = [-1, 0, 1, 0, 3]
     order = intervals(parent)
@@ -138,7 +139,7 @@ def test_negative_control_a_mask_that_is_no_tree_or_a_wrong_order_is_caught():
 def test_buckets_pad_by_at_most_a_quarter_in_steps_of_8():
     """Tight buckets (the GPU graphs' shapes): from 32 tokens on, a pass or state pads by at most 1.25x (powers of two
     padded up to 2x: 513 -> 1,024); every bucket is a multiple of 8, monotonic, and a cap ends the ladder."""
-    from onepass.runtime.core.tree import bucket
+    from onepass.runtime.backends.batch import bucket
 
     sizes = [bucket(n) for n in range(1, 9000)]
     assert all(b >= n and b % 8 == 0 for n, b in enumerate(sizes, start=1))

@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.errors import BackendUnavailable
-from ..core.manifest import PRECISIONS as ENGINE_PRECISIONS  # what an engine's block GEMMs may be
-from ..core.manifest import Manifest, ModelInfo
-from ..core.tree import PackedBatch, causal
+from .errors import BackendUnavailable
+from .model import PRECISIONS as ENGINE_PRECISIONS  # what an engine's block GEMMs may be
+from .model import EngineDescription, ModelInfo
+from .batch import PackedBatch, causal
 
 
 
@@ -72,7 +72,7 @@ class Backend(ABC):
         return cls.precisions
 
     @classmethod
-    def open(cls, root, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+    def open(cls, root, manifest: EngineDescription, threads: int | None = None, *, name: str | None = None,
              **options) -> "Backend":
         """This backend for the engine directory ``root`` (the backend table's factory): BackendUnavailable when it
         does not run the engine's precision, else the constructor's backend."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.errors import BackendUnavailable, OnepassError
+from .errors import BackendUnavailable, OnepassError
 
 
 class DeviceError(OnepassError):

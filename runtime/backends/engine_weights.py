@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..core.errors import EngineFileError
+from .errors import EngineFileError
 
 
 def initializer_array(root: Path, tensor) -> np.ndarray:

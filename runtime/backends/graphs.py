@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from ..core.tree import PackedBatch, bucket, pad_batch
+from .batch import PackedBatch, bucket, pad_batch
 
 log = logging.getLogger("onepass.graphs")
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ..core import contract
-from ..core.errors import BackendUnavailable
-from ..core.manifest import Manifest
-from ..core.tree import PackedBatch
+from . import contract
+from .errors import BackendUnavailable
+from .model import EngineDescription
+from .batch import PackedBatch
 from .base import Backend, StateKV
 
 PRECISIONS = ("f32", "bf16")  # OpenVINO's own names of its inference precisions
@@ -46,7 +46,7 @@ class OpenVinoCpuBackend(Backend):
     instead = ("use onnxruntime (fp16 engines), torch-cpu or tensorrt (fp16 and bf16), or an fp32 engine, which "
                "openvino-cpu-bf16 computes in bf16")
 
-    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+    def __init__(self, root: Path, manifest: EngineDescription, threads: int | None = None, *, name: str | None = None,
                  precision: str = "f32"):
         model, graph_path = manifest.model, str(Path(root) / manifest.graph)
         super().__init__(model, name)
@@ -92,8 +92,7 @@ class OpenVinoCpuBackend(Backend):
         return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
 
     def _run(self, batch: PackedBatch, kv: StateKV):
-        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "tree_mask": batch.tree_mask,
-                  "readout_index": batch.readout_index, "readout_target": batch.readout_target}
+        inputs = contract.batch_inputs(batch)
         inputs.update(zip(self.past_names, (value for pair in kv.layers for value in pair)))
         if self.has_past_length:  # the state is every past row here
             inputs[contract.PAST_LENGTH] = np.asarray(kv.length, dtype=np.int64)

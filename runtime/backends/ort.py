@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..core import contract
-from ..core.errors import BackendUnavailable
-from ..core.manifest import Manifest
-from ..core.tree import PackedBatch
+from . import contract
+from .errors import BackendUnavailable
+from .model import EngineDescription
+from .batch import PackedBatch
 from .base import Backend, StateKV
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -39,7 +39,7 @@ class OrtBackend(Backend):
         """fp32 and fp16 engines; bf16 ones on CUDA only (the CPU provider has no bf16 GEMMs)."""
         return cls.precisions if device == "cuda" else ("fp32", "fp16")
 
-    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+    def __init__(self, root: Path, manifest: EngineDescription, threads: int | None = None, *, name: str | None = None,
                  device: str = "cpu", device_id: int = 0):
         model = manifest.model
         graph_path = str(Path(root) / manifest.graph)
@@ -95,18 +95,15 @@ class OrtBackend(Backend):
 
     def _run(self, batch: PackedBatch, kv: StateKV):
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", batch.input_ids)
-        binding.bind_cpu_input("position_ids", batch.position_ids)
-        binding.bind_cpu_input("tree_mask", batch.tree_mask)
-        binding.bind_cpu_input("readout_index", batch.readout_index)
-        binding.bind_cpu_input("readout_target", batch.readout_target)
+        for name, value in contract.batch_inputs(batch).items():
+            binding.bind_cpu_input(name, value)
         if self.has_past_length:  # the state is every past row here
             binding.bind_cpu_input(contract.PAST_LENGTH, np.asarray(kv.length, dtype=np.int64))
         flat = [value for pair in kv.layers for value in pair]
         for name, value in zip(self.past_names, flat):
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:  # read-outs to the host, the new K/V stay on the device
-            kv_output = name.startswith("present_")
+            kv_output = name.startswith(contract.PRESENT)
             binding.bind_output(name, self.device if kv_output else "cpu", self.device_id if kv_output else 0)
         with self.device_span():
             self.session.run_with_iobinding(binding)

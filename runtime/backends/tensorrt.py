@@ -47,10 +47,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core import contract
-from ..core.errors import EngineFileError, OnepassError
-from ..core.manifest import Manifest
-from ..core.tree import PackedBatch, bucket, pad_batch
+from . import contract
+from .errors import EngineFileError, OnepassError
+from .model import EngineDescription
+from .batch import PackedBatch, bucket, pad_batch
 from .base import Backend, StateKV
 from .graphs import MAX_GRAPHS, SLOT_TOKENS, SLOTS, CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from .tensorrt_build import import_tensorrt
@@ -59,7 +59,6 @@ log = logging.getLogger("onepass.tensorrt")
 
 FLOAT = 4  # bytes of a float32 K/V element (fp16 engines keep K/V in float32 too)
 ALIGN = 256  # bytes: TensorRT refuses a tensor address that is not a multiple
-_INPUTS = ("input_ids", "position_ids", "tree_mask", "readout_index", "readout_target")
 
 
 def tensorrt_version(trt) -> str:
@@ -67,7 +66,7 @@ def tensorrt_version(trt) -> str:
     return f"{trt.__name__} {trt.__version__}"
 
 
-def select_plan(manifest: Manifest, tensorrt: str, compute_capability: str) -> dict:
+def select_plan(manifest: EngineDescription, tensorrt: str, compute_capability: str) -> dict:
     """The manifest's plan for this device and TensorRT, or a clear refusal saying how to build one."""
     build = "onepass build-trt --engine DIR --arch native (on this device)"
     for_device = [p for p in manifest.plans if p.get("compute_capability") == compute_capability]
@@ -168,7 +167,7 @@ class DeviceTensor:
 class TensorRTBackend(Backend):
     """The manifest's TensorRT plan for this device. ``device``/``tensorrt`` default to the real ones."""
 
-    def __init__(self, root: Path, manifest: Manifest, threads: int | None = None, *, name: str | None = None,
+    def __init__(self, root: Path, manifest: EngineDescription, threads: int | None = None, *, name: str | None = None,
                  device=None, tensorrt=None, ordinal: int = 0, cuda_graphs: bool = True, pool_bytes: int = 1 << 30,
                  slots: int = SLOTS, capture_after: int = 2, slot_tokens: int = SLOT_TOKENS,
                  max_graphs: int = MAX_GRAPHS):
@@ -200,14 +199,14 @@ class TensorRTBackend(Backend):
         device.synchronize(self.stream)
         m = manifest.model
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        self.has_head = "head_score" in names
+        self.has_head = contract.HEAD_SCORE in names
         # plans of graphs with past_length pad a state to its length bucket (graphs keyed by the bucket); older ones
         # key graphs on the state's exact length
         self.has_past_length = contract.PAST_LENGTH in names
-        self.inputs = _INPUTS + ((contract.PAST_LENGTH,) if self.has_past_length else ())
+        self.inputs = contract.BATCH_INPUTS + ((contract.PAST_LENGTH,) if self.has_past_length else ())
         dims = (m.num_layers, m.num_kv_heads, m.head_dim)
         self.past_names = [s.name for s in contract.input_specs(*dims) if contract.PAST in s.shape]
-        self.present_names = [s.name for s in contract.output_specs(*dims) if s.name.startswith("present_")]
+        self.present_names = [s.name for s in contract.output_specs(*dims) if s.name.startswith(contract.PRESENT)]
         self.cuda_graphs = cuda_graphs
         self._row = m.head_dim * FLOAT  # bytes of one token's K or V in one KV head
         self.pool = StatePool(device, granule=64 * m.kv_bytes_per_token(), keep_bytes=pool_bytes)
@@ -314,11 +313,12 @@ class TensorRTBackend(Backend):
         packed, readout = padded(packed, self.max_packed), padded(readout, self.max_packed)
         key = (packed, readout)
         if key not in self._io:
-            sizes = {"input_ids": packed * 8, "position_ids": packed * 8, "tree_mask": packed * packed,
-                     "readout_index": readout * 8, "readout_target": readout * 8, contract.PAST_LENGTH: 8,
-                     "target_logprob": readout * FLOAT, "head_score": readout * FLOAT}
+            sizes = {contract.INPUT_IDS: packed * 8, contract.POSITION_IDS: packed * 8,
+                     contract.TREE_MASK: packed * packed, contract.READOUT_INDEX: readout * 8,
+                     contract.READOUT_TARGET: readout * 8, contract.PAST_LENGTH: 8,
+                     contract.TARGET_LOGPROB: readout * FLOAT, contract.HEAD_SCORE: readout * FLOAT}
             ptrs = {name: self.device.alloc(size) for name, size in sizes.items()}
-            host = {"target_logprob": np.empty(readout, np.float32), "head_score": np.empty(readout, np.float32)}
+            host = {name: np.empty(readout, np.float32) for name in (contract.TARGET_LOGPROB, contract.HEAD_SCORE)}
             self._io[key] = (ptrs, host)
         return self._io[key]
 
@@ -344,7 +344,7 @@ class TensorRTBackend(Backend):
         self._uploaded = []
         for name in self.inputs:
             value = past_length if name == contract.PAST_LENGTH else getattr(batch, name)
-            array = np.array(value, dtype=np.bool_ if name == "tree_mask" else np.int64, order="C")  # 0-d stays 0-d
+            array = np.array(value, dtype=np.bool_ if name == contract.TREE_MASK else np.int64, order="C")  # 0-d stays 0-d
             self.device.upload(ptrs[name], array, self.stream)
             self._uploaded.append(array)
             shapes[name] = array.shape
@@ -352,7 +352,7 @@ class TensorRTBackend(Backend):
 
     def _point(self, context, shapes: dict, kv: StateKV, ptrs: dict, presents: Sequence[DeviceTensor]) -> None:
         """Give ``context`` every input shape and every tensor address: inputs, state (in place), outputs."""
-        n, r = shapes["input_ids"][0], shapes["readout_index"][0]
+        n, r = shapes[contract.INPUT_IDS][0], shapes[contract.READOUT_INDEX][0]
 
         def shape(name, dims):
             if not context.set_input_shape(name, tuple(dims)):
@@ -372,9 +372,8 @@ class TensorRTBackend(Backend):
             address(name, tensor.ptr if kv.length else self._nothing)
         for name, tensor in zip(self.present_names, presents):
             address(name, tensor.ptr if n else self._nothing)
-        address("target_logprob", ptrs["target_logprob"] if r else self._nothing)
-        if self.has_head:
-            address("head_score", ptrs["head_score"] if r else self._nothing)
+        for name in (contract.TARGET_LOGPROB, contract.HEAD_SCORE) if self.has_head else (contract.TARGET_LOGPROB,):
+            address(name, ptrs[name] if r else self._nothing)
 
     def _enqueue(self, context) -> None:
         """One pass on the stream (timed as a device span when asked; see ``Backend.device_span``)."""
@@ -387,15 +386,13 @@ class TensorRTBackend(Backend):
 
     def _read(self, ptrs: dict, host: dict, r: int):
         """Copy the [R] outputs back and wait for the stream."""
-        if r == 0:  # a prefill chunk: nothing to read back
-            self.device.synchronize(self.stream)
-            return host["target_logprob"][:0].copy(), (host["head_score"][:0].copy() if self.has_head else None)
-        self.device.download(host["target_logprob"], ptrs["target_logprob"], self.stream)
-        if self.has_head:
-            self.device.download(host["head_score"], ptrs["head_score"], self.stream)
+        logprob, score = host[contract.TARGET_LOGPROB], host[contract.HEAD_SCORE]
+        if r:  # a prefill chunk (r == 0) has nothing to read back
+            self.device.download(logprob, ptrs[contract.TARGET_LOGPROB], self.stream)
+            if self.has_head:
+                self.device.download(score, ptrs[contract.HEAD_SCORE], self.stream)
         self.device.synchronize(self.stream)
-        head = host["head_score"][:r].copy() if self.has_head else None
-        return host["target_logprob"][:r].copy(), head
+        return logprob[:r].copy(), (score[:r].copy() if self.has_head else None)
 
     def _run(self, batch: PackedBatch, kv: StateKV):
         """One unpadded pass whose new K/V land in a fresh pool block (prefill chunks). A pass with no

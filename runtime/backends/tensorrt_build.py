@@ -14,7 +14,6 @@ cache calls are no-ops, so none is kept).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import os
@@ -22,10 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import contract
-from ..core import manifest as mf
-from ..core.errors import BackendUnavailable, EngineFileError, OnepassError
-from ..core.manifest import Manifest
+from . import contract
+from .errors import BackendUnavailable, EngineFileError
+from .model import EngineDescription
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
 
@@ -51,7 +49,7 @@ class Profile:
     readout: tuple
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, opt_packed: int = 512, opt_past: int = 512,
+    def from_manifest(cls, manifest: EngineDescription, opt_packed: int = 512, opt_past: int = 512,
                       opt_readout: int = 128) -> "Profile":
         """Span the engine's limits; optimise for typical lengths."""
         lim = manifest.limits
@@ -73,7 +71,7 @@ def network_has(network, name: str) -> bool:
     return any(network.get_input(i).name == name for i in range(network.num_inputs))
 
 
-def role_profiles(manifest: Manifest) -> dict[str, Profile]:
+def role_profiles(manifest: EngineDescription) -> dict[str, Profile]:
     """The plan's profiles in index order: prefill chunks (short past, no read-out to speak of) and
     score passes (a packed tree of ~128 tokens over a ~512-token state)."""
     lim = manifest.limits
@@ -82,7 +80,7 @@ def role_profiles(manifest: Manifest) -> dict[str, Profile]:
             "score": Profile.from_manifest(manifest, opt_packed=128, opt_past=512, opt_readout=64)}
 
 
-def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability: str | None = None,
+def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_capability: str | None = None,
                flavour: str | None = None, profiles: dict[str, Profile] | None = None,
                timing_cache: Path | None = None, workspace_bytes: int | None = None, tf32: bool = False,
                log=print) -> dict:
@@ -141,7 +139,7 @@ def build_plan(root: Path, manifest: Manifest, out: Path, *, compute_capability:
             "build_seconds": round(seconds, 1)}
 
 
-def _builder_config(trt, builder, manifest: Manifest, compute_capability: str | None, workspace_bytes: int | None,
+def _builder_config(trt, builder, manifest: EngineDescription, compute_capability: str | None, workspace_bytes: int | None,
                     tf32: bool):
     """The builder's settings: the target architecture, the workspace budget, TF32 for an fp32 plan, and memory
     the backend allocates itself."""
@@ -162,61 +160,3 @@ def _builder_config(trt, builder, manifest: Manifest, compute_capability: str | 
     if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):  # TensorRT for RTX >= 1.2: the plan runs in the
         config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)  # memory the backend gives it, as stream capture needs
     return config
-
-
-def build_plans(root: Path, archs, *, precision: str | None = None, flavour: str | None = None,
-                device: str | None = None, tf32: bool = False, log=print) -> list[dict]:
-    """Build one plan per compute capability in ``archs`` (``"native"``: this machine's GPU, recorded under its real
-    compute capability) into the engine directory ``root`` and record them in its manifest (replacing an earlier
-    plan of the same compute capability). ``precision`` must be the graph's (default: it is); ``device`` names a
-    ``devices.DEVICES`` profile whose workspace budget limits the builder; ``tf32`` lets fp32 plans use TF32."""
-    root = Path(root)
-    manifest = mf.load(root)
-    if precision is not None and precision != manifest.precision:
-        raise OnepassError(f"this engine's graph is {manifest.precision}; plans are built at the graph's precision "
-                           f"(strongly typed networks), so --precision {precision} needs a graph exported at it "
-                           f"(onepass export --precision {precision})")
-    native = None
-    if "native" in archs:  # build on this device, for this device; record its real compute capability
-        from .cuda_device import CudaDevice
-
-        native = CudaDevice().compute_capability
-    workspace = None
-    if device:
-        from .devices import DEVICES
-
-        workspace = DEVICES[device].workspace_mib << 20
-    from ..core.paths import cache_root
-
-    trt = import_tensorrt(flavour)
-    plans, files, records = list(manifest.plans), dict(manifest.files), []
-    for asked in archs:
-        arch = native if asked == "native" else asked
-        out = root / f"decoder.{arch}.plan"
-        timing = cache_root() / "tensorrt" / f"{trt.__name__}-{trt.__version__}-{arch}.timing"
-        record = build_plan(root, manifest, out, compute_capability=None if asked == "native" else arch,
-                            flavour=trt.__name__, timing_cache=timing, workspace_bytes=workspace, tf32=tf32, log=log)
-        record["compute_capability"] = arch
-        plans = [p for p in plans if p["compute_capability"] != arch]  # one plan file per compute capability
-        plans.append(record)
-        files[out.name] = record["sha256"]
-        records.append(record)
-    mf.write(root, dataclasses.replace(manifest, plans=plans, files=files))
-    return records
-
-
-def build_native_plan_if_missing(root: Path, log=print) -> dict | None:
-    """First start on a GPU: build this device's TensorRT plan unless the engine already has one that loads here.
-    Returns the new plan's record, or None when the engine already had one. Without TensorRT or a CUDA device, a
-    clear ``BackendUnavailable`` and nothing built."""
-    from .cuda_device import CudaDevice
-    from .tensorrt import select_plan, tensorrt_version
-
-    root = Path(root)
-    manifest = mf.load(root)
-    trt, device = import_tensorrt(), CudaDevice()  # neither there: a clear error, nothing to build
-    try:
-        select_plan(manifest, tensorrt_version(trt), device.compute_capability)
-        return None
-    except EngineFileError:
-        return build_plans(root, ["native"], flavour=trt.__name__, log=log)[0]

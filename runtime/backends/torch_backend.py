@@ -40,8 +40,8 @@ from . import engine_weights
 from .base import Backend, StateKV
 from .fused_decoder import FusedDecoder
 from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed, padded
-from ..core.errors import EngineFileError
-from ..core.tree import PackedBatch, bucket, causal, intervals_of_mask
+from .errors import EngineFileError
+from .batch import PackedBatch, bucket, causal, intervals_of_mask
 from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
 
 # rows of the persistent workspace (state bucket + packed bucket of a pass that can be captured): at most 4,096 (a

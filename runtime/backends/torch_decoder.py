@@ -2,7 +2,7 @@
 
 It re-implements the Llama / Qwen2 / Qwen3 block (RMSNorm, rotary attention with
 grouped K/V heads, SwiGLU MLP) over weights taken from a Hugging Face model, with
-the inputs and outputs of :mod:`onepass.runtime.core.contract`. Transformers' own model
+the inputs and outputs of :mod:`onepass.runtime.backends.contract`. Transformers' own model
 stays the independent reference the tests compare against.
 """
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..core.errors import ModelSourceError
-from ..core.manifest import ModelInfo
+from .errors import ModelSourceError
+from .model import ModelInfo
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -241,7 +241,7 @@ class PackedDecoder(nn.Module):
         return h, target, presents
 
     def forward(self, input_ids, position_ids, tree_mask, *args, past_length=None):
-        """See onepass.runtime.core.contract for the inputs and outputs (``past_length``: see ``readout``)."""
+        """See onepass.runtime.backends.contract for the inputs and outputs (``past_length``: see ``readout``)."""
         h, target, presents = self.readout(input_ids, position_ids, tree_mask, *args, past_length=past_length)
         if self.head is None:
             return (target, *presents)

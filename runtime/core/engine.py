@@ -22,7 +22,8 @@ from .prompt import OLD_OPTION_LINE, PromptEncoder
 from .questions import Answer, Question
 from .state_cache import DEFAULT_CACHE_MIB, StateCache
 from .states import State, States
-from .tree import PackedBatch, QuestionTokens, option_head_scores, option_logprobs
+from .tree import QuestionTokens, option_head_scores, option_logprobs
+from ..backends.batch import PackedBatch
 from .wire import parse_request, response_body
 
 DEFAULT_CACHE_BYTES = DEFAULT_CACHE_MIB << 20
@@ -64,17 +65,18 @@ class Engine:
         """Open an engine directory: read and (by default) hash-verify the manifest's files.
 
         ``backend``: None (or "auto") for the default CPU backend (OpenVINO at f32 where it is installed and
-        reproduces the engine's golden file here, else ONNX Runtime: ``onepass.runtime.backends.default``), a
+        reproduces the engine's golden file here, else ONNX Runtime: ``onepass.runtime.core.backend_choice.default``), a
         backend's name (``onepass.runtime.backends.BACKENDS``: "onnxruntime", "openvino-cpu", "tensorrt",
         "torch-cpu", "torch-cuda", ...), or a factory ``(root, manifest, threads) -> Backend`` (e.g.
         ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
         """
         from .. import backends
+        from . import backend_choice
 
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
         if backend in (None, backends.AUTO):
-            backend = backends.default
+            backend = backend_choice.default
         elif isinstance(backend, str):
             backend = backends.factory(backend)
         return cls(root, manifest, backend(root, manifest, threads), cache_bytes)

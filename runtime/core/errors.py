@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ..backends.errors import BackendUnavailable, EngineFileError, ModelSourceError, OnepassError
 
-class OnepassError(Exception):
-    """Base of every error onepass raises on purpose."""
+__all__ = ["OnepassError", "InvalidRequest", "NotText", "LimitExceeded", "DeadlineExceeded", "EngineFileError",
+           "ModelSourceError", "BackendUnavailable"]
 
 
 class InvalidRequest(OnepassError, ValueError):
@@ -30,14 +31,3 @@ class LimitExceeded(InvalidRequest):
 class DeadlineExceeded(OnepassError):
     """Every waiter's deadline passed while a request's passes ran: the rest were not run (maps to HTTP 503)."""
 
-
-class EngineFileError(OnepassError):
-    """An engine directory is missing, incomplete, tampered with or of an unknown version."""
-
-
-class ModelSourceError(OnepassError):
-    """A model to export cannot be found or is of an unsupported kind."""
-
-
-class BackendUnavailable(OnepassError, ImportError):
-    """An optional backend's package is not installed; the message names the package."""

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..backends.model import PRECISIONS, ModelInfo
 from .readout_calibration import Calibration
 from .errors import EngineFileError
 from .prompt import PromptTemplate
@@ -23,30 +24,6 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5)
 TUNING_METHODS = ("lora", "full")
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
-PRECISIONS = ("fp32", "fp16", "bf16")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Dimensions of the compiled decoder."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position: int
-
-    def __post_init__(self):
-        for f in fields(ModelInfo):  # a subclass (the PyTorch decoder's DecoderDims) adds floats and flags
-            if f.name != "architecture" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0):
-                raise ValueError(f"model.{f.name} must be a positive integer")
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of float32 K/V one state token occupies over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
 QUESTION_BUDGET = 1024  # positions an engine keeps for the questions after the longest state

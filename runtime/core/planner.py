@@ -18,7 +18,8 @@ from typing import Callable, Mapping
 from .errors import InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
 from .questions import Question
-from .tree import PackedBatch, QuestionTokens, TooManyTokens, blocks, option_groups, pack, packed_size
+from .tree import QuestionTokens, TooManyTokens, blocks, option_groups, pack, packed_size
+from ..backends.batch import PackedBatch
 from .wire import check_question_id
 
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit

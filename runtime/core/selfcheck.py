@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineFileError
-from .tree import PackedBatch
+from ..backends.batch import PackedBatch
 
 GOLDEN_VERSION = 1
 TOLERANCES = {"prefill_key_first": 1e-4, "prefill_value_last": 1e-4, "target_logprob": 2e-4, "head_score": 1e-3}

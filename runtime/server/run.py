@@ -95,7 +95,7 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
     if exporter is not None and not (Path(engine_dir) / "manifest.json").exists():
         exporter(engine_dir)  # first start on this device: the default model, cached in the volume
     if build_trt_if_missing and backend == "tensorrt":  # the images' default; moot for other backends
-        from ..backends.tensorrt_build import build_native_plan_if_missing
+        from ..core.plans import build_native_plan_if_missing
 
         build_native_plan_if_missing(Path(engine_dir))
     engine = Engine.load(engine_dir, threads=threads, cache_bytes=cache_mib << 20, backend=backend)

@@ -49,6 +49,12 @@ from dataclasses import dataclass
 PACKED, PAST, READOUT = "packed", "past", "readout"
 #: The input that masks the padding rows of a bucketed past (absent from graphs exported before it).
 PAST_LENGTH = "past_length"
+#: The packed pass's inputs, each named as the ``PackedBatch`` field it is fed from (``batch_inputs``).
+INPUT_IDS, POSITION_IDS, TREE_MASK = "input_ids", "position_ids", "tree_mask"
+READOUT_INDEX, READOUT_TARGET = "readout_index", "readout_target"
+BATCH_INPUTS = (INPUT_IDS, POSITION_IDS, TREE_MASK, READOUT_INDEX, READOUT_TARGET)
+#: The outputs read on the host, and the prefix of the new K/V outputs (which stay where the backend keeps K/V).
+TARGET_LOGPROB, HEAD_SCORE, PRESENT = "target_logprob", "head_score", "present_"
 
 
 @dataclass(frozen=True)
@@ -63,27 +69,27 @@ class TensorSpec:
 def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[TensorSpec]:
     """The graph inputs, in order, for a model of the given dimensions."""
     specs = [
-        TensorSpec("input_ids", "int64", (PACKED,)),
-        TensorSpec("position_ids", "int64", (PACKED,)),
-        TensorSpec("tree_mask", "bool", (PACKED, PACKED)),
+        TensorSpec(INPUT_IDS, "int64", (PACKED,)),
+        TensorSpec(POSITION_IDS, "int64", (PACKED,)),
+        TensorSpec(TREE_MASK, "bool", (PACKED, PACKED)),
     ]
     for layer in range(num_layers):
         specs.append(TensorSpec(f"past_key.{layer}", "float32", (num_kv_heads, PAST, head_dim)))
         specs.append(TensorSpec(f"past_value.{layer}", "float32", (num_kv_heads, PAST, head_dim)))
-    specs.append(TensorSpec("readout_index", "int64", (READOUT,)))
-    specs.append(TensorSpec("readout_target", "int64", (READOUT,)))
+    specs.append(TensorSpec(READOUT_INDEX, "int64", (READOUT,)))
+    specs.append(TensorSpec(READOUT_TARGET, "int64", (READOUT,)))
     specs.append(TensorSpec(PAST_LENGTH, "int64", ()))
     return specs
 
 
 def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool = False) -> list[TensorSpec]:
     """The graph outputs, in order, for a model of the given dimensions (``head``: with a decision head)."""
-    specs = [TensorSpec("target_logprob", "float32", (READOUT,))]
+    specs = [TensorSpec(TARGET_LOGPROB, "float32", (READOUT,))]
     for layer in range(num_layers):
-        specs.append(TensorSpec(f"present_key.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
-        specs.append(TensorSpec(f"present_value.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
+        specs.append(TensorSpec(f"{PRESENT}key.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
+        specs.append(TensorSpec(f"{PRESENT}value.{layer}", "float32", (num_kv_heads, PACKED, head_dim)))
     if head:
-        specs.append(TensorSpec("head_score", "float32", (READOUT,)))
+        specs.append(TensorSpec(HEAD_SCORE, "float32", (READOUT,)))
     return specs
 
 
@@ -93,5 +99,11 @@ def io_names(model, graph_outputs) -> tuple[list[str], list[str], bool]:
     ``PAST_LENGTH`` where the graph's inputs have it)."""
     dims = (model.num_layers, model.num_kv_heads, model.head_dim)
     past = [s.name for s in input_specs(*dims) if PAST in s.shape]  # the K/V inputs (past_length is not one)
-    head = "head_score" in set(graph_outputs)
+    head = HEAD_SCORE in set(graph_outputs)
     return past, [s.name for s in output_specs(*dims, head=head)], head
+
+
+def batch_inputs(batch) -> dict:
+    """The packed pass's graph inputs of ``batch`` (a ``PackedBatch``) by their contract names (the past and
+    ``past_length`` are the backend's to add)."""
+    return {name: getattr(batch, name) for name in BATCH_INPUTS}
