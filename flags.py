@@ -4,33 +4,41 @@ from __future__ import annotations
 
 import argparse
 
-from .runtime.backends import BACKENDS
-from .runtime.core.state_cache import DEFAULT_CACHE_MIB
+from .runtime.backends import AUTO, BACKENDS
 from .runtime.backends.devices import DEVICES
+from .runtime.core.config import EngineConfig
+from .runtime.server.config import ServerConfig, TransportLimits
+
+# every default below is the settings' own (one source: the library and the command agree)
+ENGINE, SERVER, TRANSPORT = EngineConfig(), ServerConfig(), TransportLimits()
 
 
 THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
 
 
-def _engine(p, backend: str | None = "auto", help: str = "engine directory") -> None:
+def _engine(p, backend: str | None = ENGINE.backend, help: str = "engine directory") -> None:
     """--engine, --threads and (unless None) --backend: what every command that loads an engine takes."""
     p.add_argument("--engine", required=True, help=help)
-    p.add_argument("--threads", type=int, default=None, help=THREADS)
+    p.add_argument("--threads", type=int, default=ENGINE.threads, help=THREADS)
     if backend is not None:
-        p.add_argument("--backend", choices=("auto", *BACKENDS), default=backend,
+        p.add_argument("--backend", choices=(AUTO, *BACKENDS), default=backend,
                        help="auto: OpenVINO's CPU plugin where it reproduces the golden file here, else ONNX Runtime")
 
 
 def _http(p) -> None:
     """The HTTP settings serve and cluster share."""
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=SERVER.host, help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=SERVER.port)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or ONEPASS_API_KEY)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests (per replica) before answering 429")
-    p.add_argument("--request-timeout", type=float, default=10.0, help="seconds, unless it sends X-Request-Timeout")
-    p.add_argument("--batch-window-ms", type=float, default=2.0, help="requests about one state within it share a pass")
-    p.add_argument("--cache-mib", type=int, default=DEFAULT_CACHE_MIB, help="state cache size in MiB (per replica)")
+    p.add_argument("--max-body-bytes", type=int, default=SERVER.max_body_bytes)
+    p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
+                   help="waiting requests (per replica) before answering 429")
+    p.add_argument("--request-timeout", type=float, default=SERVER.request_timeout_s,
+                   help="seconds, unless it sends X-Request-Timeout")
+    p.add_argument("--batch-window-ms", type=float, default=SERVER.batch_window_ms,
+                   help="requests about one state within it share a pass")
+    p.add_argument("--max-batch", type=int, default=SERVER.max_batch, help="requests about one state in one pass")
+    p.add_argument("--cache-mib", type=int, default=ENGINE.cache_mib, help="state cache size in MiB (per replica)")
 
 
 def _teacher(p, required: bool) -> None:
@@ -180,15 +188,19 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-tokens", type=int, default=None, help="packed tokens per request")
     serve.add_argument("--build-trt-if-missing", action="store_true", help="build this GPU's plan first if missing")
     serve.add_argument("--export-if-missing", action="store_true", help="export the default model first if missing")
-    serve.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send the headers, else 408")
-    serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send the body, else 408")
-    serve.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept")
-    serve.add_argument("--max-header-bytes", type=int, default=16384, help="larger request heads get 431")
-    serve.add_argument("--max-connections", type=int, default=None, help="at once, 503 beyond (default 1000; "
-                       "/healthz and /readyz are still answered)")
-    serve.add_argument("--max-connections-per-client", type=int, default=None,
+    serve.add_argument("--header-timeout", type=float, default=TRANSPORT.header_timeout_s,
+                       help="seconds to send the headers, else 408")
+    serve.add_argument("--body-timeout", type=float, default=TRANSPORT.body_timeout_s,
+                       help="seconds to send the body, else 408")
+    serve.add_argument("--keep-alive", type=int, default=TRANSPORT.keep_alive_s,
+                       help="seconds an idle keep-alive connection is kept")
+    serve.add_argument("--max-header-bytes", type=int, default=TRANSPORT.max_header_bytes,
+                       help="larger request heads get 431")
+    serve.add_argument("--max-connections", type=int, default=TRANSPORT.max_connections,
+                       help="at once, 503 beyond (default 1000; /healthz and /readyz are still answered)")
+    serve.add_argument("--max-connections-per-client", type=int, default=TRANSPORT.max_connections_per_client,
                        help="connections one client address may hold (default a quarter of --max-connections)")
-    serve.add_argument("--framing-penalty", type=float, default=2.0,
+    serve.add_argument("--framing-penalty", type=float, default=TRANSPORT.framing_penalty_s,
                        help="seconds an address that sent abusive chunked framing is refused (429); 0: never")
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     serve.add_argument("--cascade", default=None, help="an engine that answers again below --min-confidence")
@@ -211,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
     cl.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: start one here")
     cl.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the Ray cluster started here")
     cl.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs reserved per replica")
-    cl.add_argument("--threads", type=int, default=1, help=THREADS)
+    cl.add_argument("--threads", type=int, default=1, help=THREADS + "; default 1 per replica, its one Ray CPU")
     cl.add_argument("--retries", type=int, default=1, help="retries of a request whose replica died")
     mcp = sub.add_parser("mcp", help="serve noul/choice/score as MCP tools on stdio")
     _engine(mcp)

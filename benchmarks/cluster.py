@@ -70,7 +70,8 @@ class Client:
 def deploy(engine: str, replicas: int, routing: str) -> None:
     serve.delete("onepass")
     serve.run(build({"engine": engine, "replicas": replicas, "routing": routing, "cpus_per_replica": 1,
-                     "threads": 1, "server": {"request_timeout_s": 60.0}}), name="onepass", route_prefix="/")
+                     "engine_config": {"threads": 1}, "server": {"request_timeout_s": 60.0}}),
+              name="onepass", route_prefix="/")
 
 
 def measure(base: str, engine: str, replicas: int, routing: str, rate: float, seconds: float) -> dict:

@@ -196,7 +196,7 @@ def post(base: str, body, headers: dict | None = None, raw: bytes | None = None)
 def deploy(driver: RayDriver, engine_dir, routing: str, replicas: int = 3):
     """A fresh application (new replicas, empty caches) routed by ``routing``."""
     driver.call("deploy", args={"engine": str(engine_dir), "replicas": replicas, "routing": routing,
-                                "cpus_per_replica": 1, "threads": 1,
+                                "cpus_per_replica": 1, "engine_config": {"threads": 1},
                                 "server": {"request_timeout_s": 60.0, "api_key": KEY}})
 
 
@@ -356,3 +356,9 @@ def test_the_serve_deploy_config_builds_the_application():
     assert build(app.args) is not None
     with pytest.raises(ValueError, match="routing"):
         build({**app.args, "routing": "random"})
+    with pytest.raises(ValueError, match="cache_mib"):  # the engine's settings are checked before any replica starts
+        build({**app.args, "engine_config": {"cache_mib": -1}})
+    legacy = {k: v for k, v in app.args.items() if k != "engine_config"}  # a deploy file from before engine_config
+    with pytest.raises(ValueError, match="threads"):
+        build({**legacy, "threads": 0})
+    assert build({**legacy, "threads": 1, "cache_mib": 256}) is not None

@@ -30,6 +30,7 @@ def _python(env, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([env["PYTHON"], "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.install
 def test_the_rehearsal_python_has_the_images_packages_and_nothing_else(env):
     """Negative control of the rehearsal itself: what the image lacks is neither importable nor visible to an
     availability check, and what it has imports."""
@@ -41,6 +42,7 @@ def test_the_rehearsal_python_has_the_images_packages_and_nothing_else(env):
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
 
 
+@pytest.mark.install
 def test_the_device_check_runs_in_the_h200_images_package_set(env, tiny_llama_dir, tiny_engine_dir, tmp_path):
     """gpu_check.sh as the machine will run it (SHAPE: the model's config and tokenizer, random weights made there,
     the engine exported there), then gpu_check.py on an engine with real (here: the tiny Llama's) weights, which

@@ -28,6 +28,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 RUNTIME = ("numpy", "tokenizers", "onnxruntime", "tqdm")
+pytestmark = pytest.mark.install  # `make test` runs it; `make test-fast` leaves it out
 NOT_RUNTIME = ("torch", "transformers", "fastapi", "uvicorn", "openvino", "ray", "peft", "onnx")
 
 

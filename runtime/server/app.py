@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..core.cascade import Gate
+from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.wire import parse_request, response_body
 from ..core.questions import MAX_LEVELS
@@ -82,6 +83,14 @@ def server_engine(engine: Engine, max_request_tokens: int | None = None) -> Engi
     lim = engine.manifest.limits
     return engine.with_limits(max_request_tokens=max_request_tokens or min(lim.max_request_tokens,
                                                                            lim.max_packed_tokens))
+
+
+def served_engine(engine_dir, settings: EngineConfig) -> Engine:
+    """The engine in ``engine_dir`` loaded by ``settings`` as a server serves it (``onepass serve`` and each cluster
+    replica): its limits lowered, and a request's packed tokens one pass's unless ``max_request_tokens`` says more."""
+    limits = dict(settings.limits)
+    per_request = limits.pop("max_request_tokens", None)
+    return server_engine(dataclasses.replace(settings, limits=limits).load(engine_dir), per_request)
 
 
 class Server:

@@ -39,10 +39,10 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..core.state_cache import DEFAULT_CACHE_MIB
+from ..core.config import EngineConfig
 from ..core.errors import OnepassError
 from ..core.prompt import state_text
-from .app import STATE_CACHE, create_app, server_engine
+from .app import STATE_CACHE, create_app, served_engine
 from .body import decode, parse_json, read_raw
 from .config import ServerConfig
 from .errors import InternalError, NotFound, NotReady, error_response, status_of
@@ -62,13 +62,13 @@ class ClusterConfig:
     autoscale: tuple | None = None  # (min, max) replicas: Serve's autoscaler, instead of a fixed count
     routing: str = "state"  # "state": consistent hash of the state; "default": Serve's own router
     cpus_per_replica: float = 1.0  # Ray's logical CPUs reserved per replica
-    threads: int | None = 1  # ONNX Runtime intra-op threads per replica
-    cache_mib: int = DEFAULT_CACHE_MIB
+    engine_config: dict = field(default_factory=lambda: {"threads": 1})  # EngineConfig's fields, per replica
     retries: int = 1  # a request whose replica died is retried this often on the ring's next replica
     metrics_dir: str | None = None  # Prometheus multiprocess directory shared by the ingress and replicas
     server: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        EngineConfig(**self.engine_config)  # refused here, before any replica starts
         if self.routing not in ("state", "default"):
             raise ValueError(f"routing must be 'state' or 'default', got {self.routing!r}")
         if self.autoscale is None and self.replicas < 1:
@@ -138,11 +138,9 @@ class EngineReplica:
     """One replica: the ``onepass serve`` app over its own engine, answering forwarded requests."""
 
     def __init__(self, config: dict):
-        from ..core.engine import Engine
-
         cfg = ClusterConfig(**config)
         _metrics_dir()
-        engine = server_engine(Engine.load(cfg.engine, threads=cfg.threads, cache_bytes=cfg.cache_mib << 20))
+        engine = served_engine(cfg.engine, EngineConfig(**cfg.engine_config))
         self.app = create_app(engine, ServerConfig(**cfg.server), warm=False)
         self.server = self.app.state.server
         self.server.warm_up()  # Serve hands a replica traffic only once its constructor returns
@@ -221,6 +219,8 @@ class Ingress:
 def build(config: dict):
     """The Serve application: an ingress in front of the engine replicas (a Serve application builder)."""
     config = dict(config)
+    legacy = {k: config.pop(k) for k in ("threads", "cache_mib", "backend") if k in config}  # deploy files written
+    config["engine_config"] = {**config.get("engine_config", {"threads": 1}), **legacy}  # before engine_config
     if isinstance(config.get("autoscale"), list):
         config["autoscale"] = tuple(config["autoscale"])
     if not config.get("metrics_dir"):
@@ -291,12 +291,12 @@ def autoscale_range(text: str | None) -> tuple | None:
     return int(low), int(high)
 
 
-def run(engine_dir: str, server: ServerConfig, *, replicas: int = 2, autoscale: str | None = None,
-        routing: str = "state", address: str | None = None, num_cpus: int | None = None,
-        cpus_per_replica: float = 1.0, threads: int | None = 1, cache_mib: int = DEFAULT_CACHE_MIB, retries: int = 1,
-        echo=print) -> None:
+def run(engine_dir: str, server: ServerConfig, engine_config: EngineConfig | None = None, *, replicas: int = 2,
+        autoscale: str | None = None, routing: str = "state", address: str | None = None, num_cpus: int | None = None,
+        cpus_per_replica: float = 1.0, retries: int = 1, echo=print) -> None:
     """`onepass cluster`: serve ``engine_dir`` from replicas on Ray Serve until SIGINT or SIGTERM (SIGINT also when
-    inherited ignored, as in a script's background job), then stop Serve and Ray and every process started here."""
+    inherited ignored, as in a script's background job), then stop Serve and Ray and every process started here.
+    ``engine_config``: each replica's engine settings (default: one thread per replica, as its one logical CPU)."""
     import shutil
     import threading
 
@@ -308,7 +308,8 @@ def run(engine_dir: str, server: ServerConfig, *, replicas: int = 2, autoscale: 
                            f"{engine_dir}` first")
     metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
     config = dict(engine=str(engine), replicas=replicas, autoscale=autoscale_range(autoscale), routing=routing,
-                  cpus_per_replica=cpus_per_replica, threads=threads, cache_mib=cache_mib, retries=retries,
+                  cpus_per_replica=cpus_per_replica, engine_config=asdict(engine_config or EngineConfig(threads=1)),
+                  retries=retries,
                   metrics_dir=metrics_dir, server=asdict(server))
     size = f"{autoscale} replicas (autoscaled)" if autoscale else f"{replicas} replicas"
     stop = threading.Event()

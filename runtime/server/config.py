@@ -1,8 +1,12 @@
-"""Server settings: a frozen dataclass validated at construction."""
+"""The server's settings, every default in one place: ``ServerConfig`` (HTTP, queue, batching, deadline) and
+``TransportLimits`` (what one connection and one client address may take). Frozen dataclasses validated at
+construction; ``onepass serve``, ``onepass cluster``, ``AsyncEngine`` and the command's flags take their defaults
+from here (the engine's own: ``core.config.EngineConfig``)."""
 
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass, field
 
 DEFAULT_ALIASES = ("jev-latest", "jev", "default")
@@ -43,3 +47,46 @@ class ServerConfig:
         if overrides.get("api_key") is None and os.environ.get("ONEPASS_API_KEY", "").strip():
             overrides["api_key"] = os.environ["ONEPASS_API_KEY"].strip()
         return cls(**{k: v for k, v in overrides.items() if v is not None})
+
+
+PROBE_RESERVE = 8  # connections admitted past the cap for the probes alone (/healthz, /readyz, /metrics)
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """What one connection, and one client address, may take, with the defaults ``onepass serve`` uses."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: int = 5
+    max_header_bytes: int = 16384
+    max_connections: int | None = None  # None: 1000, or below the open-files limit where that is lower
+    max_connections_per_client: int | None = None  # None: a quarter of the cap (at least 1)
+    max_body_bytes: int = 1 << 20  # the server's body limit; a chunked body's framing is held near it
+    framing_penalty_s: float = 2.0  # an address that sent abusive framing is refused (429) this long; 0: never
+
+    def __post_init__(self):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.framing_penalty_s <= 3600:
+            raise ValueError(f"framing_penalty_s must be within 0..3600, got {self.framing_penalty_s}")
+
+    def connections(self) -> int:
+        """The connection cap: as given, else 1000 kept 64 below this process's open-files limit."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(16, min(1000, soft - 64 - PROBE_RESERVE)) if soft != resource.RLIM_INFINITY else 1000
+
+    def per_client(self) -> int:
+        """Connections one client address may hold at once."""
+        return self.max_connections_per_client or max(1, self.connections() // 4)
+
+    def framing_bytes(self) -> int:
+        """The most bytes a chunked body's framing (chunk sizes, extensions, trailers) may add to its data: room for
+        ``FREE_CHUNKS`` chunks with extensions, or an eighth of the body limit."""
+        return max(65536, self.max_body_bytes // 8)

@@ -10,10 +10,10 @@ import socket
 from pathlib import Path
 
 from ..core.engine import Engine
-from ..core.state_cache import DEFAULT_CACHE_MIB
+from ..core.config import EngineConfig
 from ..core.errors import OnepassError
-from .config import ServerConfig
-from .transport import TransportLimits, TransportStats, listen
+from .config import ServerConfig, TransportLimits
+from .transport import TransportStats, listen, uvicorn_options
 
 
 def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, record: str | None = None,
@@ -65,22 +65,43 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
         raise
 
 
-def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | None = None, *, backend: str = "auto",
-          threads: int | None = None, cache_mib: int = DEFAULT_CACHE_MIB, limits: dict | None = None,
-          max_request_tokens: int | None = None, cascade: str | None = None, min_confidence: float | None = None,
-          exporter=None, build_trt_if_missing: bool = False, teacher: dict | None = None) -> None:
-    """Serve ``engine_dir`` until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). ``limits`` lowers the
-    engine's (max_state_tokens, max_packed_tokens, max_questions, max_options); ``max_request_tokens`` is the
-    packed tokens one request may take over its passes (default: one pass's). With ``cascade``, questions answered
-    below ``min_confidence`` are asked again of that engine. ``teacher``: :func:`teacher_setup`'s arguments (a remote
-    model in shadow mode, gate mode with ``min_confidence`` or the engine's distilled gate, or both). ``exporter`` (the export package's export_engine; the
-    runtime never imports export) writes the default model into ``engine_dir`` on a first start where it holds no
-    engine. The port is bound first: a taken one is an error before any engine loads."""
-    import uvicorn
+def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | None = None,
+          engine_config: EngineConfig | None = None, *, cascade: str | None = None,
+          min_confidence: float | None = None, teacher: dict | None = None, exporter=None,
+          build_trt_if_missing: bool = False) -> None:
+    """Serve ``engine_dir`` until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown), with the HTTP settings
+    ``config``, the connection limits ``transport`` and the engine's settings ``engine_config`` (backend, threads,
+    cache, lowered limits; ``max_request_tokens`` is the packed tokens one request may take over its passes, by
+    default one pass's). With ``cascade``, questions answered below ``min_confidence`` are asked again of that
+    engine. ``teacher``: :func:`teacher_setup`'s arguments (a remote model in shadow mode, gate mode with
+    ``min_confidence`` or the engine's distilled gate, or both). ``exporter`` (the export package's export_engine;
+    the runtime never imports export) writes the default model into ``engine_dir`` on a first start where it holds
+    no engine. The port is bound first: a taken one is an error before any engine loads."""
+    from .app import create_app, served_engine
 
-    from .app import create_app, server_engine
+    check_second_opinion(cascade, min_confidence, teacher)  # refused before any export or engine load
+    transport, engine_config = transport or TransportLimits(), engine_config or EngineConfig()
+    socks = listen(config.host, config.port)
+    if exporter is not None and not (Path(engine_dir) / "manifest.json").exists():
+        exporter(engine_dir)  # first start on this device: the default model, cached in the volume
+    if build_trt_if_missing and engine_config.backend == "tensorrt":  # the images' default; moot for the others
+        from ..core.plans import build_native_plan_if_missing
 
-    if cascade is not None and min_confidence is None:  # refused before any export or engine load
+        build_native_plan_if_missing(Path(engine_dir))
+    engine = served_engine(engine_dir, engine_config)
+    second = Engine.load(cascade, threads=engine_config.threads) if cascade else None
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
+    setup = None if teacher is None else teacher_setup(engine, min_confidence=min_confidence, **teacher)
+    app = create_app(engine, config, cascade=second, min_confidence=min_confidence if second else None,
+                     teacher=setup)
+    run_uvicorn(app, socks, dataclasses.replace(transport, max_body_bytes=config.max_body_bytes))  # the framing
+    # cap follows the body limit
+
+
+def check_second_opinion(cascade: str | None, min_confidence: float | None, teacher: dict | None) -> None:
+    """A cascade engine or a teacher (never both), and a --min-confidence only with one of them."""
+    if cascade is not None and min_confidence is None:
         raise OnepassError("--cascade DIR needs --min-confidence: questions answered below it are asked again of the "
                            "cascade engine")
     if min_confidence is not None and cascade is None and teacher is None:
@@ -90,26 +111,15 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
                            "its teacher; a cascade engine answers locally)")
     if teacher is not None:
         check_teacher(**teacher)
-    transport = transport or TransportLimits()
-    socks = listen(config.host, config.port)
-    if exporter is not None and not (Path(engine_dir) / "manifest.json").exists():
-        exporter(engine_dir)  # first start on this device: the default model, cached in the volume
-    if build_trt_if_missing and backend == "tensorrt":  # the images' default; moot for other backends
-        from ..core.plans import build_native_plan_if_missing
 
-        build_native_plan_if_missing(Path(engine_dir))
-    engine = Engine.load(engine_dir, threads=threads, cache_bytes=cache_mib << 20, backend=backend)
-    engine = server_engine(engine.with_limits(**(limits or {})), max_request_tokens)
-    second = Engine.load(cascade, threads=threads) if cascade else None
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("onepass.serve").info("serving %s on the %s backend", engine.name, engine.backend.name)
-    setup = None if teacher is None else teacher_setup(engine, min_confidence=min_confidence, **teacher)
-    app = create_app(engine, config, cascade=second, min_confidence=min_confidence if second else None,
-                     teacher=setup)
+
+def run_uvicorn(app, socks: list, transport: TransportLimits) -> None:
+    """uvicorn on the bound ``socks`` with the transport's limits, its refusals counted into the app's metrics."""
+    import uvicorn
+
     stats = TransportStats()
     app.state.server.metrics.watch_transport(stats)
-    transport = dataclasses.replace(transport, max_body_bytes=config.max_body_bytes)  # the framing cap follows it
-    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **transport.uvicorn_options(stats)))
+    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **uvicorn_options(transport, stats)))
     for sock in socks:
         address = sock.getsockname()
         logging.getLogger("onepass.serve").info("listening on http://%s:%d", *(

@@ -38,71 +38,22 @@ import asyncio
 import collections
 import json
 import math
-import resource
 import socket
 import time
-from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..core.errors import OnepassError
+from .config import PROBE_RESERVE, TransportLimits
 
 
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered whatever the load: liveness, readiness, and the
 # metrics that show the overload
-PROBE_RESERVE = 8  # connections admitted past the cap for the probes alone ...
 PROBE_HEAD_S = 1.0  # ... each with this long to send its head (a probe sends it at once; a trickler loses its place)
 FREE_CHUNKS = 256  # chunks a body may use whatever their size (1-byte chunks are refused after 2 ms of parsing) ...
 MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
 TINY_CHUNK_BYTES = 16  # refused chunks averaging under this are an attack, not a client's small writes: penalised
-
-
-@dataclass(frozen=True)
-class TransportLimits:
-    """What one connection, and one client address, may take, with the defaults ``onepass serve`` uses."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: int = 5
-    max_header_bytes: int = 16384
-    max_connections: int | None = None  # None: 1000, or below the open-files limit where that is lower
-    max_connections_per_client: int | None = None  # None: a quarter of the cap (at least 1)
-    max_body_bytes: int = 1 << 20  # the server's body limit; a chunked body's framing is held near it
-    framing_penalty_s: float = 2.0  # an address that sent abusive framing is refused (429) this long; 0: never
-
-    def __post_init__(self):
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_connections", "max_connections_per_client"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.framing_penalty_s <= 3600:
-            raise ValueError(f"framing_penalty_s must be within 0..3600, got {self.framing_penalty_s}")
-
-    def connections(self) -> int:
-        """The connection cap: as given, else 1000 kept 64 below this process's open-files limit."""
-        if self.max_connections is not None:
-            return self.max_connections
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(16, min(1000, soft - 64 - PROBE_RESERVE)) if soft != resource.RLIM_INFINITY else 1000
-
-    def per_client(self) -> int:
-        """Connections one client address may hold at once."""
-        return self.max_connections_per_client or max(1, self.connections() // 4)
-
-    def framing_bytes(self) -> int:
-        """The most bytes a chunked body's framing (chunk sizes, extensions, trailers) may add to its data: room for
-        ``FREE_CHUNKS`` chunks with extensions, or an eighth of the body limit."""
-        return max(65536, self.max_body_bytes // 8)
-
-    def uvicorn_options(self, stats: "TransportStats") -> dict:
-        """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply these limits, counting refusals into
-        ``stats`` (the connection cap is the protocol's own: uvicorn's would refuse the probes too, and count
-        nothing)."""
-        return {"http": protocol(self, stats), "ws": "none", "timeout_keep_alive": self.keep_alive_s,
-                "limit_concurrency": None, "h11_max_incomplete_event_size": self.max_header_bytes + 1}
 
 
 class TransportStats:
@@ -330,6 +281,13 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.disconnected = True  # the app's receive() now says the client is gone
             self.cycle.message_event.set()
         self.transport.close()
+
+
+def uvicorn_options(limits: TransportLimits, stats: "TransportStats") -> dict:
+    """``uvicorn.Config``/``uvicorn.run`` keyword arguments that apply ``limits``, counting refusals into ``stats``
+    (the connection cap is the protocol's own: uvicorn's would refuse the probes too, and count nothing)."""
+    return {"http": protocol(limits, stats), "ws": "none", "timeout_keep_alive": limits.keep_alive_s,
+            "limit_concurrency": None, "h11_max_incomplete_event_size": limits.max_header_bytes + 1}
 
 
 def protocol(limits: TransportLimits, stats: TransportStats) -> type:

@@ -1,0 +1,82 @@
+"""One source of settings: every default of `onepass serve` and `onepass cluster` is the settings classes' own
+(``EngineConfig``, ``ServerConfig``, ``TransportLimits``), and ``AsyncEngine`` and the library's ``serve`` and
+``cluster.run`` take theirs from the same classes. Negative control: a flag whose default was written by hand and
+differs is found."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from onepass.flags import parser
+from onepass.runtime.core.config import EngineConfig
+from onepass.runtime.server.config import ServerConfig, TransportLimits
+
+# flag dest -> (settings class, field)
+FLAGS = {
+    "backend": (EngineConfig, "backend"), "threads": (EngineConfig, "threads"), "cache_mib": (EngineConfig, "cache_mib"),
+    "host": (ServerConfig, "host"), "port": (ServerConfig, "port"), "max_body_bytes": (ServerConfig, "max_body_bytes"),
+    "max_queue": (ServerConfig, "max_queue"), "batch_window_ms": (ServerConfig, "batch_window_ms"),
+    "max_batch": (ServerConfig, "max_batch"), "request_timeout": (ServerConfig, "request_timeout_s"),
+    "header_timeout": (TransportLimits, "header_timeout_s"), "body_timeout": (TransportLimits, "body_timeout_s"),
+    "keep_alive": (TransportLimits, "keep_alive_s"), "max_header_bytes": (TransportLimits, "max_header_bytes"),
+    "max_connections": (TransportLimits, "max_connections"),
+    "max_connections_per_client": (TransportLimits, "max_connections_per_client"),
+    "framing_penalty": (TransportLimits, "framing_penalty_s"),
+}
+CLUSTER_OWN = {"threads": 1}  # a replica's one Ray CPU: one thread, the cluster's documented default
+
+
+def _differences(args, flags: dict, own: dict | None = None) -> list[str]:
+    own = own or {}
+    return [f"--{dest.replace('_', '-')} defaults to {getattr(args, dest)!r}, {cls.__name__}.{name} to "
+            f"{own.get(dest, getattr(cls(), name))!r}"
+            for dest, (cls, name) in flags.items()
+            if hasattr(args, dest) and getattr(args, dest) != own.get(dest, getattr(cls(), name))]
+
+
+def test_the_serve_flags_default_to_the_settings():
+    args = parser().parse_args(["serve", "--engine", "e"])
+    assert all(hasattr(args, dest) for dest in FLAGS), [d for d in FLAGS if not hasattr(args, d)]
+    assert _differences(args, FLAGS) == []
+
+
+def test_the_cluster_flags_default_to_the_settings():
+    args = parser().parse_args(["cluster", "--engine", "e"])
+    assert _differences(args, FLAGS, CLUSTER_OWN) == []
+    assert hasattr(args, "max_queue") and hasattr(args, "cache_mib")
+
+
+def test_a_default_written_by_hand_is_found():
+    """Negative control: a serve parser whose --max-queue default is 256 (AsyncEngine's once) differs."""
+    p = parser()
+    serve = next(a for a in p._subparsers._group_actions[0].choices.values() if a.prog.endswith(" serve"))
+    serve.set_defaults(max_queue=256)
+    found = _differences(p.parse_args(["serve", "--engine", "e"]), FLAGS)
+    assert found == ["--max-queue defaults to 256, ServerConfig.max_queue to 64"]
+
+
+def test_the_library_takes_the_same_defaults():
+    from onepass.runtime.core.engine import DEFAULT_CACHE_BYTES
+    from onepass.runtime.server import cluster, run
+    from onepass.runtime.server.embed import AsyncEngine
+
+    server = ServerConfig()
+    params = inspect.signature(AsyncEngine).parameters
+    assert (params["window_ms"].default, params["max_queue"].default, params["max_batch"].default,
+            params["timeout_s"].default) == (server.batch_window_ms, server.max_queue, server.max_batch,
+                                              server.request_timeout_s)
+    assert DEFAULT_CACHE_BYTES == EngineConfig().cache_bytes  # Engine.load's own default
+    assert inspect.signature(run.serve).parameters["engine_config"].default is None  # None: EngineConfig()
+    assert len(inspect.signature(run.serve).parameters) <= 9
+    assert cluster.ClusterConfig(engine="e").engine_config == {"threads": 1}
+
+
+@pytest.mark.parametrize("bad, match", [({"threads": 0}, "threads"), ({"cache_mib": -1}, "cache_mib"),
+                                        ({"backend": "cuda"}, "backend"), ({"limits": {"max_tokens": 1}}, "limits")])
+def test_engine_settings_are_checked_when_made(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**bad)
+    assert dataclasses.replace(EngineConfig(), limits={"max_questions": 8}).limits == {"max_questions": 8}
