@@ -9,7 +9,7 @@ Counted per precision (fp16, bf16) for the fused pass, and for the reference dec
 Each pass is counted warm: the state already in the workspace (a new state adds one copy, counted apart).
 
 Padding: padded / unpadded packed tokens (and read-outs) of 1, 13 and 64 questions on a ~512-token state, and the
-worst state padding over every state length from 100 to 2,048 tokens (``tree.bucket``).
+worst state padding over every state length from 100 to 2,048 tokens (``batch.bucket``).
 
 JSON keys: ``launches_per_layer`` (the fp16 13-question pass's launches / layers, its per-pass launches included),
 ``prefill_launches_per_layer`` (one 512-token chunk, fp16), ``padding`` (the worst padded/unpadded token ratio over

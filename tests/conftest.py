@@ -223,7 +223,7 @@ SLOWEST_FIRST = ("test_cluster.py",  # 88 s, a real Ray Serve cluster of the tin
 
 def pytest_collection_modifyitems(config, items):
     """A test that needs the default model, through any chain of fixtures, is ``slow``: the marker follows the
-    fixtures, so ``-m "not slow"`` (``make test-fast``) never exports or loads the model."""
+    fixtures, so ``-m "not slow"`` (``make test-fast`` adds ``and not install``) never exports or loads the model."""
     asked_for_archs = "archs" in (config.getoption("-m") or "")
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:

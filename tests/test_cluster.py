@@ -343,7 +343,7 @@ def test_serves_default_router_spreads_states_and_misses_the_cache(cluster, ray_
     assert any(len({r for j, r, _ in spread if j == i}) > 1 for i in range(len(STATES)))
 
 
-def test_the_serve_deploy_config_builds_the_application():
+def test_the_serve_deploy_config_builds_the_application(tmp_path):
     """docker/ray-serve.yaml is a valid Serve config whose import path and args build the application."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -356,9 +356,16 @@ def test_the_serve_deploy_config_builds_the_application():
     assert build(app.args) is not None
     with pytest.raises(ValueError, match="routing"):
         build({**app.args, "routing": "random"})
+    app.args["metrics_dir"] = str(tmp_path)  # built below without a temporary folder each
     with pytest.raises(ValueError, match="cache_mib"):  # the engine's settings are checked before any replica starts
         build({**app.args, "engine_config": {"cache_mib": -1}})
     legacy = {k: v for k, v in app.args.items() if k != "engine_config"}  # a deploy file from before engine_config
     with pytest.raises(ValueError, match="threads"):
-        build({**legacy, "threads": 0})
+        build({**legacy, "threads": -1})
     assert build({**legacy, "threads": 1, "cache_mib": 256}) is not None
+    with pytest.raises(ValueError, match="threads given both"):
+        build({**app.args, "threads": 2})
+    from onepass.runtime.server.cluster import replica_engine_config
+
+    assert replica_engine_config({"engine_config": {"cache_mib": 64}}) == {"threads": 1, "cache_mib": 64}
+    assert replica_engine_config({"engine_config": None, "threads": 2}) == {"threads": 2}

@@ -45,8 +45,17 @@ def test_the_serve_flags_default_to_the_settings():
 
 def test_the_cluster_flags_default_to_the_settings():
     args = parser().parse_args(["cluster", "--engine", "e"])
+    engine_and_http = [d for d, (cls, _) in FLAGS.items() if cls is not TransportLimits and d != "backend"]
+    assert all(hasattr(args, dest) for dest in engine_and_http), [d for d in engine_and_http if not hasattr(args, d)]
     assert _differences(args, FLAGS, CLUSTER_OWN) == []
-    assert hasattr(args, "max_queue") and hasattr(args, "cache_mib")
+
+
+def test_max_batch_reaches_the_server_settings_of_serve_and_cluster():
+    from onepass.cli import _server_config
+
+    for command in ("serve", "cluster"):
+        args = parser().parse_args([command, "--engine", "e", "--max-batch", "4"])
+        assert _server_config(args).max_batch == 4
 
 
 def test_a_default_written_by_hand_is_found():
@@ -59,6 +68,8 @@ def test_a_default_written_by_hand_is_found():
 
 
 def test_the_library_takes_the_same_defaults():
+    pytest.importorskip("ray", reason="the cluster extra is not installed")
+    pytest.importorskip("uvicorn", reason="the server extra is not installed")
     from onepass.runtime.core.engine import DEFAULT_CACHE_BYTES
     from onepass.runtime.server import cluster, run
     from onepass.runtime.server.embed import AsyncEngine
@@ -74,9 +85,10 @@ def test_the_library_takes_the_same_defaults():
     assert cluster.ClusterConfig(engine="e").engine_config == {"threads": 1}
 
 
-@pytest.mark.parametrize("bad, match", [({"threads": 0}, "threads"), ({"cache_mib": -1}, "cache_mib"),
+@pytest.mark.parametrize("bad, match", [({"threads": -1}, "threads"), ({"cache_mib": -1}, "cache_mib"),
                                         ({"backend": "cuda"}, "backend"), ({"limits": {"max_tokens": 1}}, "limits")])
 def test_engine_settings_are_checked_when_made(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**bad)
     assert dataclasses.replace(EngineConfig(), limits={"max_questions": 8}).limits == {"max_questions": 8}
+    assert EngineConfig(threads=0).threads is None  # --threads 0: the backend's own choice, as it always was

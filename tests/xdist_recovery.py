@@ -54,13 +54,15 @@ class RecoveringLoadFileScheduling(LoadFileScheduling):
     def _reschedule(self, node):
         if node.shutting_down or node not in self.registered_collections:
             return  # a replacement still collecting gets its work once its collection is in (schedule())
+        held = set(self.assigned_work[node])
         try:
             while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
                 self._assign_work_unit(node)
             if not self.workqueue:
                 node.shutdown()
         except OSError:  # the worker died and its removal is not in yet (a test it finished was reported first):
-            pass  # what was just assigned to it counts as unfinished, and remove_node puts it back on the queue
+            for scope in set(self.assigned_work[node]) - held:  # what could not be sent goes back on the queue,
+                self.workqueue[scope] = self.assigned_work[node].pop(scope)  # never blamed for the crash
 
 
 @pytest.hookimpl(optionalhook=True)

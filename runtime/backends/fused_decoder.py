@@ -9,7 +9,7 @@ CPU torch (the tests' stand-in) and on the ``meta`` device (the launch count, ``
   rows, is folded into extra weight rows), so rotary embedding is two elementwise kernels that write q, k and v
   straight into the workspace (value heads take cos 1, sin 0: unchanged);
 * attention is **one kernel** over the state rows and the packed rows of the workspace, the tree mask a broadcast
-  bias built once per pass on the device from 2N numbers (``tree.intervals``); grouped K/V heads are a stride-0
+  bias built once per pass on the device from 2N numbers (``batch.intervals``); grouped K/V heads are a stride-0
   batch axis, never repeated;
 * gate and up are one GEMM; the o and down projections add into the residual stream in place (``addmm_``);
 * RMSNorm is one fused kernel; the vocabulary read-out is one GEMM over the read-out rows only, with fp32 output and a
@@ -221,7 +221,7 @@ class FusedDecoder:
     def score(self, ws, past_rows: int, ids, positions, order, past_length, readout_index, readout_target):
         """One packed pass over the state in ``ws`` rows [0, past_length) (a state bucket of ``past_rows`` rows).
 
-        ids, positions [N] int64; order [N, 2] int64 (``tree.intervals``); past_length 0-d int64; readout_index,
+        ids, positions [N] int64; order [N, 2] int64 (``batch.intervals``); past_length 0-d int64; readout_index,
         readout_target [R] int64 -> (target log-probs [R] fp32, decision-head scores [R] fp32 or None)."""
         bias = self._tree_bias(order, past_length, past_rows)  # [N, Sb+N]
         x = self._blocks(ws, past_rows, ids, positions, bias)  # [N, d]

@@ -12,7 +12,7 @@ copied once into the state's own buffer for the cache (one copy, not one per lay
 workspace does not hold copies the state's K/V in first (one copy), and a state asked about again, or just
 prefilled, is still there (``slots``: a table of one slot). Nothing on the hot path depends on which state it is.
 
-With ``buckets`` (default: on CUDA) passes are padded to ``tree.bucket`` sizes (steps of a quarter power of two:
+With ``buckets`` (default: on CUDA) passes are padded to ``batch.bucket`` sizes (steps of a quarter power of two:
 at most 1.25x), the state to its bucket with its padding rows masked; with ``cuda_graphs`` (default: on CUDA) the
 score pass of each (state bucket, packed bucket, read-out bucket) and the prefill chunk of each (past, chunk bucket)
 is captured as a CUDA graph the *second* time it is seen (a one-off shape runs eagerly instead of paying a capture)

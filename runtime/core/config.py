@@ -18,7 +18,7 @@ class EngineConfig:
     """The backend, its threads, the state cache's budget and the limits lowered for this deployment."""
 
     backend: str = AUTO  # "auto": OpenVINO where it reproduces the golden file here, else ONNX Runtime
-    threads: int | None = None  # the backend's intra-op threads (None: its own choice)
+    threads: int | None = None  # the backend's intra-op threads (None or 0: its own choice)
     cache_mib: int = DEFAULT_CACHE_MIB  # the state cache's budget
     limits: dict = field(default_factory=dict)  # LIMITS -> a lower value
     verify: bool = True  # every file's sha256 checked on load
@@ -26,8 +26,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.backend not in (AUTO, *BACKENDS):
             raise ValueError(f"backend must be one of {', '.join((AUTO, *BACKENDS))}, got {self.backend!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.threads == 0:  # what --threads 0 has always meant
+            object.__setattr__(self, "threads", None)
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"threads must be at least 1 (or 0: the backend's own choice), got {self.threads}")
         if self.cache_mib < 0:
             raise ValueError(f"cache_mib must be at least 0, got {self.cache_mib}")
         unknown = sorted(set(self.limits) - set(LIMITS))

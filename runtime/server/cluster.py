@@ -216,11 +216,22 @@ class Ingress:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def replica_engine_config(config: dict) -> dict:
+    """A replica's EngineConfig fields from a deploy config (``config`` loses the top-level ones): ``engine_config``
+    with one thread per replica unless it says otherwise, and the ``threads``/``cache_mib``/``backend`` that deploy
+    files written before ``engine_config`` put at the top (each given once)."""
+    legacy = {k: config.pop(k) for k in ("threads", "cache_mib", "backend") if k in config}
+    given = config.get("engine_config") or {}
+    both = sorted(set(legacy) & set(given))
+    if both:
+        raise ValueError(f"{', '.join(both)} given both at the top and in engine_config: give each once")
+    return {"threads": 1, **given, **legacy}
+
+
 def build(config: dict):
     """The Serve application: an ingress in front of the engine replicas (a Serve application builder)."""
     config = dict(config)
-    legacy = {k: config.pop(k) for k in ("threads", "cache_mib", "backend") if k in config}  # deploy files written
-    config["engine_config"] = {**config.get("engine_config", {"threads": 1}), **legacy}  # before engine_config
+    config["engine_config"] = replica_engine_config(config)
     if isinstance(config.get("autoscale"), list):
         config["autoscale"] = tuple(config["autoscale"])
     if not config.get("metrics_dir"):
