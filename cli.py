@@ -71,6 +71,18 @@ def _server_config(args):
                                  docs=getattr(args, "docs", None))
 
 
+def cmd_guarantee(args) -> int:
+    """Measure OpenVINO's bf16 against its fp32 on the given requests; with --write, record it in the manifest."""
+    from .runtime.tools.guarantee import measure, read_requests, record, report_lines
+
+    requests = read_requests(args.requests)  # every line checked before any engine loads
+    result = measure(args.engine, requests, threads=args.threads)
+    print("\n".join(report_lines(result)))
+    if args.write:
+        print(f"recorded in {record(args.engine, result['variant'], result['guarantee'])}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     """Run the TypeSafe System One HTTP server."""
     from .runtime.server.run import serve
@@ -225,8 +237,8 @@ def cmd_export(args) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "ask": cmd_ask, "bench": cmd_bench, "check": cmd_check, "calibrate": cmd_calibrate,
-            "eval": cmd_eval, "tune": cmd_tune, "plan": cmd_plan, "build-trt": cmd_build_trt, "quantize": cmd_quantize,
+COMMANDS = {"export": cmd_export, "ask": cmd_ask, "bench": cmd_bench, "check": cmd_check, "guarantee": cmd_guarantee,
+            "calibrate": cmd_calibrate, "eval": cmd_eval, "tune": cmd_tune, "plan": cmd_plan, "build-trt": cmd_build_trt, "quantize": cmd_quantize,
             "distill": cmd_distill, "serve": cmd_serve, "cluster": cmd_cluster, "mcp": cmd_mcp}
 
 

@@ -128,6 +128,12 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--force", action="store_true", help="compare even when the workload or machine differ")
     check = sub.add_parser("check", help="verify an engine's files and its graph against the golden file")
     _engine(check, backend="onnxruntime")  # the reference; bf16 engines: tensorrt or torch-*
+    gu = sub.add_parser("guarantee", help="measure bf16 against fp32 on your requests; --write lets the default use it")
+    gu.add_argument("--engine", required=True, help="engine directory (its manifest is updated with --write)")
+    gu.add_argument("--threads", type=int, default=ENGINE.threads, help=THREADS)
+    gu.add_argument("--requests", required=True,
+                    help="JSONL of System One request bodies, each with an optional \"dataset\" name")
+    gu.add_argument("--write", action="store_true", help="record the guarantee in the engine's manifest")
     cal = sub.add_parser("calibrate", help="fit temperature/bias on labelled JSONL into the engine manifest")
     cal.add_argument("--engine", required=True, help="engine directory (its manifest is updated)")
     cal.add_argument("--data", required=True, help="JSONL rows: {state, question, label}")

@@ -113,7 +113,7 @@ def test_manifest_round_trip_with_calibration():
     m = Manifest(name="x", model=ModelInfo("llama", 1, 8, 2, 1, 4, 10, 64), tokenizer="t", graph="g", golden="h",
                  files={"t": "0", "g": "0", "h": "0"}, calibration=cal)
     again = Manifest.from_dict(json.loads(m.to_json()))
-    assert again == m and again.schema_version == SCHEMA_VERSION == 5
+    assert again == m and again.schema_version == SCHEMA_VERSION == 6
     with pytest.raises(ValueError, match="temperature must be a positive"):
         GroupCalibration(temperature=0.0)
 

@@ -100,7 +100,7 @@ def test_manifest_round_trip_with_a_head_and_head_readout_needs_one(engine_dir):
     text = dataclasses.replace(manifest, head=info, scoring=mf.Scoring("head")).to_json()
     with_head = mf.Manifest.from_dict(json.loads(text))
     assert with_head.head == info and with_head.scoring.readout == "head"
-    assert json.loads(text)["schema_version"] == mf.SCHEMA_VERSION == 5
+    assert json.loads(text)["schema_version"] == mf.SCHEMA_VERSION == 6
     with pytest.raises(ValueError, match="no decision head"):
         dataclasses.replace(manifest, scoring=mf.Scoring("head"))
 

@@ -18,9 +18,10 @@ from .errors import EngineFileError
 from .prompt import PromptTemplate
 
 # 2 adds `calibration` and `plans`; 3 adds `head` (decision head); 4 adds `tuning`; 5 adds `gate` (a distilled
-# engine's thresholds). Older ones read without them
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# engine's thresholds); 6 adds `guarantees` (a reduced-precision backend measured against fp32). Older ones read
+# without them
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 TUNING_METHODS = ("lora", "full")
 MANIFEST = "manifest.json"
 READOUTS = ("sum", "mean", "prior", "head")
@@ -127,6 +128,10 @@ class Manifest:
     # `onepass distill`: per question key, the confidence at which the engine agrees with its teacher at the target
     # ({"per_key", "default", "target_agreement", "teacher", "measured"}); `onepass serve --teacher` forwards below it
     gate: dict | None = None
+    # `onepass guarantee`: per reduced-precision backend (openvino-cpu-bf16), its answers measured against fp32 on the
+    # user's data sets ({"reference", "cpu", "measured", "datasets": {name: {"questions", "argmax_agreement",
+    # "max_abs_dp", ...}}}); the default backend uses it only where core.guarantee's bounds hold on this CPU's kind
+    guarantees: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):

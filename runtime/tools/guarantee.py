@@ -1,0 +1,109 @@
+"""`onepass guarantee`: a reduced-precision backend's answers measured against fp32 on the user's own requests, per
+data set, and (``--write``) recorded in the engine's manifest, where the default backend reads it
+(``core.guarantee``: bf16 by default only where every data set keeps the bounds, on a CPU of the kind measured).
+
+The requests are a JSONL file of TypeSafe System One request bodies (what the service is asked), each with an
+optional ``dataset`` name (default ``requests``): a guarantee is per data set, so a task that bf16 moves shows up as
+its own line. Both backends answer every question; a question keeps its argmax when both pick the same option, and
+its ``|dp|`` is the largest change of any of its answer probabilities. Nothing is written unless asked, and the
+manifest is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..core import manifest as mf
+from ..core.engine import Engine
+from ..core.errors import InvalidRequest
+from ..core.guarantee import BF16, BOUNDS, MIN_QUESTIONS, REFERENCE, cpu_bf16_kind, misses
+from ..core.questions import NoulAnswer
+from ..core.wire import parse_request
+
+
+def read_requests(path) -> list[tuple[str, tuple]]:
+    """(data set, (state, questions)) of every line of a JSONL file of System One bodies; InvalidRequest names the
+    line of the first that is not one."""
+    out = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidRequest(f"cannot read {path}: {err}", "requests") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+            dataset = body.get("dataset", "requests") if isinstance(body, dict) else None
+            if not isinstance(dataset, str) or not dataset:
+                raise InvalidRequest("dataset must be a non-empty string", "dataset")
+            out.append((dataset, parse_request(body)))
+        except (json.JSONDecodeError, InvalidRequest) as err:
+            raise InvalidRequest(f"{path} line {number}: {err} (each line: a System One request body with an "
+                                 "optional \"dataset\" name)", "requests") from None
+    if not out:
+        raise InvalidRequest(f"{path} holds no request", "requests")
+    return out
+
+
+def probabilities(answer) -> np.ndarray:
+    """An answer's probabilities as a vector (yes, no for a noul)."""
+    if isinstance(answer, NoulAnswer):
+        return np.array([answer.noul, 1.0 - answer.noul])
+    return np.array(list(answer.probabilities.values()), dtype=np.float64)
+
+
+def measure(engine_dir, requests: list, variant: str = BF16, reference: str = REFERENCE,
+            threads: int | None = None, progress=None) -> dict:
+    """The guarantee of ``variant`` against ``reference`` on ``requests`` (:func:`read_requests`), per data set:
+    questions, argmax agreement, max and mean |dp|, and the bounds' verdict on this CPU."""
+    engines = [Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0) for name in (reference, variant)]
+    seen: dict = {}
+    try:
+        for i, (dataset, (state, questions)) in enumerate(requests):
+            ref, var = (engine.ask(state, questions) for engine in engines)
+            acc = seen.setdefault(dataset, {"questions": 0, "agree": 0, "max": 0.0, "sum": 0.0})
+            for qid in questions:
+                p, q = probabilities(ref[qid]), probabilities(var[qid])
+                dp = float(np.abs(p - q).max())
+                acc["questions"] += 1
+                acc["agree"] += int(np.argmax(p) == np.argmax(q))
+                acc["max"], acc["sum"] = max(acc["max"], dp), acc["sum"] + dp
+            if progress is not None:
+                progress(i + 1, len(requests))
+    finally:
+        for engine in engines:
+            engine.close()
+    datasets = {name: {"questions": a["questions"], "argmax_agreement": round(a["agree"] / a["questions"], 4),
+                       "max_abs_dp": round(a["max"], 4), "mean_abs_dp": round(a["sum"] / a["questions"], 5)}
+                for name, a in sorted(seen.items())}
+    cpu = cpu_bf16_kind()
+    guarantee = {"reference": reference, "cpu": cpu, "bounds": dict(BOUNDS), "min_questions": MIN_QUESTIONS,
+                 "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "datasets": datasets}
+    return {"variant": variant, "guarantee": guarantee, "misses": misses(guarantee, cpu)}
+
+
+def record(engine_dir, variant: str, guarantee: dict) -> Path:
+    """Put ``guarantee`` into the engine's manifest under ``variant`` (replacing an earlier one), atomically."""
+    manifest = mf.load(engine_dir)
+    return mf.write(engine_dir, dataclasses.replace(manifest, guarantees={**manifest.guarantees,
+                                                                           variant: guarantee}))
+
+
+def report_lines(result: dict) -> list[str]:
+    """What `onepass guarantee` prints: one line per data set, then the verdict."""
+    g = result["guarantee"]
+    lines = [f"{result['variant']} against {g['reference']} on this {g['cpu'] or 'non-bf16'} CPU:"]
+    for name, m in g["datasets"].items():
+        lines.append(f"  {name:24s} {m['questions']:5d} questions  argmax kept {m['argmax_agreement']:.3f}  "
+                     f"max |dp| {m['max_abs_dp']:.3f}  mean |dp| {m['mean_abs_dp']:.4f}")
+    bounds = f"argmax >= {BOUNDS['argmax_agreement']}, max |dp| <= {BOUNDS['max_abs_dp']}, >= {MIN_QUESTIONS} questions"
+    lines.append(f"bounds ({bounds}): " + ("hold: the default backend answers in bf16 here" if result["misses"] is None
+                                           else f"missed, the default stays fp32 ({result['misses']})"))
+    return lines
