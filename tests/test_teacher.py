@@ -782,3 +782,25 @@ def test_distill_against_a_trickling_teacher_ends_within_its_bound_and_writes_no
     assert out.returncode == 2 and "gave no answer" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()
     assert took < 60, took  # a hang detector: 3 attempts x 1 s and the start-up (the bound at the defaults: 30 s)
+
+
+def test_a_call_settled_after_its_caller_stopped_is_not_printed_and_other_errors_are(caplog):
+    """A call that failed with a TeacherError as cancel() or close() ended it is never awaited by anyone; the client's
+    loop does not print it as "Task exception was never retrieved" (distill's stderr once carried that traceback).
+    Negative control: any other unretrieved error still reaches asyncio's log."""
+    import asyncio
+    import logging
+
+    from onepass.runtime.tools.teacher import TeacherUnavailable, _settled_calls_quiet
+
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            _settled_calls_quiet(loop, {"message": "Task exception was never retrieved",
+                                        "exception": TeacherUnavailable("the teacher gave no answer")})
+            assert caplog.text == ""
+            _settled_calls_quiet(loop, {"message": "Task exception was never retrieved",
+                                        "exception": ValueError("a bug")})
+        assert "never retrieved" in caplog.text and "a bug" in caplog.text
+    finally:
+        loop.close()

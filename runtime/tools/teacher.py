@@ -51,6 +51,16 @@ RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}
 MAX_RESPONSE_BYTES = 16 << 20
 
 
+def _settled_calls_quiet(loop, context) -> None:
+    """The client loop's exception handler: a call that ended in a TeacherError after its caller had stopped waiting
+    (cancelled by ``cancel()`` or ``close()`` as it failed: asyncio then never hands the error to anyone) was
+    settled on purpose, and is not printed as "Task exception was never retrieved"; anything else is, as asyncio
+    does."""
+    if isinstance(context.get("exception"), TeacherError) and "never retrieved" in context.get("message", ""):
+        return
+    loop.default_exception_handler(context)
+
+
 class TeacherError(OnepassError):
     """The teacher gave no usable answer."""
 
@@ -172,6 +182,7 @@ class Teacher:
         self._errors = httpx2.TransportError, httpx2.TimeoutException
         self._decoding, self._other = httpx2.DecodingError, (httpx2.HTTPError, httpx2.StreamError)
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_settled_calls_quiet)
         self._thread = threading.Thread(target=self._loop.run_forever, name="onepass-teacher", daemon=True)
         self._thread.start()
         self._calls: set = set()  # the futures of the calls spawned and not done
