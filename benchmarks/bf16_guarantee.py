@@ -67,13 +67,13 @@ def speed(engine_dir: str, rounds: int, threads: int) -> dict:
 
 def markdown(result: dict, fast: dict, args) -> str:
     g = result["guarantee"]
-    lines = [f"# bf16 against fp32 on OpenVINO's CPU plugin ({platform.processor() or platform.machine()}, "
-             f"{args.threads} threads, CPU bf16: {g['cpu']}, {g['measured']})", "",
-             f"{args.n} questions per data set (seed {args.seed}); bounds: argmax agreement >= "
+    lines = [f"# bf16 against fp32 on OpenVINO's CPU plugin ({g.get('cpu_model') or platform.machine()}, "
+             f"{args.threads} threads, CPU bf16: {g['cpu']}, computed in {g.get('computed_in')}, {g['measured']})", "",
+             f"{result['n']} questions per data set (seed {result['seed']}); bounds: argmax agreement >= "
              f"{BOUNDS['argmax_agreement']}, max |dp| <= {BOUNDS['max_abs_dp']} on every data set.", "",
              "| data set | questions | argmax kept | max abs dp | mean abs dp |", "|---|---|---|---|---|"]
     for name, m in g["datasets"].items():
-        lines.append(f"| {name} | {m['questions']} | {m['argmax_agreement']:.3f} | {m['max_abs_dp']:.3f} | "
+        lines.append(f"| {name} | {m['questions']} | {m['argmax_agreement']:.3f} | {m['max_abs_dp']:.4f} | "
                      f"{m['mean_abs_dp']:.4f} |")
     verdict = ("the bounds hold: the default backend answers in bf16 on this machine" if result["misses"] is None
                else f"the bounds are missed, so the default stays fp32 on this machine: {result['misses']}")
@@ -86,7 +86,8 @@ def markdown(result: dict, fast: dict, args) -> str:
     ratio = fast[f"{REFERENCE} warm"]["p50_s"] / fast[f"{BF16} warm"]["p50_s"]
     cold = fast[f"{REFERENCE} cold"]["p50_s"] / fast[f"{BF16} cold"]["p50_s"]
     lines += ["", f"bf16 is {ratio:.2f}x fp32 warm and {cold:.2f}x cold here.", "",
-              f"    python benchmarks/bf16_guarantee.py --engine {args.engine} --n {args.n} --rounds {args.rounds}",
+              f"    python benchmarks/bf16_guarantee.py --engine {args.engine} --n {result['n']} --seed {result['seed']} "
+              f"--rounds {args.rounds}   (--speed-only: the timing again, the guarantee kept)",
               ""]
     return "\n".join(lines)
 
@@ -108,6 +109,7 @@ def main() -> None:
         asked = requests(args.n, args.seed)
         result = measure(args.engine, asked, threads=args.threads,
                          progress=lambda i, n: print(f"\r{i}/{n}", end="", file=sys.stderr, flush=True))
+        result.update(n=args.n, seed=args.seed)
         print(file=sys.stderr)
     print("\n".join(report_lines(result)))
     fast = speed(args.engine, args.rounds, args.threads)

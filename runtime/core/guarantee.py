@@ -1,16 +1,22 @@
 """When a reduced-precision backend may answer by default: its measured guarantee against fp32.
 
-OpenVINO's CPU plugin computes the fp32 graph in bfloat16 where the CPU has it natively (AMX, or AVX512-BF16): 1.7x
-faster on a 2-core AVX512-BF16 EPYC, 2.9x on an AMX Xeon, with answers moved (benchmarks/results/bf16_guarantee.md).
+OpenVINO's CPU plugin computes the fp32 graph in bfloat16 where the CPU has it natively (AMX, or AVX512-BF16): 1.6-1.8x
+its f32 on a 2-core AVX512-BF16 EPYC, 2.2x on an AMX Xeon, with answers moved (benchmarks/results/bf16_guarantee.md).
 How far they move depends on the task, so it is measured on the user's own requests (``onepass guarantee``, which
 records the result in the engine's manifest under ``guarantees``) and the default backend (``auto``) takes bf16
 only where every measured data set keeps ``BOUNDS`` and the measurement was made on a CPU of this one's kind (the
-bf16 kernels of AMX and AVX512-BF16 round differently). Without a guarantee, or where one misses a bound, the
-default stays fp32, and the log says why.
+bf16 kernels of AMX and AVX512-BF16 round differently), on this engine as it is now (its graph, weights, prompt,
+scoring and calibration: a guarantee measured before `onepass calibrate` no longer holds after it). Without a
+guarantee, or where one misses a bound or cannot be read, the default stays fp32, and the log says why.
+
+What is compared: each question's argmax and its answer probabilities (a score's expected value moves by at most
+``max |dp|`` times its number of levels less one; an abstention is a threshold on those probabilities).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 BF16 = "openvino-cpu-bf16"  # the reduced-precision CPU backend a guarantee unlocks
@@ -39,23 +45,46 @@ def cpu_bf16_kind(cpuinfo: str | None = None) -> str | None:
     return "avx512_bf16" if "avx512_bf16" in flags else None
 
 
-def misses(guarantee: dict | None, cpu: str | None) -> str | None:
-    """Why ``guarantee`` does not let its backend answer by default on a CPU of kind ``cpu`` (None: it does)."""
+def fingerprint(manifest) -> str:
+    """What a guarantee was measured on: the graph and its weights (their sha256s), the prompt, the scoring and the
+    calibration. Any of them changed, the answers move differently and the guarantee no longer holds."""
+    files = sorted((name, sha) for name, sha in manifest.files.items() if name.startswith(manifest.graph))
+    calibration = manifest.calibration.to_dict() if manifest.calibration else None
+    parts = [files, repr(manifest.prompt), repr(manifest.scoring), calibration]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def misses(guarantee, cpu: str | None, engine: str | None = None) -> str | None:
+    """Why ``guarantee`` does not let its backend answer by default on a CPU of kind ``cpu`` for an engine of
+    :func:`fingerprint` ``engine`` (None: it does). A guarantee that cannot be read is a miss, never an error."""
     if not guarantee:
         return "no guarantee measured (onepass guarantee --engine DIR --requests FILE --write)"
+    try:
+        return _misses(guarantee, cpu, engine)
+    except (AttributeError, TypeError, ValueError) as err:
+        return f"the recorded guarantee cannot be read ({type(err).__name__}: {err}); measure it again"
+
+
+def _misses(guarantee: dict, cpu: str | None, engine: str | None) -> str | None:
     if cpu is None:
         return "this CPU has no native bf16"
     if guarantee.get("cpu") != cpu:
         return f"the guarantee was measured on a {guarantee.get('cpu')} CPU and this one is {cpu}"
+    if guarantee.get("computed_in") != "bf16":
+        return f"the measured backend computed in {guarantee.get('computed_in')}, not bf16"
+    if engine is not None and guarantee.get("engine") != engine:
+        return ("the engine changed since the guarantee was measured (graph, weights, prompt, scoring or "
+                "calibration): measure it again")
     datasets = guarantee.get("datasets") or {}
     if not datasets:
         return "the guarantee holds no data set"
     problems = []
     for name, m in sorted(datasets.items()):
-        if m.get("questions", 0) < MIN_QUESTIONS:
-            problems.append(f"{name}: {m.get('questions', 0)} questions (at least {MIN_QUESTIONS})")
-        if not m.get("argmax_agreement", 0) >= BOUNDS["argmax_agreement"]:
-            problems.append(f"{name}: argmax agreement {m.get('argmax_agreement')} < {BOUNDS['argmax_agreement']}")
-        if not m.get("max_abs_dp", 1) <= BOUNDS["max_abs_dp"]:
-            problems.append(f"{name}: max |dp| {m.get('max_abs_dp')} > {BOUNDS['max_abs_dp']}")
+        questions, agreement, dp = int(m["questions"]), float(m["argmax_agreement"]), float(m["max_abs_dp"])
+        if questions < MIN_QUESTIONS:
+            problems.append(f"{name}: {questions} questions (at least {MIN_QUESTIONS})")
+        if not agreement >= BOUNDS["argmax_agreement"]:
+            problems.append(f"{name}: argmax agreement {agreement:.6g} < {BOUNDS['argmax_agreement']}")
+        if not dp <= BOUNDS["max_abs_dp"]:
+            problems.append(f"{name}: max |dp| {dp:.6g} > {BOUNDS['max_abs_dp']}")
     return "; ".join(problems) or None

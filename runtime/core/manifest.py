@@ -6,6 +6,7 @@ Every file of the engine is listed with its sha256 and verified on load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -147,6 +148,8 @@ class Manifest:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.scoring.readout == "head" and self.head is None:
             raise ValueError("scoring.readout is 'head' but the engine has no decision head")
+        if not isinstance(self.guarantees, dict) or not all(isinstance(g, dict) for g in self.guarantees.values()):
+            raise ValueError("guarantees must be an object of backend name -> measured guarantee")
         if self.gate is not None:
             from .cascade import Gate  # the gate's own checks: thresholds within 0..1
 
@@ -237,6 +240,11 @@ def write(directory: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (temp file + rename)."""
     path = Path(directory) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(manifest.to_json() + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(manifest.to_json() + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # nothing half-written left behind
+        raise EngineFileError(f"cannot write {path}: {err.strerror or err}") from None
     return path

@@ -21,7 +21,7 @@ import numpy as np
 from ..core import manifest as mf
 from ..core.engine import Engine
 from ..core.errors import InvalidRequest
-from ..core.guarantee import BF16, BOUNDS, MIN_QUESTIONS, REFERENCE, cpu_bf16_kind, misses
+from ..core.guarantee import BF16, BOUNDS, MIN_QUESTIONS, REFERENCE, cpu_bf16_kind, fingerprint, misses
 from ..core.questions import NoulAnswer
 from ..core.wire import parse_request
 
@@ -39,7 +39,9 @@ def read_requests(path) -> list[tuple[str, tuple]]:
             continue
         try:
             body = json.loads(line)
-            dataset = body.get("dataset", "requests") if isinstance(body, dict) else None
+            if not isinstance(body, dict):
+                raise InvalidRequest("the line is not a JSON object")
+            dataset = body.get("dataset", "requests")
             if not isinstance(dataset, str) or not dataset:
                 raise InvalidRequest("dataset must be a non-empty string", "dataset")
             out.append((dataset, parse_request(body)))
@@ -63,10 +65,15 @@ def measure(engine_dir, requests: list, variant: str = BF16, reference: str = RE
     """The guarantee of ``variant`` against ``reference`` on ``requests`` (:func:`read_requests`), per data set:
     questions, argmax agreement, max and mean |dp|, and the bounds' verdict on this CPU."""
     engines = [Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0) for name in (reference, variant)]
+    computed_in = getattr(engines[1].backend, "precision", None)  # OpenVINO's precision in force (f32 where no bf16)
+    measured_on = fingerprint(engines[0].manifest)
     seen: dict = {}
     try:
         for i, (dataset, (state, questions)) in enumerate(requests):
-            ref, var = (engine.ask(state, questions) for engine in engines)
+            try:
+                ref, var = (engine.ask(state, questions) for engine in engines)
+            except InvalidRequest as err:
+                raise InvalidRequest(f"request {i + 1} ({dataset}): {err}", "requests") from None
             acc = seen.setdefault(dataset, {"questions": 0, "agree": 0, "max": 0.0, "sum": 0.0})
             for qid in questions:
                 p, q = probabilities(ref[qid]), probabilities(var[qid])
@@ -79,14 +86,36 @@ def measure(engine_dir, requests: list, variant: str = BF16, reference: str = RE
     finally:
         for engine in engines:
             engine.close()
-    datasets = {name: {"questions": a["questions"], "argmax_agreement": round(a["agree"] / a["questions"], 4),
-                       "max_abs_dp": round(a["max"], 4), "mean_abs_dp": round(a["sum"] / a["questions"], 5)}
+    datasets = {name: {"questions": a["questions"], "argmax_agreement": a["agree"] / a["questions"],
+                       "max_abs_dp": a["max"], "mean_abs_dp": a["sum"] / a["questions"]}  # raw: judged as measured
                 for name, a in sorted(seen.items())}
     cpu = cpu_bf16_kind()
-    guarantee = {"reference": reference, "cpu": cpu, "bounds": dict(BOUNDS), "min_questions": MIN_QUESTIONS,
+    guarantee = {"reference": reference, "cpu": cpu, "cpu_model": cpu_model(), "computed_in": computed_in,
+                 "runtime": _runtime_version(), "engine": measured_on, "bounds": dict(BOUNDS),
+                 "min_questions": MIN_QUESTIONS,
                  "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "datasets": datasets}
-    return {"variant": variant, "guarantee": guarantee, "misses": misses(guarantee, cpu)}
+    return {"variant": variant, "guarantee": guarantee, "misses": misses(guarantee, cpu, measured_on)}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), for the record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _runtime_version() -> str | None:
+    try:
+        import openvino
+
+        return f"openvino {openvino.__version__}"
+    except ImportError:
+        return None
 
 
 def record(engine_dir, variant: str, guarantee: dict) -> Path:
@@ -99,7 +128,8 @@ def record(engine_dir, variant: str, guarantee: dict) -> Path:
 def report_lines(result: dict) -> list[str]:
     """What `onepass guarantee` prints: one line per data set, then the verdict."""
     g = result["guarantee"]
-    lines = [f"{result['variant']} against {g['reference']} on this {g['cpu'] or 'non-bf16'} CPU:"]
+    lines = [f"{result['variant']} (computed in {g['computed_in']}) against {g['reference']} on this "
+             f"{g['cpu'] or 'non-bf16'} CPU ({g['cpu_model']}):"]
     for name, m in g["datasets"].items():
         lines.append(f"  {name:24s} {m['questions']:5d} questions  argmax kept {m['argmax_agreement']:.3f}  "
                      f"max |dp| {m['max_abs_dp']:.3f}  mean |dp| {m['mean_abs_dp']:.4f}")
