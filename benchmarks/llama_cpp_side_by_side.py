@@ -44,7 +44,7 @@ from roofline import gemm_shapes, pass_flops  # noqa: E402
 
 from onepass.runtime import Engine  # noqa: E402
 from onepass.runtime.core.tree import pack  # noqa: E402
-from onepass.runtime.tools.guarantee import cpu_model  # noqa: E402
+from onepass.runtime.core.guarantee import cpu_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 THREADS = 2

@@ -62,12 +62,12 @@ def default(root, manifest, threads=None):
 def _bf16_if_guaranteed(root, manifest, threads, key):
     """OpenVINO in bf16 where the engine's guarantee holds on this CPU (and it reproduces the golden file at the bf16
     tolerances), else None, with the reason logged."""
-    guarantee = (getattr(manifest, "guarantees", None) or {}).get(BF16)
-    why = misses(guarantee, cpu_bf16_kind(), fingerprint(manifest))
+    guarantee, cpu = manifest.guarantees.get(BF16), cpu_bf16_kind()
+    why = misses(guarantee, cpu, fingerprint(manifest))
     if why is None:
         backend, why = _checked(BF16, root, manifest, threads, key, selfcheck.BF16_TOLERANCES)
         if why is None:
-            log.info("%s: backend %s (its measured guarantee holds on this %s CPU)", root, BF16, cpu_bf16_kind())
+            log.info("%s: backend %s (its measured guarantee holds on this %s CPU)", root, BF16, cpu)
             return backend
     log.log(logging.INFO if guarantee else logging.DEBUG, "%s: fp32, not %s (%s)", root, BF16, why)
     return None

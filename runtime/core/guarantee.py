@@ -27,19 +27,25 @@ BOUNDS = {"argmax_agreement": 0.99, "max_abs_dp": 0.05}
 MIN_QUESTIONS = 100  # fewer questions cannot show 99% agreement (one flip is already 1%)
 
 
-def cpu_bf16_kind(cpuinfo: str | None = None) -> str | None:
-    """This CPU's native bf16: ``amx`` (AMX tiles), ``avx512_bf16``, or None (OpenVINO's bf16 hint falls back to
-    f32 there). Read from /proc/cpuinfo's flags (Linux); None where they cannot be read."""
+def _cpuinfo_field(name: str, cpuinfo: str | None = None) -> str | None:
+    """The first ``name: value`` of /proc/cpuinfo (or of ``cpuinfo``); None where it cannot be read (not Linux)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return None
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
+    return next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith(name)), None)
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), what a measurement was made on."""
+    return _cpuinfo_field("model name")
+
+
+def cpu_bf16_kind(cpuinfo: str | None = None) -> str | None:
+    """This CPU's native bf16: ``amx`` (AMX tiles), ``avx512_bf16``, or None (OpenVINO's bf16 hint falls back to
+    f32 there). Read from /proc/cpuinfo's flags (Linux); None where they cannot be read."""
+    flags = set((_cpuinfo_field("flags", cpuinfo) or "").split())
     if "amx_bf16" in flags:
         return "amx"
     return "avx512_bf16" if "avx512_bf16" in flags else None

@@ -53,6 +53,9 @@ HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRoute
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
 
 
+REPLICA_ENGINE = {"threads": 1}  # a replica's engine settings unless told otherwise: one thread, its one Ray CPU
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """How the replicas are sized and routed; ``server`` holds what ``onepass serve`` takes (validated there)."""
@@ -62,7 +65,7 @@ class ClusterConfig:
     autoscale: tuple | None = None  # (min, max) replicas: Serve's autoscaler, instead of a fixed count
     routing: str = "state"  # "state": consistent hash of the state; "default": Serve's own router
     cpus_per_replica: float = 1.0  # Ray's logical CPUs reserved per replica
-    engine_config: dict = field(default_factory=lambda: {"threads": 1})  # EngineConfig's fields, per replica
+    engine_config: dict = field(default_factory=lambda: dict(REPLICA_ENGINE))  # EngineConfig's fields per replica
     retries: int = 1  # a request whose replica died is retried this often on the ring's next replica
     metrics_dir: str | None = None  # Prometheus multiprocess directory shared by the ingress and replicas
     server: dict = field(default_factory=dict)
@@ -225,7 +228,7 @@ def replica_engine_config(config: dict) -> dict:
     both = sorted(set(legacy) & set(given))
     if both:
         raise ValueError(f"{', '.join(both)} given both at the top and in engine_config: give each once")
-    return {"threads": 1, **given, **legacy}
+    return {**REPLICA_ENGINE, **given, **legacy}
 
 
 def build(config: dict):
@@ -319,8 +322,8 @@ def run(engine_dir: str, server: ServerConfig, engine_config: EngineConfig | Non
                            f"{engine_dir}` first")
     metrics_dir = tempfile.mkdtemp(prefix="onepass-metrics-")
     config = dict(engine=str(engine), replicas=replicas, autoscale=autoscale_range(autoscale), routing=routing,
-                  cpus_per_replica=cpus_per_replica, engine_config=asdict(engine_config or EngineConfig(threads=1)),
-                  retries=retries,
+                  cpus_per_replica=cpus_per_replica,
+                  engine_config=asdict(engine_config or EngineConfig(**REPLICA_ENGINE)), retries=retries,
                   metrics_dir=metrics_dir, server=asdict(server))
     size = f"{autoscale} replicas (autoscaled)" if autoscale else f"{replicas} replicas"
     stop = threading.Event()

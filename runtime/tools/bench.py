@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..core.errors import BackendUnavailable, OnepassError
+from ..core.guarantee import cpu_model
 from .loadgen import Run, closed_loop, comparable, compare, length_differs, open_loop
 from ..core.prompt import state_text
 
@@ -172,12 +173,7 @@ def url_target(url: str, api_key: str | None, model: str | None, body: dict, sta
 
 def machine() -> dict:
     """The hardware a report was measured on (what --compare requires to be equal)."""
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   "")
-    except OSError:
-        pass
+    cpu = cpu_model() or ""
     gpu = None
     if shutil.which("nvidia-smi"):
         done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,

@@ -21,7 +21,8 @@ import numpy as np
 from ..core import manifest as mf
 from ..core.engine import Engine
 from ..core.errors import InvalidRequest
-from ..core.guarantee import BF16, BOUNDS, MIN_QUESTIONS, REFERENCE, cpu_bf16_kind, fingerprint, misses
+from ..core.guarantee import (BF16, BOUNDS, MIN_QUESTIONS, REFERENCE, cpu_bf16_kind, cpu_model, fingerprint,
+                              misses)
 from ..core.questions import NoulAnswer
 from ..core.wire import parse_request
 
@@ -96,17 +97,6 @@ def measure(engine_dir, requests: list, variant: str = BF16, reference: str = RE
                  "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "datasets": datasets}
     return {"variant": variant, "guarantee": guarantee, "misses": misses(guarantee, cpu, measured_on)}
-
-
-def cpu_model() -> str | None:
-    """The CPU's model name (/proc/cpuinfo), for the record."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _runtime_version() -> str | None:
