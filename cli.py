@@ -238,8 +238,9 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"export": cmd_export, "ask": cmd_ask, "bench": cmd_bench, "check": cmd_check, "guarantee": cmd_guarantee,
-            "calibrate": cmd_calibrate, "eval": cmd_eval, "tune": cmd_tune, "plan": cmd_plan, "build-trt": cmd_build_trt,
-            "quantize": cmd_quantize, "distill": cmd_distill, "serve": cmd_serve, "cluster": cmd_cluster, "mcp": cmd_mcp}
+            "calibrate": cmd_calibrate, "eval": cmd_eval, "tune": cmd_tune, "plan": cmd_plan,
+            "build-trt": cmd_build_trt, "quantize": cmd_quantize, "distill": cmd_distill, "serve": cmd_serve,
+            "cluster": cmd_cluster, "mcp": cmd_mcp}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,8 @@ def markdown(result: dict, fast: dict, args) -> str:
     ratio = fast[f"{REFERENCE} warm"]["p50_s"] / fast[f"{BF16} warm"]["p50_s"]
     cold = fast[f"{REFERENCE} cold"]["p50_s"] / fast[f"{BF16} cold"]["p50_s"]
     lines += ["", f"bf16 is {ratio:.2f}x fp32 warm and {cold:.2f}x cold here.", "",
-              f"    python benchmarks/bf16_guarantee.py --engine {args.engine} --n {result['n']} --seed {result['seed']} "
+              f"    python benchmarks/bf16_guarantee.py --engine {args.engine} --n {result['n']} "
+              f"--seed {result['seed']} "
               f"--rounds {args.rounds}   (--speed-only: the timing again, the guarantee kept)",
               ""]
     return "\n".join(lines)

@@ -205,7 +205,8 @@ def markdown(r: dict, args) -> str:
                       f"{check['same_option']} of {r['questions']} questions (mean log-likelihood, no calibration). "
                       "The timed onepass engine carries the shipped adapter, the GGUF does not: the same work."]
     base = f" --base-engine {args.base_engine}" if args.base_engine else ""
-    lines += ["", f"    python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}", ""]
+    command = f"python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}"
+    lines += ["", f"    {command}", ""]
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ from onepass.runtime.server.config import ServerConfig, TransportLimits
 
 # flag dest -> (settings class, field)
 FLAGS = {
-    "backend": (EngineConfig, "backend"), "threads": (EngineConfig, "threads"), "cache_mib": (EngineConfig, "cache_mib"),
+    "backend": (EngineConfig, "backend"), "threads": (EngineConfig, "threads"),
+    "cache_mib": (EngineConfig, "cache_mib"),
     "host": (ServerConfig, "host"), "port": (ServerConfig, "port"), "max_body_bytes": (ServerConfig, "max_body_bytes"),
     "max_queue": (ServerConfig, "max_queue"), "batch_window_ms": (ServerConfig, "batch_window_ms"),
     "max_batch": (ServerConfig, "max_batch"), "request_timeout": (ServerConfig, "request_timeout_s"),

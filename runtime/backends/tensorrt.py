@@ -344,7 +344,8 @@ class TensorRTBackend(Backend):
         self._uploaded = []
         for name in self.inputs:
             value = past_length if name == contract.PAST_LENGTH else getattr(batch, name)
-            array = np.array(value, dtype=np.bool_ if name == contract.TREE_MASK else np.int64, order="C")  # 0-d stays 0-d
+            dtype = np.bool_ if name == contract.TREE_MASK else np.int64
+            array = np.array(value, dtype=dtype, order="C")  # 0-d stays 0-d
             self.device.upload(ptrs[name], array, self.stream)
             self._uploaded.append(array)
             shapes[name] = array.shape

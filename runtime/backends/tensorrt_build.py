@@ -139,8 +139,8 @@ def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_ca
             "build_seconds": round(seconds, 1)}
 
 
-def _builder_config(trt, builder, manifest: EngineDescription, compute_capability: str | None, workspace_bytes: int | None,
-                    tf32: bool):
+def _builder_config(trt, builder, manifest: EngineDescription, compute_capability: str | None,
+                    workspace_bytes: int | None, tf32: bool):
     """The builder's settings: the target architecture, the workspace budget, TF32 for an fp32 plan, and memory
     the backend allocates itself."""
     config = builder.create_builder_config()

@@ -119,7 +119,8 @@ def run_uvicorn(app, socks: list, transport: TransportLimits) -> None:
 
     stats = TransportStats()
     app.state.server.metrics.watch_transport(stats)
-    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **uvicorn_options(transport, stats)))
+    options = uvicorn_options(transport, stats)
+    server = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="info", **options))
     for sock in socks:
         address = sock.getsockname()
         logging.getLogger("onepass.serve").info("listening on http://%s:%d", *(
