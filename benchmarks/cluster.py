@@ -28,6 +28,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from onepass.runtime.core.guarantee import cpu_model  # noqa: E402
 from onepass.runtime.tools.loadgen import closed_loop, open_loop  # noqa: E402
 from onepass.runtime.server.cluster import build  # noqa: E402
 
@@ -171,7 +172,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    cpu = cpu_model() or ""
     out = {"machine": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
                        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
            "seconds": args.seconds, "rate": args.rate, "runs": runs, "failover": fo}

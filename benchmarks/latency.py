@@ -24,6 +24,7 @@ import platform
 from pathlib import Path
 
 from onepass import Choice, Engine, Noul, Score
+from onepass.runtime.core.guarantee import cpu_model
 from onepass.runtime.tools.loadgen import Run, closed_loop
 
 RESULTS = Path(__file__).parent / "results"
@@ -98,7 +99,7 @@ def timed(fn, iters: int, warmup: int = 1) -> dict:
 
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo)."""
-    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "cpu")
+    return cpu_model() or "cpu"
 
 
 def state_of_tokens(engine: Engine, n: int) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from onepass import Engine
 from onepass.runtime.backends import factory
+from onepass.runtime.core.guarantee import cpu_model
 from onepass.runtime.core.selfcheck import TOLERANCES_BY_PRECISION, run_golden
 
 OUT = Path(__file__).parent / "results" / "gpu"
@@ -39,8 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="engines/smollm2")
     ap.add_argument("--random-engine", default=None, help="the same model shape with random weights (gpu_shape.py)")
     args = ap.parse_args(argv)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
+    cpu = cpu_model() or platform.machine()
     report = {"machine": cpu, "tolerances": TOLERANCES_BY_PRECISION,
               "real_weights": measure(args.engine)}
     if args.random_engine:
