@@ -173,7 +173,8 @@ def _tune_rows(args, train: list[dict], tmp: str) -> tuple[dict, str]:
     data, out = Path(tmp) / "train.jsonl", Path(tmp) / "tuned"
     write_jsonl(train, data)
     summary = tune(args.base, [data], out, TuneConfig(rank=16, epochs=args.epochs, holdout=0.2, seed=args.seed,
-                                                      lr=args.lr), log=print)
+                                                      lr=args.lr, train_blocks=getattr(args, "train_blocks", None)),
+                   log=print)
     return summary, str(out)
 
 
@@ -196,8 +197,9 @@ def user_eval(args) -> None:
                 base_train, base_test = _scored(args.base, train), _scored(args.base, test)
                 tuned_train, tuned_test = _scored(tuned, train), _scored(tuned, test)
             m = summary["tuning"]["metrics"]
-            results["runs"][f"{name}/{n}"] = {
-                "dataset": name, "rows": n, "test_rows": len(test), "majority": _majority(base_test),
+            key = f"{name}/{n}" + (f"/top{args.train_blocks}" if args.train_blocks else "")
+            results["runs"][key] = {
+                "dataset": name, "rows": n, "train_blocks": args.train_blocks, "lr": args.lr, "epochs": args.epochs, "test_rows": len(test), "majority": _majority(base_test),
                 "base": _accuracy_with(base_train, base_test, False),
                 "base_calibrated": _accuracy_with(base_train, base_test, True),
                 "tuned": _accuracy_with(tuned_train, tuned_test, False),
@@ -283,6 +285,7 @@ def main() -> None:
     u.add_argument("--epochs", type=int, default=3)
     u.add_argument("--lr", type=float, default=3e-4)
     u.add_argument("--seed", type=int, default=0)
+    u.add_argument("--train-blocks", type=int, default=None, help="tune only the top N blocks (default all)")
     c = sub.add_parser("cascade", help="coverage of the shipped default engine, a tuned engine and the cascade")
     c.add_argument("--default", required=True, help="the shipped default engine")
     c.add_argument("--base", required=True, help="engine exported with --adapter none (what is tuned)")

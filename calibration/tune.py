@@ -137,29 +137,66 @@ def encode_groups(groups: list[list[TuneRow]], encoder: PromptEncoder, config: T
 
 
 class PackedScorer:
-    """The served computation as a differentiable function: option scores of a chunk's questions."""
+    """The served computation as a differentiable function: option scores of a chunk's questions.
 
-    def __init__(self, decoder, readout: str, device: torch.device, bf16: bool):
+    With ``frozen`` > 0 the lower ``frozen`` blocks are not trained (only the top blocks carry adapters), so what
+    they compute for a chunk never changes: the hidden states entering block ``frozen`` (the state's and the packed
+    tokens') are computed once per chunk, without gradient, and every later step and evaluation runs only the top
+    blocks from them. The scores are the same as running every block (``tests/test_tune.py``); a trainable
+    parameter in a frozen block is refused, since its cache would go stale.
+    """
+
+    def __init__(self, decoder, readout: str, device: torch.device, bf16: bool, frozen: int = 0):
         if readout not in ("mean", "sum"):
             raise OnepassError(f"tune trains the 'mean' or 'sum' read-out; this engine's read-out is {readout!r}. "
                                "Export the base engine with --readout mean")
-        self.decoder, self.readout, self.device, self.bf16 = decoder, readout, device, bf16
         dims = decoder.dims
+        if not 0 <= frozen < dims.num_layers:
+            raise ValueError(f"frozen must be in 0..{dims.num_layers - 1}, got {frozen}")
+        lower = [decoder.embed, *(p for b in decoder.blocks[:frozen] for p in b.parameters())] if frozen else []
+        if any(p.requires_grad for p in lower):
+            raise ValueError(f"the lower {frozen} blocks (or the embedding) have trainable parameters: their "
+                             "outputs cannot be cached")
+        self.decoder, self.readout, self.device, self.bf16, self.frozen = decoder, readout, device, bf16, frozen
         self.empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim, device=device)
                       for _ in range(2 * dims.num_layers)]
+        self.trunks: dict[int, tuple] = {}  # id(chunk) -> (packed batch, state x, packed x) entering block `frozen`
 
-    def _run(self, batch, past):
-        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+    def _tensor(self, a):
+        return torch.from_numpy(a).to(self.device)
+
+    def _blocks(self, x, batch, past, blocks: range):
+        t = self._tensor
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return self.decoder.readout(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
-                                        t(batch.readout_index), t(batch.readout_target))
+            tables = self.decoder.attention_tables(t(batch.position_ids), t(batch.tree_mask), past[0].shape[1])
+            return self.decoder.run_blocks(x, tables, past, blocks)
+
+    def _trunk(self, chunk: Chunk) -> tuple:
+        """(packed batch, state x, packed x) at the entry of block ``frozen``: computed once per chunk."""
+        key = id(chunk)
+        if key not in self.trunks:
+            batch, state = pack(chunk.encoded, len(chunk.state_ids)), causal(chunk.state_ids, 0)
+            x_state = self.decoder.embed[self._tensor(state.input_ids)]
+            x_packed = self.decoder.embed[self._tensor(batch.input_ids)]
+            if self.frozen:
+                with torch.no_grad():
+                    lower = range(self.frozen)
+                    x_state, past = self._blocks(x_state, state, self.empty, lower)
+                    x_packed, _ = self._blocks(x_packed, batch, past, lower)
+                self.trunks[key] = (chunk, batch, state, x_state.detach(), x_packed.detach())  # chunk: keeps its id
+            else:
+                return batch, state, x_state, x_packed  # the embedding may be trained: nothing is cached
+        return self.trunks[key][1:]
 
     def scores(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
-        _, _, presents = self._run(causal(chunk.state_ids, 0), self.empty)  # the state's K/V, with gradient
-        batch = pack(chunk.encoded, len(chunk.state_ids))
-        _, target, _ = self._run(batch, presents)  # [R] log-probs of the read-out targets
-        target = target.float()
+        batch, state, x_state, x_packed = self._trunk(chunk)
+        top = range(self.frozen, self.decoder.dims.num_layers)
+        _, presents = self._blocks(x_state, state, self.empty, top)  # the state's K/V of the top blocks, with gradient
+        x, _ = self._blocks(x_packed, batch, presents, top)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            _, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))
+        target = target.float()  # [R] log-probs of the read-out targets
         out = []
         for tokens, readouts in zip(chunk.encoded, batch.option_readouts):
             sums = torch.stack([target[torch.from_numpy(r).to(self.device)].sum() for r in readouts])  # [K]

@@ -21,6 +21,7 @@ from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
+from .candidates import candidates, choose, scored_rows
 from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
@@ -110,10 +111,12 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     model, params = _trainable(loaded.model, config)
     model.to(device).train()
     hf = model.base_model.model if config.method == "lora" else model
+    frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks else 0
     scorer = PackedScorer(PackedDecoder(hf, share=True), base.scoring.readout, device,
-                          config.bf16 if config.bf16 is not None else device.type == "cuda")
+                          config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
     work = out.with_name(out.name + ".tune")
     work.mkdir(parents=True, exist_ok=True)
+    base_scored = [scored_rows(scorer, c, encoder) for c in (train, held)]  # before any step (and any --resume)
     trainer = Trainer(scorer, params, config, train, held, work / "checkpoint.pt", _fingerprint(files, base_dir), log)
     if resume:
         trainer.resume()
@@ -121,19 +124,38 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     log(f"tuning {base.name} ({config.method}, {len(params)} tensors, "
         f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows "
         f"({len(train_groups)} states); {sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out; "
-        f"device {device.type}")
+        f"device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
     progress = trainer.run()
     model.eval()
     history = progress.history
-    if progress.best_nll >= history[0]["nll"]:  # the trainer never took a better snapshot than step 0's
-        message = (f"tuning never improved on the base engine: the held-out NLL before tuning, {history[0]['nll']:.4f}, "
-                   f"was not beaten in {progress.step} steps ({len(history) - 1} evaluations)")
+    found = candidates(*base_scored, *(scored_rows(scorer, c, encoder) for c in (train, held)), base.scoring.readout)
+    chosen = choose(found)
+    log("held-out candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
+        + f" -> {chosen.name}")
+    if chosen.name == "base":
+        message = (f"tuning never improved on the base engine: on the held-out rows the base engine's NLL, "
+                   f"{chosen.nll:.4f}, was not beaten by calibrating it or by {progress.step} steps of tuning "
+                   f"({len(history) - 1} evaluations)")
         if not config.keep_base:
             shutil.rmtree(work, ignore_errors=True)
             raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
                                  "(--epochs, --max-steps), try another --lr, or pass --keep-base to write the base "
                                  "weights anyway")
         log(f"warning: {message}; the engine written is the base engine's weights (--keep-base)")
+    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found],
+              "rule": "lowest held-out NLL; a dearer candidate must win by more than 1e-3"}
+    if chosen.name == "base+calibrate":
+        summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
+                   "tuning": {"metrics": {"heldout_before": _metric(history[0]), "heldout_best": _best(history),
+                                          "seconds": progress.seconds,
+                                          "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9)},
+                              "steps": progress.step}}
+        write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
+        if report_dir is not None:
+            summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g],
+                                                  Path(report_dir))
+        shutil.rmtree(work, ignore_errors=True)
+        return summary
     tuning = mf.TuningInfo(
         method=config.method, base=f"{base.name} ({loaded.source.get('sha256', loaded.source.get('path'))})",
         adapters=[{"path": str(a), "sha256": p["sha256"]} for a, p in zip(adapters, loaded.source.get("adapters", []))],
@@ -142,7 +164,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         rank=config.rank if config.method == "lora" else None,
         config={**dataclasses.asdict(config), "learning_rate": config.learning_rate, "device": device.type},
         metrics={"heldout_before": _metric(history[0]), "heldout_best": _best(history), "seconds": progress.seconds,
-                 "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9), "evaluations": history})
+                 "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9), "evaluations": history,
+                 "choice": choice})
     extra, model_spec, export_adapters = {}, spec, list(adapters)
     if config.method == "lora":
         adapter_dir = save(model, work / "adapter", {"base_sha256": loaded.source.get("sha256"),
@@ -160,17 +183,45 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                   extra_files=extra)
     if config.method == "lora":
         point_adapter_at(out)
-    summary = {"tuning": dataclasses.asdict(tuning), "seconds_total": time.perf_counter() - t0}
+    if chosen.calibration is not None:
+        m = mf.load(out, verify=False)
+        mf.write(out, dataclasses.replace(m, calibration=chosen.calibration))
+    summary = {"tuning": dataclasses.asdict(tuning), "choice": choice, "seconds_total": time.perf_counter() - t0}
     if report_dir is not None:
         summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
     shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
+def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
+    """``out``: the base engine (its weights hard-linked where the file system allows) with ``calibration`` in its
+    manifest, the choice recorded in the calibration's source. Written beside ``out`` and renamed: all or nothing."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        mf.copy_engine(base_dir, tmp)
+        m = mf.load(tmp, verify=False)
+        calibration = dataclasses.replace(calibration, source={**calibration.source, "tune": choice})
+        mf.write(tmp, dataclasses.replace(m, name=name, calibration=calibration))
+        Engine.load(tmp)  # hashes verified, calibration read back
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    point_adapter_at(out)  # a tuned base's own adapter files were copied with it
+
+
 def point_adapter_at(engine_dir: Path) -> None:
     """The tuned engine holds its own adapter files (a PEFT folder): its manifest names the engine, not the
-    work folder that is deleted, so the engine can be re-exported or tuned again."""
+    work folder that is deleted, so the engine can be re-exported or tuned again. An engine without adapter files of
+    its own (a calibrated copy of its base) is left as it is: its adapters are its base's."""
+    from ..export.adapter import WEIGHTS
+
     m = mf.load(engine_dir, verify=False)
+    if WEIGHTS not in m.files:
+        return
     adapters = [dict(a) for a in m.source["adapters"]]
     adapters[-1]["path"] = str(engine_dir.resolve())
     mf.write(engine_dir, dataclasses.replace(m, source={**m.source, "adapters": adapters}))
@@ -242,6 +293,11 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
         lines.append(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL "
                      f"{m['heldout_before']['nll']:.4f}; best: accuracy {m['heldout_best']['accuracy']:.3f} NLL "
                      f"{m['heldout_best']['nll']:.4f} ({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
+    if "choice" in summary:
+        c = summary["choice"]
+        lines.append("held-out candidates: " + "; ".join(f"{x['name']} NLL {x['heldout_nll']:.4f} accuracy "
+                                                         f"{x['heldout_accuracy']:.3f}" for x in c["candidates"])
+                     + f"; written: {c['chosen']}")
     for phase, r in summary.get("report", {}).items():
         lines.append(f"{phase:6s} (ONNX Runtime, held-out rows {r['rows']}): accuracy {r['accuracy']:.3f}  "
                      f"NLL {r['nll']:.3f}  Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")

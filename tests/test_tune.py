@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -263,3 +264,132 @@ def test_tune_that_never_beats_step_0_writes_nothing_and_exits_2_unless_keep_bas
     kept = subprocess.run(args + ["--keep-base"], capture_output=True, text=True, timeout=600)
     assert kept.returncode == 0, kept.stderr[-2000:]
     assert "warning: tuning never improved" in kept.stderr + kept.stdout and (out / "manifest.json").exists()
+
+
+def _lora_scorers(tiny_llama_dir, frozen: int):
+    """(scorer caching the lower ``frozen`` blocks, scorer running every block, trainable parameters, chunks) over one
+    LoRA model of the tiny Llama whose adapter (top block only) is non-zero, so that it changes the scores."""
+    import transformers
+    from peft import get_peft_model
+
+    from onepass.calibration.tune_data import TuneRow
+    from onepass.export.adapter import lora_config
+    from onepass.runtime.backends.torch_decoder import PackedDecoder
+    from onepass.runtime.core.prompt import PromptEncoder, PromptTemplate
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    layers = hf.config.num_hidden_layers
+    model = get_peft_model(hf, lora_config(4, None, list(range(frozen, layers))))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decoder = PackedDecoder(model.base_model.model, share=True)
+    encoder = PromptEncoder(str(tiny_llama_dir / "tokenizer.json"), PromptTemplate())
+    questions = [Noul("Is it raining?"), Choice("Which team?", {"red": None, "blue": "the blue team"}),
+                 Score("How loud?", ["Quiet", "Loud", "Very loud"])]
+    chunks = [tn.Chunk(encoder.state(text), [encoder.question(q) for q in questions],
+                       [TuneRow(text, q, 0) for q in questions])
+              for text in ("The storm hit the red team's stadium.", "A quiet afternoon in the blue office, nothing more.")]
+    cached = tn.PackedScorer(decoder, "mean", torch.device("cpu"), False, frozen)
+    return cached, tn.PackedScorer(decoder, "mean", torch.device("cpu"), False, 0), params, chunks
+
+
+def _scores_and_grads(scorer, params, chunks):
+    for p in params:
+        p.grad = None
+    scores = [s for c in chunks for s in scorer.scores(c)]
+    torch.stack([s.logsumexp(-1) - s[0] for s in scores]).sum().backward()
+    return torch.cat([s.detach() for s in scores]), torch.cat([p.grad.flatten() for p in params])
+
+
+def test_cached_frozen_blocks_give_the_scores_and_gradients_of_the_whole_pass(tiny_llama_dir):
+    """Tuning only the top blocks computes the lower blocks once per chunk (their outputs cached) instead of at every
+    step: the option scores and the adapter's gradients equal those of running every block (float32, tolerance
+    1e-5, twice: the second pass reads the cache). Negative control: a lower block changed after the cache was made
+    (a stale cache) moves the cached scores away from the whole pass's."""
+    cached, whole, params, chunks = _lora_scorers(tiny_llama_dir, frozen=1)
+    reference, ref_grads = _scores_and_grads(whole, params, chunks)
+    for _ in range(2):
+        scores, grads = _scores_and_grads(cached, params, chunks)
+        assert torch.allclose(scores, reference, atol=1e-5) and torch.allclose(grads, ref_grads, atol=1e-5, rtol=1e-4)
+    assert len(cached.trunks) == len(chunks) and not whole.trunks
+    assert (reference.abs() > 1e-3).all() and ref_grads.abs().max() > 1e-3  # real scores and gradients compared
+    with torch.no_grad():
+        cached.decoder.blocks[0].up.weight.mul_(1.5)  # what a trainable lower block would do between steps
+    stale, _ = _scores_and_grads(cached, params, chunks)
+    fresh, _ = _scores_and_grads(whole, params, chunks)
+    assert torch.allclose(stale, reference, atol=1e-5) and not torch.allclose(fresh, reference, atol=1e-3)
+
+
+def test_a_cache_over_trainable_blocks_is_refused(tiny_llama_dir):
+    cached, _, _, _ = _lora_scorers(tiny_llama_dir, frozen=1)
+    cached.decoder.blocks[0].up.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="lower 1 blocks .* trainable"):
+        tn.PackedScorer(cached.decoder, "mean", torch.device("cpu"), False, 1)
+    with pytest.raises(ValueError, match="frozen must be in 0..1"):
+        tn.PackedScorer(cached.decoder, "mean", torch.device("cpu"), False, 2)
+
+
+def _scored(scores, labels, qtype="noul"):
+    names = ["yes", "no"] if qtype == "noul" else ["a", "b", "c"]
+    return [{"type": qtype, "scores": list(map(float, s)), "label": int(y), "target": int(y), "names": names,
+             "dataset": "d", "qkey": "question/x"} for s, y in zip(scores, labels)]
+
+
+def test_tune_keeps_the_candidate_with_the_lowest_heldout_nll_and_ties_go_to_the_cheaper():
+    """The four candidates judged on the same held-out rows: a base engine whose scores lean the wrong way is fixed
+    by calibration (base+calibrate beats a tuned engine that learned nothing); a tuned engine that separates the
+    classes wins; equal candidates choose the cheaper. Control: the base alone is chosen when nothing beats it."""
+    from onepass.calibration.candidates import candidates, choose
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 80)
+    signal = np.where(labels == 0, 1.0, -1.0)[:, None] * np.array([0.6, -0.6])  # a weak correct margin
+    leaning = signal + np.array([-2.0, 2.0]) + rng.normal(0, 0.3, (80, 2))  # ... hidden under a bias towards "no"
+    noise = rng.normal(0, 1.0, (80, 2))
+    sharp = signal * 6 + rng.normal(0, 0.3, (80, 2))
+    tr, he = slice(0, 60), slice(60, 80)
+    rows = lambda s: (_scored(s[tr], labels[tr]), _scored(s[he], labels[he]))  # noqa: E731
+    found = candidates(*rows(leaning), *rows(noise), "mean")
+    assert [c.name for c in found] == ["base", "base+calibrate", "tuned", "tuned+calibrate"]
+    assert choose(found).name == "base+calibrate" and found[1].nll < found[0].nll - 0.3
+    assert choose(candidates(*rows(leaning), *rows(sharp), "mean")).name == "tuned"  # sharp needs no calibration
+    assert choose(candidates(*rows(leaning), *rows(leaning), "mean")).name == "base+calibrate"  # a tie: cheaper
+    labels[:] = np.arange(80) % 2  # half yes, half no on both sides: no bias to learn
+    flat = np.zeros((80, 2))  # nothing to learn or calibrate, a tuned engine that guesses: the base stays best
+    assert choose(candidates(*rows(flat), *rows(rng.normal(0, 2.0, (80, 2))), "mean")).name == "base"
+
+
+def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
+    from onepass.calibration.candidates import candidates
+
+    few = _scored(np.zeros((10, 2)), np.zeros(10))
+    assert [c.name for c in candidates(few, few, few, few, "mean")] == ["base", "tuned"]
+
+
+@pytest.mark.slow
+def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_engine_dir, tmp_path):
+    """Every note's answer is yes, which a calibration of the untuned engine learns from the training rows; a
+    learning rate too small to move the weights leaves the tuned candidates no better. `onepass tune` then writes the
+    base engine (the same graph and weights) with that calibration, says so, and the engine answers yes more
+    surely than its base."""
+    from onepass import Engine
+
+    question = Noul("Is this a note?")
+    data = _write(tmp_path, [{"state": f"Note {i}: the meeting moved to room {i + 3}.", "question": to_wire(question),
+                              "label": "yes"} for i in range(40)], "notes.jsonl")
+    out = tmp_path / "tuned"
+    proc = subprocess.run([sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data",
+                           str(data), "--out", str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2",
+                           "--holdout", "0.25"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "written: base+calibrate" in proc.stdout, proc.stdout[-2000:]
+    base, tuned = Engine.load(tiny_engine_dir), Engine.load(out)
+    assert tuned.manifest.files[base.manifest.graph] == base.manifest.files[base.manifest.graph]  # the base's graph
+    assert tuned.manifest.calibration.source["tune"]["chosen"] == "base+calibrate"
+    state = "Note 99: the meeting moved to room 7."
+    assert tuned.ask(state, {"q": question})["q"].noul > base.ask(state, {"q": question})["q"].noul + 0.05
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "tuned", "tuned-report"]  # no work folder

@@ -219,26 +219,41 @@ class PackedDecoder(nn.Module):
         if len(args) > 2 * layers + 2:
             past_length = args[2 * layers + 2]
         x = self.embed[input_ids]  # [N, d]
+        tables = self.attention_tables(position_ids, tree_mask, past[0].shape[1], past_length)
+        x, presents = self.run_blocks(x, tables, past, range(layers))
+        h, target = self.final(x, readout_index, readout_target)
+        return h, target, presents
+
+    def attention_tables(self, position_ids, tree_mask, past_rows: int, past_length=None):
+        """(cos, sin, attention bias) of a pass: rotary tables [N, D] and the additive bias [N, S+N] (the past's
+        first ``past_length`` rows and the tree mask seen, the rest not)."""
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()  # [N, D]
-        n, s = input_ids.shape[0], past[0].shape[1]
+        n, s = position_ids.shape[0], past_rows
         tree_bias = torch.where(tree_mask, 0.0, torch.finfo(torch.float32).min)  # [N, N]
         past_bias = tree_bias.new_zeros(n, s)  # [N, S]
         if past_length is not None:  # padding rows of the past: never seen
             past_bias = torch.where(torch.arange(s, device=tree_bias.device) < past_length, 0.0,
                                     torch.finfo(torch.float32).min).expand(n, s)
-        bias = torch.cat([past_bias, tree_bias], dim=1)  # [N, S+N] fp32, on the inputs' device
+        return emb.cos(), emb.sin(), torch.cat([past_bias, tree_bias], dim=1)  # bias fp32, on the inputs' device
+
+    def run_blocks(self, x, tables, past, blocks):
+        """x [N, d] through the blocks numbered ``blocks`` (a range), each with its own past pair in ``past`` (2 per
+        block, in the range's order) -> (x, presents of those blocks)."""
+        cos, sin, bias = tables
         presents = []
-        for i, block in enumerate(self.blocks):
-            x, k, v = block(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+        for j, i in enumerate(blocks):
+            x, k, v = self.blocks[i](x, cos, sin, bias, past[2 * j], past[2 * j + 1])
             presents += [k, v]
+        return x, presents
+
+    def final(self, x, readout_index, readout_target):
+        """(final-normed hidden states at the read-out rows [R, d], log-probs of the read-out targets [R])."""
         h = self.norm(x[readout_index])  # [R, d]
         head = self.embed if self.tied else self.lm_head
         logits = h @ head.t()  # [R, V]
         logprobs = torch.log_softmax(logits, dim=-1)
-        target = logprobs.gather(1, readout_target[:, None])[:, 0]  # [R]
-        return h, target, presents
+        return h, logprobs.gather(1, readout_target[:, None])[:, 0]  # [R]
 
     def forward(self, input_ids, position_ids, tree_mask, *args, past_length=None):
         """See onepass.runtime.backends.contract for the inputs and outputs (``past_length``: see ``readout``)."""
