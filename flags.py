@@ -16,6 +16,19 @@ ENGINE, SERVER, TRANSPORT = EngineConfig(), ServerConfig(), TransportLimits()
 THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
 
 
+def _blocks(text: str) -> int:
+    """--train-blocks: a positive count, or all (0)."""
+    if text == "all":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of blocks or 'all', got {text!r}")
+    return value
+
+
 def _engine(p, backend: str | None = ENGINE.backend, help: str = "engine directory") -> None:
     """--engine, --threads and (unless None) --backend: what every command that loads an engine takes."""
     p.add_argument("--engine", required=True, help=help)
@@ -56,9 +69,13 @@ def _training(p, named: str, held: str) -> None:
     p.add_argument("--method", choices=["lora", "full", "head"], default="lora",
                    help="LoRA adapters merged on export, every weight, or a decision head over the frozen decoder")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--train-blocks", type=int, default=None, help="train only the top N decoder blocks (default all)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 LoRA, 2e-5 full)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--train-blocks", type=_blocks, default=None, metavar="N|all",
+                   help="train only the top N decoder blocks, or all (default: LoRA on the top 4, the lower blocks run "
+                        "once per state; full: all)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: 1e-3 for LoRA on up to 8 blocks, 2e-4 on more, 2e-5 full)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epochs (default 3, more for a few dozen rows: at least 30 steps, at most 12 epochs)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
     p.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
@@ -66,7 +83,9 @@ def _training(p, named: str, held: str) -> None:
     p.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
     p.add_argument("--holdout", type=float, default=0.2, help=f"share of states {held}")
     p.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
-    p.add_argument("--patience", type=int, default=2, help="held-out evaluations without improvement, then stop")
+    p.add_argument("--patience", type=int, default=None,
+                   help="held-out evaluations without improvement, then stop (default 2; no early stop with fewer than "
+                        "50 held-out questions, where it would choose on noise)")
     p.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")

@@ -48,10 +48,10 @@ class TuneConfig:
     method: str = "lora"
     rank: int = 16  # LoRA rank
     alpha: float | None = None  # LoRA alpha (None: 2 * rank)
-    train_blocks: int | None = None  # only the top N decoder blocks are trained (None: all)
-    lr: float | None = None  # None: 2e-4 for LoRA, 2e-5 for full
+    train_blocks: int | None = None  # only the top N decoder blocks are trained (0: all; None: chosen, see resolved)
+    lr: float | None = None  # None: chosen (see resolved)
     weight_decay: float = 0.0
-    epochs: int = 3
+    epochs: int | None = None  # None: chosen (see resolved)
     max_minutes: float | None = None  # stop (keeping the best held-out weights) after this long
     max_steps: int | None = None  # stop after this many optimiser steps (a reproducible budget, unlike minutes)
     batch_questions: int = 8  # questions per optimiser step (whole states)
@@ -60,7 +60,7 @@ class TuneConfig:
     group: int = 16  # RLCD samples per question
     sigma: float = 0.5  # RLCD perturbation scale
     holdout: float = 0.2  # share of states held out (early stopping and the report)
-    patience: int = 2  # evaluations without held-out NLL improvement before stopping
+    patience: int | None = None  # evaluations without held-out NLL improvement before stopping (None: see resolved)
     eval_every: int | None = None  # optimiser steps between held-out evaluations (None: each epoch)
     max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
     keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
@@ -70,13 +70,15 @@ class TuneConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        positive = {"rank": self.rank, "epochs": self.epochs, "batch_questions": self.batch_questions,
-                    "group": self.group, "patience": self.patience, "max_state_tokens": self.max_state_tokens}
+        positive = {"rank": self.rank, "epochs": 1 if self.epochs is None else self.epochs,
+                    "batch_questions": self.batch_questions, "group": self.group,
+                    "patience": 1 if self.patience is None else self.patience,
+                    "max_state_tokens": self.max_state_tokens}
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.train_blocks is not None and self.train_blocks < 1:
-            raise ValueError(f"train_blocks must be >= 1, got {self.train_blocks}")
+        if self.train_blocks is not None and (not isinstance(self.train_blocks, int) or self.train_blocks < 0):
+            raise ValueError(f"train_blocks must be >= 0 (0: every block), got {self.train_blocks!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if self.max_minutes is not None and not self.max_minutes > 0:
@@ -90,8 +92,38 @@ class TuneConfig:
 
     @property
     def learning_rate(self) -> float:
-        """The learning rate in force."""
+        """The learning rate in force (of a resolved config; unresolved: the fallback of every block's LoRA)."""
         return self.lr if self.lr is not None else (2e-4 if self.method == "lora" else 2e-5)
+
+
+# What `tune` chooses for the settings left open, from the number of training rows (issue 44, measured in
+# benchmarks/results/tune_user.md): LoRA on the top AUTO_BLOCKS blocks only (the lower ones then run once per state,
+# PackedScorer), a learning rate suited to so few adapted blocks, and enough epochs that a few dozen rows still get
+# MIN_STEPS optimiser steps past the 10-step warm-up.
+AUTO_BLOCKS = 4
+AUTO_LR = 1e-3  # LoRA on the top AUTO_BLOCKS blocks
+MIN_STEPS, MAX_EPOCHS, DEFAULT_EPOCHS = 30, 12, 3
+# Early stopping on fewer held-out questions than this chooses on noise (10 questions: one answer moves the NLL by
+# more than the epochs differ), so it stops nothing: every epoch runs and the best held-out snapshot is still kept.
+MIN_HELD_FOR_PATIENCE, DEFAULT_PATIENCE = 50, 2
+
+
+def resolved(config: TuneConfig, rows: int, layers: int, held: int = MIN_HELD_FOR_PATIENCE) -> TuneConfig:
+    """``config`` with every open setting (None) chosen for ``rows`` training rows and ``held`` held-out questions
+    of a ``layers``-block model; settings given stay as they are. ``method="full"`` keeps its old defaults (every
+    block, 2e-5, 3 epochs)."""
+    patience = config.patience or (DEFAULT_PATIENCE if held >= MIN_HELD_FOR_PATIENCE else 10 ** 6)
+    config = dataclasses.replace(config, patience=patience)
+    if config.method != "lora":
+        blocks = 0 if config.train_blocks is None else config.train_blocks
+        return dataclasses.replace(config, train_blocks=blocks, lr=config.learning_rate,
+                                   epochs=config.epochs or DEFAULT_EPOCHS)
+    blocks = min(AUTO_BLOCKS, layers) if config.train_blocks is None else config.train_blocks
+    few = blocks and blocks <= 2 * AUTO_BLOCKS
+    lr = config.lr if config.lr is not None else (AUTO_LR if few else 2e-4)
+    per_epoch = max(1, math.ceil(rows / config.batch_questions))
+    epochs = config.epochs or min(MAX_EPOCHS, max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / per_epoch)))
+    return dataclasses.replace(config, train_blocks=blocks, lr=lr, epochs=epochs)
 
 
 @dataclass
@@ -136,6 +168,9 @@ def encode_groups(groups: list[list[TuneRow]], encoder: PromptEncoder, config: T
     return chunks
 
 
+TRUNK_CACHE_BYTES = 4 << 30  # cached hidden states kept at most (~1,800 states of 1,024 tokens for SmolLM2)
+
+
 class PackedScorer:
     """The served computation as a differentiable function: option scores of a chunk's questions.
 
@@ -143,10 +178,12 @@ class PackedScorer:
     they compute for a chunk never changes: the hidden states entering block ``frozen`` (the state's and the packed
     tokens') are computed once per chunk, without gradient, and every later step and evaluation runs only the top
     blocks from them. The scores are the same as running every block (``tests/test_tune.py``); a trainable
-    parameter in a frozen block is refused, since its cache would go stale.
+    parameter in a frozen block is refused, since its cache would go stale. Past ``cache_budget`` bytes the further
+    chunks' lower blocks run again at each use (slower, the same scores) instead of filling the memory.
     """
 
-    def __init__(self, decoder, readout: str, device: torch.device, bf16: bool, frozen: int = 0):
+    def __init__(self, decoder, readout: str, device: torch.device, bf16: bool, frozen: int = 0,
+                 cache_budget: int = TRUNK_CACHE_BYTES):
         if readout not in ("mean", "sum"):
             raise OnepassError(f"tune trains the 'mean' or 'sum' read-out; this engine's read-out is {readout!r}. "
                                "Export the base engine with --readout mean")
@@ -161,6 +198,7 @@ class PackedScorer:
         self.empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim, device=device)
                       for _ in range(2 * dims.num_layers)]
         self.trunks: dict[int, tuple] = {}  # id(chunk) -> (packed batch, state x, packed x) entering block `frozen`
+        self.cached_bytes, self.cache_budget = 0, cache_budget
 
     def _tensor(self, a):
         return torch.from_numpy(a).to(self.device)
@@ -183,6 +221,10 @@ class PackedScorer:
                     lower = range(self.frozen)
                     x_state, past = self._blocks(x_state, state, self.empty, lower)
                     x_packed, _ = self._blocks(x_packed, batch, past, lower)
+                size = (x_state.numel() + x_packed.numel()) * x_state.element_size()
+                if self.cached_bytes + size > self.cache_budget:  # past the budget: computed again at each use
+                    return batch, state, x_state, x_packed
+                self.cached_bytes += size
                 self.trunks[key] = (chunk, batch, state, x_state.detach(), x_packed.detach())  # chunk: keeps its id
             else:
                 return batch, state, x_state, x_packed  # the embedding may be trained: nothing is cached

@@ -22,7 +22,7 @@ from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from .candidates import candidates, choose, scored_rows
-from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups
+from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups, resolved
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
 
@@ -97,6 +97,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
     encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
     train_groups, held_groups, val_files = _held_out(rows, validation, config)
+    config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
+                      sum(len(g) for g in held_groups))
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
     spec, adapters = engine_source(base)
     torch.manual_seed(config.seed)
@@ -116,6 +118,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                           config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
     work = out.with_name(out.name + ".tune")
     work.mkdir(parents=True, exist_ok=True)
+    log(f"scoring the {len(train) + len(held)} training and held-out chunks with the base weights (the untuned "
+        "candidates)" + (f"; their lower {frozen} blocks are kept for every step" if frozen else ""))
     base_scored = [scored_rows(scorer, c, encoder) for c in (train, held)]  # before any step (and any --resume)
     trainer = Trainer(scorer, params, config, train, held, work / "checkpoint.pt", _fingerprint(files, base_dir), log)
     if resume:

@@ -316,6 +316,9 @@ def test_cached_frozen_blocks_give_the_scores_and_gradients_of_the_whole_pass(ti
         scores, grads = _scores_and_grads(cached, params, chunks)
         assert torch.allclose(scores, reference, atol=1e-5) and torch.allclose(grads, ref_grads, atol=1e-5, rtol=1e-4)
     assert len(cached.trunks) == len(chunks) and not whole.trunks
+    over_budget = tn.PackedScorer(cached.decoder, "mean", torch.device("cpu"), False, 1, cache_budget=0)
+    scores, _ = _scores_and_grads(over_budget, params, chunks)  # past the budget: computed again, nothing kept
+    assert torch.allclose(scores, reference, atol=1e-5) and not over_budget.trunks
     assert (reference.abs() > 1e-3).all() and ref_grads.abs().max() > 1e-3  # real scores and gradients compared
     with torch.no_grad():
         cached.decoder.blocks[0].up.weight.mul_(1.5)  # what a trainable lower block would do between steps
@@ -393,3 +396,32 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
     state = "Note 99: the meeting moved to room 7."
     assert tuned.ask(state, {"q": question})["q"].noul > base.ask(state, {"q": question})["q"].noul + 0.05
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "tuned", "tuned-report"]  # no work folder
+
+
+def test_open_settings_are_chosen_from_the_row_count_and_given_ones_are_kept():
+    few, many = tn.resolved(tn.TuneConfig(), 40, 30, held=10), tn.resolved(tn.TuneConfig(), 400, 30, held=100)
+    assert (few.train_blocks, few.lr, few.epochs) == (4, 1e-3, 6)  # 5 steps an epoch: 6 epochs reach 30 steps
+    assert (many.train_blocks, many.lr, many.epochs) == (4, 1e-3, 3)
+    assert tn.resolved(tn.TuneConfig(), 4, 30).epochs == 12  # capped
+    given = tn.resolved(tn.TuneConfig(train_blocks=0, lr=3e-4, epochs=2), 40, 30)
+    assert (given.train_blocks, given.lr, given.epochs) == (0, 3e-4, 2)  # 0: every block, as asked
+    assert tn.resolved(tn.TuneConfig(train_blocks=0), 40, 30).lr == 2e-4  # every block: the gentler rate
+    full = tn.resolved(tn.TuneConfig(method="full"), 40, 30)
+    assert (full.train_blocks, full.lr, full.epochs) == (0, 2e-5, 3)
+    assert tn.resolved(tn.TuneConfig(), 40, 2).train_blocks == 2  # a model with fewer blocks: all of them
+    assert tn.resolved(tn.TuneConfig(), 240, 30, held=60).patience == 2
+    assert tn.resolved(tn.TuneConfig(), 40, 30, held=10).patience > 100  # 10 questions: no early stopping
+    assert tn.resolved(tn.TuneConfig(patience=1), 40, 30, held=10).patience == 1
+    with pytest.raises(ValueError, match="train_blocks must be >= 0"):
+        tn.TuneConfig(train_blocks=-1)
+
+
+def test_train_blocks_flag_takes_a_count_or_all():
+    import argparse
+
+    from onepass.flags import _blocks
+
+    assert _blocks("all") == 0 and _blocks("4") == 4
+    for bad in ("0", "-2", "some"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of blocks or 'all'"):
+            _blocks(bad)
