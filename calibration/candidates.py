@@ -59,8 +59,8 @@ def scored_rows(scorer, chunks: list, encoder) -> list[dict]:
     return out
 
 
-def heldout_metrics(rows: list[dict], calibration: Calibration | None) -> tuple[float, float]:
-    """(mean NLL of the label, or cross-entropy against the teacher's distribution; accuracy) of ``rows``."""
+def heldout_metrics(rows: list[dict], calibration: Calibration | None) -> tuple[float, int]:
+    """(summed NLL of the label, or cross-entropy against the teacher's distribution; correct answers) of ``rows``."""
     nll, hits = 0.0, 0
     for r in rows:
         s = np.asarray(r["scores"], dtype=np.float64)
@@ -69,26 +69,38 @@ def heldout_metrics(rows: list[dict], calibration: Calibration | None) -> tuple[
         target = r["target"]
         nll -= logp[target] if isinstance(target, int) else float(np.dot(target, logp))
         hits += int(np.argmax(p) == r["label"])
-    return nll / len(rows), hits / len(rows)
+    return nll, hits
 
 
-def _calibrated(train: list[dict], readout: str) -> Calibration | None:
+def calibrated(train: list[dict], readout: str) -> Calibration | None:
     """A calibration of the training rows, or None when no group has the rows one needs."""
     calibration = fit(train, readout, source={"fitted_on": "tune's training rows", "rows": len(train)})
     return calibration if calibration.groups else None
 
 
-def candidates(base_train: list[dict], base_held: list[dict], tuned_train: list[dict], tuned_held: list[dict],
-               readout: str) -> list[Candidate]:
-    """Every candidate with its held-out metrics, in ``ORDER`` (a calibrated one only where a group could be
-    fitted)."""
-    out = []
-    for name, train, held in (("base", base_train, base_held), ("tuned", tuned_train, tuned_held)):
-        out.append(Candidate(name, None, *heldout_metrics(held, None)))
-        calibration = _calibrated(train, readout)
-        if calibration is not None:
-            out.append(Candidate(f"{name}+calibrate", calibration, *heldout_metrics(held, calibration)))
-    return sorted(out, key=lambda c: ORDER.index(c.name))
+def candidates(folds: list[tuple], readout: str) -> list[Candidate]:
+    """Every candidate with its held-out metrics, in ``ORDER``.
+
+    ``folds``: (base train rows, base held-out rows, tuned train rows, tuned held-out rows) of one held-out split,
+    or of each fold of a cross-validation (the tuned rows then come from that fold's own run). A candidate's metrics
+    are over every fold's held-out rows, a calibrated one's calibration fitted on that fold's training rows; a
+    calibrated candidate exists only where every fold could fit one. With one fold a calibrated candidate carries
+    its calibration; with several, none (the caller fits the one it writes on all the rows).
+    """
+    totals: dict[str, list] = {}
+    for base_train, base_held, tuned_train, tuned_held in folds:
+        for name, train, held in (("base", base_train, base_held), ("tuned", tuned_train, tuned_held)):
+            fitted = calibrated(train, readout)
+            for key, calibration in ((name, None), (f"{name}+calibrate", fitted)):
+                if key != name and calibration is None:
+                    totals[key] = None  # a fold without a calibration: no calibrated candidate at all
+                if totals.get(key, []) is None:
+                    continue
+                nll, hits = heldout_metrics(held, calibration)
+                t = totals.setdefault(key, [0.0, 0, 0, None])
+                t[0], t[1], t[2], t[3] = t[0] + nll, t[1] + hits, t[2] + len(held), calibration
+    return [Candidate(name, t[3] if len(folds) == 1 else None, t[0] / t[2], t[1] / t[2])
+            for name, t in sorted(totals.items(), key=lambda kv: ORDER.index(kv[0])) if t is not None]
 
 
 def choose(found: list[Candidate]) -> Candidate:

@@ -338,9 +338,15 @@ class Trainer:
         self.gen.set_state(blob["generator"])
 
     def evaluate(self) -> dict:
-        """Held-out metrics now; keeps the best weights and counts evaluations without improvement."""
-        m = evaluate(self.scorer, self.held)
+        """Held-out metrics now; keeps the best weights and counts evaluations without improvement. Without held-out
+        chunks (a cross-validation fold, or the final run after one) nothing is measured: the latest weights are
+        the ones kept."""
         p = self.progress
+        if not self.held:
+            p.history.append({"epoch": p.epoch, "step": p.step})
+            self.best = self._snapshot()
+            return {}
+        m = evaluate(self.scorer, self.held)
         p.history.append({"epoch": p.epoch, "step": p.step, **m})
         if m["nll"] < p.best_nll - 1e-4:
             p.best_nll, p.bad_evals, self.best = m["nll"], 0, self._snapshot()
@@ -393,8 +399,9 @@ class Trainer:
         c, p = self.config, self.progress
         if not p.history:
             before = self.evaluate()
-            self.log(f"held-out before tuning: accuracy {before['accuracy']:.3f}  NLL {before['nll']:.4f} "
-                     f"({before['questions']} questions)")
+            if before:
+                self.log(f"held-out before tuning: accuracy {before['accuracy']:.3f}  NLL {before['nll']:.4f} "
+                         f"({before['questions']} questions)")
         per_epoch = len(self._batches(0))
         total = c.epochs * per_epoch if c.max_steps is None else min(c.epochs * per_epoch, c.max_steps)
         bar = tqdm(total=total, initial=min(p.step, total), unit="step", dynamic_ncols=True)
@@ -427,5 +434,7 @@ class Trainer:
         return p
 
     def _report(self, m: dict, bar) -> None:
+        if not m:
+            return
         bar.write(f"epoch {self.progress.epoch} step {self.progress.step}: held-out accuracy {m['accuracy']:.3f}  "
                   f"NLL {m['nll']:.4f}")

@@ -11,6 +11,7 @@ both run by ONNX Runtime, on the held-out states.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
-from .candidates import candidates, choose, scored_rows
-from .tune import NothingLearned, PackedScorer, TuneConfig, Trainer, encode_groups, resolved
+from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
+from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, held_out_choice
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
 
@@ -96,7 +97,11 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if base.head is not None:
         raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
     encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
-    train_groups, held_groups, val_files = _held_out(rows, validation, config)
+    cv = validation is None and len(rows) < CV_BELOW_ROWS  # too few rows for one held-out split to choose on
+    if cv:
+        train_groups, held_groups, val_files = group_by_state(rows), [], []
+    else:
+        train_groups, held_groups, val_files = _held_out(rows, validation, config)
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
                       sum(len(g) for g in held_groups))
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
@@ -104,6 +109,9 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     torch.manual_seed(config.seed)
     loaded = load_model(spec, adapters)
     if config.method == "head":
+        if cv:
+            raise OnepassError(f"--method head needs at least {CV_BELOW_ROWS} rows (or --validation files); "
+                               f"got {len(rows)}")
         summary = _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out,
                              name, log)
         if report_dir is not None:
@@ -118,46 +126,48 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                           config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
     work = out.with_name(out.name + ".tune")
     work.mkdir(parents=True, exist_ok=True)
-    log(f"scoring the {len(train) + len(held)} training and held-out chunks with the base weights (the untuned "
-        "candidates)" + (f"; their lower {frozen} blocks are kept for every step" if frozen else ""))
-    base_scored = [scored_rows(scorer, c, encoder) for c in (train, held)]  # before any step (and any --resume)
-    trainer = Trainer(scorer, params, config, train, held, work / "checkpoint.pt", _fingerprint(files, base_dir), log)
-    if resume:
-        trainer.resume()
     train_rows = sum(len(g) for g in train_groups)
     log(f"tuning {base.name} ({config.method}, {len(params)} tensors, "
-        f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows "
-        f"({len(train_groups)} states); {sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out; "
-        f"device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
-    progress = trainer.run()
+        f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows ({len(train_groups)} states); "
+        + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if cv else
+           f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
+        + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
+    runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
+    log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
+        + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
+    base_train, base_held = runs.scored(train), runs.scored(held)  # before any step (and any --resume)
+    if cv:
+        outcome = cross_validated_choice(runs, train, base_train, resume, base.scoring.readout, config.seed)
+    else:
+        outcome = held_out_choice(runs, train, held, (base_train, base_held), resume, base.scoring.readout)
     model.eval()
-    history = progress.history
-    found = candidates(*base_scored, *(scored_rows(scorer, c, encoder) for c in (train, held)), base.scoring.readout)
-    chosen = choose(found)
-    log("held-out candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
+    progress, found, chosen = outcome.progress, outcome.found, outcome.chosen
+    judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
+    log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
         + f" -> {chosen.name}")
     if chosen.name == "base":
-        message = (f"tuning never improved on the base engine: on the held-out rows the base engine's NLL, "
-                   f"{chosen.nll:.4f}, was not beaten by calibrating it or by {progress.step} steps of tuning "
-                   f"({len(history) - 1} evaluations)")
+        message = (f"tuning never improved on the base engine: on the {judged} rows the base engine's NLL, "
+                   f"{chosen.nll:.4f}, was not beaten by calibrating it or by tuning it")
         if not config.keep_base:
             shutil.rmtree(work, ignore_errors=True)
             raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
                                  "(--epochs, --max-steps), try another --lr, or pass --keep-base to write the base "
                                  "weights anyway")
         log(f"warning: {message}; the engine written is the base engine's weights (--keep-base)")
-    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found],
-              "rule": "lowest held-out NLL; a dearer candidate must win by more than 1e-3"}
+    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
+              "rule": "lowest NLL on rows the candidate was not fitted on; a dearer candidate must win by > 1e-3"}
+    history = progress.history
+    metrics = {"seconds": outcome.seconds, "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9),
+               "evaluations": history, "choice": choice}
+    if held:
+        metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
     if chosen.name == "base+calibrate":
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
-                   "tuning": {"metrics": {"heldout_before": _metric(history[0]), "heldout_best": _best(history),
-                                          "seconds": progress.seconds,
-                                          "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9)},
-                              "steps": progress.step}}
+                   "tuning": {"metrics": metrics, "steps": progress.step}}
         write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
         if report_dir is not None:
             summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g],
-                                                  Path(report_dir))
+                                                  Path(report_dir), choice)
         shutil.rmtree(work, ignore_errors=True)
         return summary
     tuning = mf.TuningInfo(
@@ -167,9 +177,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         validation=val_files,
         rank=config.rank if config.method == "lora" else None,
         config={**dataclasses.asdict(config), "learning_rate": config.learning_rate, "device": device.type},
-        metrics={"heldout_before": _metric(history[0]), "heldout_best": _best(history), "seconds": progress.seconds,
-                 "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9), "evaluations": history,
-                 "choice": choice})
+        metrics=metrics)
     extra, model_spec, export_adapters = {}, spec, list(adapters)
     if config.method == "lora":
         adapter_dir = save(model, work / "adapter", {"base_sha256": loaded.source.get("sha256"),
@@ -192,7 +200,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         mf.write(out, dataclasses.replace(m, calibration=chosen.calibration))
     summary = {"tuning": dataclasses.asdict(tuning), "choice": choice, "seconds_total": time.perf_counter() - t0}
     if report_dir is not None:
-        summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
+        summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir),
+                                              choice)
     shutil.rmtree(work, ignore_errors=True)
     return summary
 
@@ -270,15 +279,23 @@ def _best(history: list[dict]) -> dict:
     return _metric(min(history, key=lambda e: e["nll"]))
 
 
-def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out: Path) -> dict:
-    """Base vs tuned engine (ONNX Runtime) on the held-out rows: the calibration report's metrics and plots."""
+def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out: Path,
+                      choice: dict | None = None) -> dict:
+    """Base vs tuned engine (ONNX Runtime) on the held-out rows: the calibration report's metrics and plots, and the
+    candidates tune chose from. A cross-validated choice holds no rows out: the report then records the choice."""
     from .report import write_report
     from .run import evaluate
 
+    if not held:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({"choice": choice, "note": "no held-out rows: the choice was "
+                                                     "cross-validated over whole states"}, indent=2) + "\n")
+        return {}
     before = _score_rows(Engine.load(base_dir, verify=False), held)
     after = _score_rows(Engine.load(tuned_dir), held)
-    report = {"before": evaluate(before), "after": evaluate(after),
-              "note": "before: the base engine; after: the tuned engine; held-out states only (never trained on)"}
+    report = {"before": evaluate(before), "after": evaluate(after), "choice": choice,
+              "note": "before: the base engine; after: the tuned engine (uncalibrated scores); held-out states only "
+                      "(never trained on)"}
     write_report(report, out)
     return {k: {m: report[k]["all"][m] for m in ("accuracy", "nll", "brier", "ece", "rows")}
             for k in ("before", "after")}
@@ -294,12 +311,13 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
     else:
         tuning = summary["tuning"]
         m = tuning["metrics"]
-        lines.append(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL "
-                     f"{m['heldout_before']['nll']:.4f}; best: accuracy {m['heldout_best']['accuracy']:.3f} NLL "
-                     f"{m['heldout_best']['nll']:.4f} ({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
+        if "heldout_before" in m:
+            lines.append(f"held-out before: accuracy {m['heldout_before']['accuracy']:.3f} NLL "
+                         f"{m['heldout_before']['nll']:.4f}; best: accuracy {m['heldout_best']['accuracy']:.3f} NLL "
+                         f"{m['heldout_best']['nll']:.4f} ({tuning['steps']} steps, {m['rows_per_second']:.2f} rows/s)")
     if "choice" in summary:
         c = summary["choice"]
-        lines.append("held-out candidates: " + "; ".join(f"{x['name']} NLL {x['heldout_nll']:.4f} accuracy "
+        lines.append(f"{c['judged']} candidates: " + "; ".join(f"{x['name']} NLL {x['heldout_nll']:.4f} accuracy "
                                                          f"{x['heldout_accuracy']:.3f}" for x in c["candidates"])
                      + f"; written: {c['chosen']}")
     for phase, r in summary.get("report", {}).items():

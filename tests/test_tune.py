@@ -182,12 +182,14 @@ def test_default_engine_records_its_adapter_and_tuning(engine):
     assert engine.manifest.scoring.readout == card(DEFAULT_ADAPTER)["readout"]
 
 
-def _fact_rows(tmp_path):
-    """Two yes/no facts whose answers never change, asked about 16 unrelated notes: what a random tiny model can
-    learn in a few steps and carry over to notes it was not trained on."""
-    facts = [(Noul("Is the sky blue on a clear day?"), "yes"), (Noul("Do fish climb trees?"), "no")]
-    return _write(tmp_path, [{"state": f"Note {i}: the meeting moved to room {i + 3}.", "question": to_wire(q),
-                              "label": label} for i in range(16) for q, label in facts], "facts.jsonl")
+def _fact_rows(tmp_path, notes: int = 16, numbered: bool = False):
+    """Two yes/no facts whose answers never change, asked about unrelated notes: what a random tiny model can
+    learn in a few steps and carry over to notes it was not trained on. ``numbered``: each question names its note,
+    so that no question repeats and calibrating the base (half the answers yes) cannot learn the facts."""
+    facts = [("Is the sky blue on a clear day?", "yes"), ("Do fish climb trees?", "no")]
+    return _write(tmp_path, [{"state": f"Note {i}: the meeting moved to room {i + 3}.", "label": label,
+                              "question": to_wire(Noul(f"About note {i}: {q}" if numbered else q))}
+                             for i in range(notes) for q, label in facts], "facts.jsonl")
 
 
 @pytest.mark.slow
@@ -198,7 +200,7 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
     from onepass.calibration.tune_engine import tune
     from onepass.runtime.core.selfcheck import check_golden
 
-    data = _fact_rows(tmp_path)
+    data = _fact_rows(tmp_path, notes=52, numbered=True)  # 104 rows: one held-out split (fewer: a cross-validated choice, below)
     out = tmp_path / "tuned"
     config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3)
     engine_dir = tiny_engine_dir
@@ -223,15 +225,42 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine_dir, tmp_path):
+    """32 rows: a 20% split would judge the candidates on 6 questions, so tune cross-validates the choice over 3 folds
+    of whole notes (each fold answered by a run that never saw it), then trains the chosen candidate on all 32 rows;
+    nothing is held out of the engine's training and the report records the choice."""
+    from onepass import Engine
+    from onepass.calibration.tune_engine import tune
+
+    out, report = tmp_path / "tuned", tmp_path / "report"
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2)
+    lines = []
+    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, numbered=True)], out, config, report_dir=report,
+                   log=lines.append)
+    choice = summary["choice"]
+    assert choice["judged"] == "cross-validated (3 folds)" and choice["chosen"].startswith("tuned"), choice
+    assert sum("cross-validation run" in line for line in lines) == 3
+    by_name = {c["name"]: c["heldout_nll"] for c in choice["candidates"]}
+    assert by_name["tuned"] < by_name["base"] - 0.05  # each run answers notes it never saw better than the base
+    m = Engine.load(out).manifest
+    assert m.tuning.rows == 32 and m.tuning.holdout_rows == 0 and m.tuning.steps > 0
+    assert json.loads((report / "report.json").read_text())["choice"]["chosen"] == choice["chosen"]
+    assert not (tmp_path / "tuned.tune").exists()
+    with pytest.raises(OnepassError, match="--method head needs at least 100 rows"):
+        tune(tiny_engine_dir, [_fact_rows(tmp_path)], tmp_path / "head", tn.TuneConfig(method="head"),
+             log=lambda *_: None)
+
+
+@pytest.mark.slow
 def test_tune_method_head_exports_an_engine_that_answers_with_its_head(tiny_engine_dir, tmp_path):
     from onepass import Engine
     from onepass.calibration.tune_engine import tune
 
     out = tmp_path / "head"
-    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path)], out, tn.TuneConfig(method="head", holdout=0.25),
+    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, notes=52)], out, tn.TuneConfig(method="head", holdout=0.25),
                    log=lambda *_: None)
     engine = Engine.load(out)  # hash-verified; export already checked the graph against its golden file
-    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 24  # 12 of 16 notes
+    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 78  # 39 of 52 notes
     assert summary["head"]["heldout_nll_after"] <= summary["head"]["heldout_nll_before"]
     answer = engine.ask("The kite is green.", {"c": Choice("Which colour is mentioned?", {"red": None, "green": None})})
     assert set(answer["c"].probabilities) == {"red", "green"}
@@ -251,7 +280,7 @@ def test_tune_that_never_beats_step_0_writes_nothing_and_exits_2_unless_keep_bas
     """A learning rate too small to move the held-out NLL: `onepass tune` says tuning never improved on the base,
     writes no engine and exits 2 (it used to export the base weights as the "tuned" engine without a word); with
     --keep-base it writes the engine and warns. The progress bar's total is the --max-steps budget."""
-    data = _fact_rows(tmp_path)
+    data = _fact_rows(tmp_path, notes=12)  # 24 rows: the 16 each fold trains on are too few to calibrate
     out = tmp_path / "tuned"
     args = [sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data", str(data), "--out",
             str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2", "--holdout", "0.25"]
@@ -356,21 +385,26 @@ def test_tune_keeps_the_candidate_with_the_lowest_heldout_nll_and_ties_go_to_the
     sharp = signal * 6 + rng.normal(0, 0.3, (80, 2))
     tr, he = slice(0, 60), slice(60, 80)
     rows = lambda s: (_scored(s[tr], labels[tr]), _scored(s[he], labels[he]))  # noqa: E731
-    found = candidates(*rows(leaning), *rows(noise), "mean")
+    found = candidates([(*rows(leaning), *rows(noise))], "mean")
     assert [c.name for c in found] == ["base", "base+calibrate", "tuned", "tuned+calibrate"]
     assert choose(found).name == "base+calibrate" and found[1].nll < found[0].nll - 0.3
-    assert choose(candidates(*rows(leaning), *rows(sharp), "mean")).name == "tuned"  # sharp needs no calibration
-    assert choose(candidates(*rows(leaning), *rows(leaning), "mean")).name == "base+calibrate"  # a tie: cheaper
+    assert choose(candidates([(*rows(leaning), *rows(sharp))], "mean")).name == "tuned"  # needs no calibration
+    assert choose(candidates([(*rows(leaning), *rows(leaning))], "mean")).name == "base+calibrate"  # a tie: cheaper
     labels[:] = np.arange(80) % 2  # half yes, half no on both sides: no bias to learn
     flat = np.zeros((80, 2))  # nothing to learn or calibrate, a tuned engine that guesses: the base stays best
-    assert choose(candidates(*rows(flat), *rows(rng.normal(0, 2.0, (80, 2))), "mean")).name == "base"
+    assert choose(candidates([(*rows(flat), *rows(rng.normal(0, 2.0, (80, 2))))], "mean")).name == "base"
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
     from onepass.calibration.candidates import candidates
 
     few = _scored(np.zeros((10, 2)), np.zeros(10))
-    assert [c.name for c in candidates(few, few, few, few, "mean")] == ["base", "tuned"]
+    assert [c.name for c in candidates([(few, few, few, few)], "mean")] == ["base", "tuned"]
+    enough = _scored(np.zeros((30, 2)), np.arange(30) % 2)
+    both = [(enough, few, enough, few), (enough, few, enough, few)]
+    assert [c.name for c in candidates(both, "mean")] == ["base", "base+calibrate", "tuned", "tuned+calibrate"]
+    one_short = [(enough, few, enough, few), (few, few, few, few)]  # a fold that cannot calibrate: no candidate
+    assert [c.name for c in candidates(one_short, "mean")] == ["base", "tuned"]
 
 
 @pytest.mark.slow
