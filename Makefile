@@ -101,7 +101,7 @@ train-default: $(BIN)/.evaldata $(TRAIN_BASE)/manifest.json
 	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl
 	$(BIN)/onepass tune --engine $(TRAIN_BASE) --data build/mixture.jsonl --out build/default-tuned --rank 8 \
 		--train-blocks all --epochs 2 --max-steps 300 --max-minutes 58 --eval-every 50 --patience 3 --holdout 0.08 \
-		--batch-questions 16 --lr 1e-4 --name smollm2-135m-instruct \
+		--batch-questions 16 --lr 1e-4 --write tuned --name smollm2-135m-instruct \
 		--report benchmarks/results/default_adapter
 	cp build/default-tuned/adapter_model.safetensors build/default-tuned/adapter_config.json \
 		build/default-tuned/onepass_adapter.json $(ADAPTER_DIR)/

@@ -188,7 +188,7 @@ def _tune_config(args):
                       epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
                       batch_questions=args.batch_questions, rlcd_weight=args.rlcd_weight, holdout=args.holdout,
                       seed=args.seed, max_state_tokens=args.max_state_tokens, eval_every=args.eval_every,
-                      patience=args.patience, keep_base=args.keep_base)
+                      patience=args.patience, keep_base=args.keep_base, write=args.write)
 
 
 def cmd_tune(args) -> int:

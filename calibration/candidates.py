@@ -103,8 +103,11 @@ def candidates(folds: list[tuple], readout: str) -> list[Candidate]:
             for name, t in sorted(totals.items(), key=lambda kv: ORDER.index(kv[0])) if t is not None]
 
 
-def choose(found: list[Candidate]) -> Candidate:
-    """The lowest held-out NLL; a later (dearer) candidate must beat every earlier one by more than ``TIE``."""
+def choose(found: list[Candidate], write: str = "best") -> Candidate:
+    """The lowest held-out NLL; a later (dearer) candidate must beat every earlier one by more than ``TIE``.
+    ``write="tuned"``: the tuned candidate, whatever the others measured (they are still reported)."""
+    if write == "tuned":
+        return next(c for c in found if c.name == "tuned")
     best = found[0]
     for c in found[1:]:
         if c.nll < best.nll - TIE:

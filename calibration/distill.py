@@ -264,7 +264,7 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
             concurrency: int = 4, resume: bool = False, name: str | None = None, log=print) -> dict:
     """Label ``states`` with ``teacher``, tune ``engine_dir`` on its answers, fit the gate; the report."""
     from ..runtime.core.engine import Engine
-    from .tune_engine import point_adapter_at, tune
+    from .tune_engine import adapter_at, tune
 
     if not 0.5 <= target_agreement < 1.0:
         raise InvalidRequest(f"--target-agreement must be within [0.5, 1), got {target_agreement}")
@@ -304,10 +304,8 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     gate = fit_gate(student, questions, {sid: labelled[sid] for sid in held_ids}, target_agreement)
     gate["teacher"] = teacher.name
     manifest = mf.load(student_dir, verify=False)
-    mf.write(student_dir, dataclasses.replace(manifest, gate=gate))
+    mf.write(student_dir, dataclasses.replace(adapter_at(manifest, out), gate=gate))  # its adapter files, at `out`
     os.replace(student_dir, out)
-    if manifest.tuning is not None and manifest.tuning.method == "lora":
-        point_adapter_at(out)  # its own adapter files, now under `out`
     measured = gate["measured"]
     report = {"teacher": teacher.name, "states": len(states), "labelled_states": len(ids),
               "teacher_requests": stats.get("requests", 0), "failed_states": stats.get("failed", 0),

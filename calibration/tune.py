@@ -39,6 +39,7 @@ class NothingLearned(OnepassError):
 
 
 METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/head.py)
+WRITES = ("best", "tuned")  # what tune writes: the best candidate, or the tuned weights whatever the candidates say
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,15 @@ class TuneConfig:
     eval_every: int | None = None  # optimiser steps between held-out evaluations (None: each epoch)
     max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
     keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
+    write: str = "best"  # "best": the best held-out candidate (calibration/candidates.py); "tuned": the tuned weights
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.write not in WRITES:
+            raise ValueError(f"write must be one of {WRITES}, got {self.write!r}")
         positive = {"rank": self.rank, "epochs": 1 if self.epochs is None else self.epochs,
                     "batch_questions": self.batch_questions, "group": self.group,
                     "patience": 1 if self.patience is None else self.patience,

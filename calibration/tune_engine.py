@@ -105,13 +105,17 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
                       sum(len(g) for g in held_groups))
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
+    if config.method == "head" and cv:
+        raise OnepassError(f"--method head needs at least {CV_BELOW_ROWS} rows (or --validation files); "
+                           f"got {len(rows)}")
+    if cv and len(train_groups) < 2 * CV_FOLDS:
+        raise OnepassError(f"{len(train_groups)} distinct states are too few to cross-validate the choice over "
+                           f"{CV_FOLDS} folds of whole states: give at least {2 * CV_FOLDS} states (or "
+                           f"{CV_BELOW_ROWS} rows or more, which are split once)")
     spec, adapters = engine_source(base)
     torch.manual_seed(config.seed)
     loaded = load_model(spec, adapters)
     if config.method == "head":
-        if cv:
-            raise OnepassError(f"--method head needs at least {CV_BELOW_ROWS} rows (or --validation files); "
-                               f"got {len(rows)}")
         summary = _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out,
                              name, log)
         if report_dir is not None:
@@ -141,6 +145,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     else:
         outcome = held_out_choice(runs, train, held, (base_train, base_held), resume, base.scoring.readout)
     model.eval()
+    scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
     progress, found, chosen = outcome.progress, outcome.found, outcome.chosen
     judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
     log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
@@ -192,12 +197,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         loaded.tokenizer.save_pretrained(model_spec)
     export_engine(out, model_spec, name=name or f"{base.name}-tuned", limits=base.limits, scoring=base.scoring,
                   prompt=base.prompt, precision=base.precision, adapters=export_adapters, tuning=tuning,
-                  extra_files=extra)
-    if config.method == "lora":
-        point_adapter_at(out)
-    if chosen.calibration is not None:
-        m = mf.load(out, verify=False)
-        mf.write(out, dataclasses.replace(m, calibration=chosen.calibration))
+                  extra_files=extra,
+                  finish=lambda m: dataclasses.replace(adapter_at(m, out), calibration=chosen.calibration))
     summary = {"tuning": dataclasses.asdict(tuning), "choice": choice, "seconds_total": time.perf_counter() - t0}
     if report_dir is not None:
         summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir),
@@ -208,14 +209,17 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
     """``out``: the base engine (its weights hard-linked where the file system allows) with ``calibration`` in its
-    manifest, the choice recorded in the calibration's source. Written beside ``out`` and renamed: all or nothing."""
+    manifest, the choice recorded in the calibration's source. What was measured of the base's probabilities (a
+    distilled engine's gate, a backend's guarantees against fp32) does not hold once they are calibrated: dropped.
+    Written beside ``out`` and renamed: all or nothing."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         mf.copy_engine(base_dir, tmp)
         m = mf.load(tmp, verify=False)
         calibration = dataclasses.replace(calibration, source={**calibration.source, "tune": choice})
-        mf.write(tmp, dataclasses.replace(m, name=name, calibration=calibration))
+        mf.write(tmp, dataclasses.replace(adapter_at(m, out), name=name, calibration=calibration, gate=None,
+                                          guarantees={}))
         Engine.load(tmp)  # hashes verified, calibration read back
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,21 +227,20 @@ def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, 
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    point_adapter_at(out)  # a tuned base's own adapter files were copied with it
 
 
-def point_adapter_at(engine_dir: Path) -> None:
-    """The tuned engine holds its own adapter files (a PEFT folder): its manifest names the engine, not the
-    work folder that is deleted, so the engine can be re-exported or tuned again. An engine without adapter files of
-    its own (a calibrated copy of its base) is left as it is: its adapters are its base's."""
+def adapter_at(m: mf.Manifest, engine_dir: Path) -> mf.Manifest:
+    """``m`` with its last adapter's path at ``engine_dir`` when the engine holds that adapter's files (a PEFT
+    folder): its manifest then names the engine, not the work folder that is deleted, so the engine can be re-exported
+    or tuned again. An engine without adapter files of its own (the base, or a calibrated copy of it) is left as it
+    is: its adapters are its base's."""
     from ..export.adapter import WEIGHTS
 
-    m = mf.load(engine_dir, verify=False)
-    if WEIGHTS not in m.files:
-        return
+    if WEIGHTS not in m.files or not m.source.get("adapters"):
+        return m
     adapters = [dict(a) for a in m.source["adapters"]]
-    adapters[-1]["path"] = str(engine_dir.resolve())
-    mf.write(engine_dir, dataclasses.replace(m, source={**m.source, "adapters": adapters}))
+    adapters[-1]["path"] = str(Path(engine_dir).resolve())
+    return dataclasses.replace(m, source={**m.source, "adapters": adapters})
 
 
 def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out, name,
@@ -292,10 +295,11 @@ def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out:
                                                      "cross-validated over whole states"}, indent=2) + "\n")
         return {}
     before = _score_rows(Engine.load(base_dir, verify=False), held)
-    after = _score_rows(Engine.load(tuned_dir), held)
-    report = {"before": evaluate(before), "after": evaluate(after), "choice": choice,
-              "note": "before: the base engine; after: the tuned engine (uncalibrated scores); held-out states only "
-                      "(never trained on)"}
+    written = Engine.load(tuned_dir)
+    after = _score_rows(written, held)
+    report = {"before": evaluate(before), "after": evaluate(after, written.manifest.calibration), "choice": choice,
+              "note": "before: the base engine; after: the engine written, as it answers (its calibration, if tune "
+                      "chose one, applied); held-out states only (never trained on)"}
     write_report(report, out)
     return {k: {m: report[k]["all"][m] for m in ("accuracy", "nll", "brier", "ece", "rows")}
             for k in ("before", "after")}
@@ -323,5 +327,8 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
     for phase, r in summary.get("report", {}).items():
         lines.append(f"{phase:6s} (ONNX Runtime, held-out rows {r['rows']}): accuracy {r['accuracy']:.3f}  "
                      f"NLL {r['nll']:.3f}  Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")
-    lines.append(f"tuned engine written to {out}; report in {report_dir}")
+    chosen = summary.get("choice", {}).get("chosen", "tuned")
+    what = {"base": "the base engine (--keep-base)", "base+calibrate": "the base engine with a calibration",
+            "tuned": "tuned engine", "tuned+calibrate": "tuned engine (with a calibration)"}[chosen]
+    lines.append(f"{what} written to {out}; report in {report_dir}")
     return lines

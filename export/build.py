@@ -58,7 +58,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                   limits: mf.Limits | dict | None = None, scoring: mf.Scoring | None = None,
                   prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
                   precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
-                  extra_files: dict | None = None) -> Path:
+                  extra_files: dict | None = None, finish=None) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
     ``scoring`` None: the read-out the last adapter was trained for (its card's ``readout``), else the
@@ -69,7 +69,9 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     ``adapters``: LoRA adapter folders merged into the weights in order (None: the shipped default
     adapter for the default model, none for others; see :mod:`onepass.export.adapter`); ``tuning``
     is recorded in the manifest (else taken from the last adapter's card). ``extra_files``
-    {name: path} are copied into the engine and hashed with the rest.
+    {name: path} are copied into the engine and hashed with the rest. ``finish``: Manifest -> Manifest, applied
+    before the manifest is first written (what a caller records beside the export: a calibration, its adapter's
+    final path), so that the engine appears at ``out`` whole.
     """
     if precision not in mf.PRECISIONS:
         raise ValueError(f"precision must be one of {mf.PRECISIONS}, got {precision!r}")
@@ -114,7 +116,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                                source={**loaded.source, "exporter": f"torch {torch.__version__}", "opset": 18,
                                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                        "dims": asdict(dims), "weights": weights})
-        mf.write(tmp, manifest)
+        mf.write(tmp, finish(manifest) if finish else manifest)
         if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 GEMM: see export/bf16_check.py
             from .bf16_check import check_bf16_engine
 

@@ -249,6 +249,9 @@ def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine
     with pytest.raises(OnepassError, match="--method head needs at least 100 rows"):
         tune(tiny_engine_dir, [_fact_rows(tmp_path)], tmp_path / "head", tn.TuneConfig(method="head"),
              log=lambda *_: None)
+    with pytest.raises(OnepassError, match="5 distinct states are too few to cross-validate"):
+        tune(tiny_engine_dir, [_fact_rows(tmp_path, notes=5)], tmp_path / "few", config, log=lambda *_: None)
+    assert not (tmp_path / "few").exists() and not (tmp_path / "few.tune").exists()
 
 
 @pytest.mark.slow
@@ -393,6 +396,57 @@ def test_tune_keeps_the_candidate_with_the_lowest_heldout_nll_and_ties_go_to_the
     labels[:] = np.arange(80) % 2  # half yes, half no on both sides: no bias to learn
     flat = np.zeros((80, 2))  # nothing to learn or calibrate, a tuned engine that guesses: the base stays best
     assert choose(candidates([(*rows(flat), *rows(rng.normal(0, 2.0, (80, 2))))], "mean")).name == "base"
+    assert choose(found, "tuned").name == "tuned"  # --write tuned (make train-default): the tuned weights regardless
+
+
+def test_cross_validation_folds_keep_each_state_whole_and_none_is_empty():
+    from types import SimpleNamespace
+
+    from onepass.calibration.tune_choice import state_folds
+
+    chunks = [SimpleNamespace(state_ids=(i // 2,), size=1) for i in range(14)]  # 7 states, two chunks each
+    folds = state_folds(chunks, 3, seed=0)
+    assert all(folds[i] == folds[i + 1] for i in range(0, 14, 2))  # a state's chunks share their fold
+    assert sorted(set(folds)) == [0, 1, 2] and folds == state_folds(chunks, 3, seed=0)
+    assert folds != state_folds(chunks, 3, seed=1) or folds != state_folds(chunks, 3, seed=2)  # seeded, not fixed
+
+
+@pytest.mark.parametrize("judged", ["cross-validated", "held-out"])
+def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, tmp_path, judged):
+    """When base (or base+calibrate) wins, the weights left in the model are the initial ones, not the last
+    training run's (the weights `--keep-base` exports). Control: when tuned wins they are the trained ones."""
+    from types import SimpleNamespace
+
+    from onepass.calibration import tune_choice as tc
+    from onepass.calibration.candidates import Candidate
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+
+    class Moves:  # a training run that moves the weights
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            with torch.no_grad():
+                weight.add_(1.0)
+            return tn.Progress()
+
+    monkeypatch.setattr(tc, "Trainer", Moves)
+    chunks = [SimpleNamespace(state_ids=(i,), size=1) for i in range(6)]
+    for winner, moved in (("base", False), ("tuned", True)):
+        nll = {"base": 0.5, "tuned": 0.9} if winner == "base" else {"base": 0.9, "tuned": 0.5}
+        monkeypatch.setattr(tc, "candidates", lambda folds, readout: [Candidate(n, None, v, 0.5)  # noqa: B023
+                                                                      for n, v in nll.items()])
+        with torch.no_grad():
+            weight.zero_()
+        runs = tc.Runs(None, [weight], tn.TuneConfig(), tmp_path, {}, None, lambda *_: None)
+        runs.scored = lambda chunks: [{} for _ in chunks]
+        if judged == "cross-validated":
+            outcome = tc.cross_validated_choice(runs, chunks, [{}] * 6, False, "mean", 0)
+        else:
+            outcome = tc.held_out_choice(runs, chunks[:4], chunks[4:], ([{}] * 4, [{}] * 2), False, "mean")
+        assert outcome.chosen.name == winner
+        assert bool(weight.abs().sum() > 0) == moved, (winner, weight)
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():

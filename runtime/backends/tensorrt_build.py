@@ -120,7 +120,9 @@ def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_ca
                                   "export one with smaller --max-packed-tokens / --max-state-tokens for it")
         raise EngineFileError(f"TensorRT failed to build a plan from {graph} (see the log above)")
     data = bytes(plan)
-    out.write_bytes(data)
+    part = out.with_name(out.name + ".partial")  # a new file, renamed over: never written through a hard link that
+    part.write_bytes(data)                        # an engine copy shares with its source (manifest.copy_engine)
+    os.replace(part, out)
     seconds = time.perf_counter() - t0
     if cache is not None:
         timing_cache.parent.mkdir(parents=True, exist_ok=True)

@@ -218,7 +218,8 @@ def copy_engine(src: str | os.PathLike, dst: str | os.PathLike, link_above: int 
 
     Files larger than ``link_above`` bytes (the weights) are hard links where the file system
     allows (ONNX Runtime refuses external data symlinked from elsewhere); every other file,
-    the manifest included, is copied.
+    the manifest included, is copied. A linked file is shared, so nothing writes an engine's files in place: the
+    manifest and TensorRT plans are written beside and renamed over (a rename breaks the link, never the source).
     """
     import shutil
 
