@@ -285,6 +285,12 @@ def evaluate(scorer: PackedScorer, chunks: list[Chunk]) -> dict:
     return {"nll": nll / n, "accuracy": hits / n, "questions": n}
 
 
+def _trained(config: dict) -> dict:
+    """The settings a checkpoint's weights depend on: what is written of them afterwards (``write``, ``keep_base``)
+    may change between a run and its ``--resume``."""
+    return {k: v for k, v in config.items() if k not in ("write", "keep_base")}
+
+
 @dataclass
 class Progress:
     """Where a run stands: written to the checkpoint each epoch, restored by ``--resume``."""
@@ -332,7 +338,8 @@ class Trainer:
         if not self.checkpoint.is_file():
             raise OnepassError(f"--resume: no checkpoint at {self.checkpoint}; run without --resume")
         blob = torch.load(self.checkpoint, weights_only=False)
-        if blob["config"] != dataclasses.asdict(self.config) or blob.get("fingerprint") != self.fingerprint:
+        if (_trained(blob["config"]) != _trained(dataclasses.asdict(self.config))
+                or blob.get("fingerprint") != self.fingerprint):
             raise OnepassError(f"--resume: {self.checkpoint} belongs to another configuration or other data; "
                                "run without --resume to start again")
         self._restore(blob["params"])

@@ -102,7 +102,10 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
         inside = [c for c, k in zip(chunks, fold_of) if k != f]
         outside = [c for c, k in zip(chunks, fold_of) if k == f]
         runs.log(f"cross-validation run {f + 1} of {CV_FOLDS}: {len(inside)} chunks trained on, {len(outside)} judged")
-        runs.trainer(inside, [], f"fold{f}.pt").run()
+        trainer = runs.trainer(inside, [], f"fold{f}.pt")
+        if resume and (runs.work / f"fold{f}.pt").is_file():  # a finished run's checkpoint gives its weights back
+            trainer.resume()
+        trainer.run()
         folds.append((pick(base, f, True), pick(base, f, False), runs.scored(inside), runs.scored(outside)))
     found = candidates(folds, readout)
     chosen = choose(found, runs.config.write)

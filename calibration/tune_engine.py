@@ -23,6 +23,7 @@ from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
+from .candidates import TIE
 from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, held_out_choice
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
@@ -97,7 +98,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if base.head is not None:
         raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
     encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
-    cv = validation is None and len(rows) < CV_BELOW_ROWS  # too few rows for one held-out split to choose on
+    # too few rows for one held-out split to choose on (--write tuned chooses nothing: one run on a split)
+    cv = validation is None and len(rows) < CV_BELOW_ROWS and config.write == "best"
     if cv:
         train_groups, held_groups, val_files = group_by_state(rows), [], []
     else:
@@ -111,7 +113,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if cv and len(train_groups) < 2 * CV_FOLDS:
         raise OnepassError(f"{len(train_groups)} distinct states are too few to cross-validate the choice over "
                            f"{CV_FOLDS} folds of whole states: give at least {2 * CV_FOLDS} states (or "
-                           f"{CV_BELOW_ROWS} rows or more, which are split once)")
+                           f"{CV_BELOW_ROWS} rows or more, which are split once, or --validation files)")
     spec, adapters = engine_source(base)
     torch.manual_seed(config.seed)
     loaded = load_model(spec, adapters)
@@ -150,20 +152,24 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
     log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
         + f" -> {chosen.name}")
-    if chosen.name == "base":
+    untuned = found[0]  # the base engine, zero-shot
+    if chosen.name == "base" or (config.write == "tuned" and chosen.nll >= untuned.nll - TIE):
         message = (f"tuning never improved on the base engine: on the {judged} rows the base engine's NLL, "
-                   f"{chosen.nll:.4f}, was not beaten by calibrating it or by tuning it")
+                   f"{untuned.nll:.4f}, was not beaten " + ("by tuning it (--write tuned)" if config.write == "tuned"
+                                                            else "by calibrating it or by tuning it"))
         if not config.keep_base:
             shutil.rmtree(work, ignore_errors=True)
             raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
                                  "(--epochs, --max-steps), try another --lr, or pass --keep-base to write the base "
                                  "weights anyway")
-        log(f"warning: {message}; the engine written is the base engine's weights (--keep-base)")
+        log(f"warning: {message}; the engine written " + ("is the tuned one (--keep-base)" if chosen.name == "tuned"
+                                                            else "is the base engine's weights (--keep-base)"))
     choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
               "rule": "lowest NLL on rows the candidate was not fitted on; a dearer candidate must win by > 1e-3"}
     history = progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9),
-               "evaluations": history, "choice": choice}
+               "evaluations": history, "choice": choice,
+               "weights": "initial (the base engine's, --keep-base)" if chosen.name == "base" else "tuned"}
     if held:
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
     if chosen.name == "base+calibrate":
@@ -294,12 +300,12 @@ def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out:
         (out / "report.json").write_text(json.dumps({"choice": choice, "note": "no held-out rows: the choice was "
                                                      "cross-validated over whole states"}, indent=2) + "\n")
         return {}
-    before = _score_rows(Engine.load(base_dir, verify=False), held)
-    written = Engine.load(tuned_dir)
-    after = _score_rows(written, held)
-    report = {"before": evaluate(before), "after": evaluate(after, written.manifest.calibration), "choice": choice,
-              "note": "before: the base engine; after: the engine written, as it answers (its calibration, if tune "
-                      "chose one, applied); held-out states only (never trained on)"}
+    base, written = Engine.load(base_dir, verify=False), Engine.load(tuned_dir)
+    before, after = _score_rows(base, held), _score_rows(written, held)
+    report = {"before": evaluate(before, base.manifest.calibration),
+              "after": evaluate(after, written.manifest.calibration), "choice": choice,
+              "note": "before: the base engine; after: the engine written; each as it answers (its own calibration, "
+                      "if it has one, applied); held-out states only (never trained on)"}
     write_report(report, out)
     return {k: {m: report[k]["all"][m] for m in ("accuracy", "nll", "brier", "ece", "rows")}
             for k in ("before", "after")}

@@ -217,7 +217,8 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
 
     assert card(out)["readout"] == m.scoring.readout == Engine.load(engine_dir).manifest.scoring.readout
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["after"]["all"]["nll"] == pytest.approx(metrics["heldout_best"]["nll"], abs=1e-3)  # served == trained
+    chosen = {c["name"]: c["heldout_nll"] for c in summary["choice"]["candidates"]}[summary["choice"]["chosen"]]
+    assert report["after"]["all"]["nll"] == pytest.approx(chosen, abs=1e-3)  # served (ONNX) == chosen (PyTorch)
     assert not (tmp_path / "tuned.tune").exists()
     from onepass.export.model_source import engine_source
 
@@ -484,6 +485,12 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
     state = "Note 99: the meeting moved to room 7."
     assert tuned.ask(state, {"q": question})["q"].noul > base.ask(state, {"q": question})["q"].noul + 0.05
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "tuned", "tuned-report"]  # no work folder
+    forced = subprocess.run([sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data",
+                             str(data), "--out", str(tmp_path / "forced"), "--lr", "1e-12", "--max-steps", "2",
+                             "--rank", "2", "--holdout", "0.25", "--write", "tuned"], capture_output=True, text=True,
+                            timeout=600)
+    assert forced.returncode == 2 and "not beaten by tuning it (--write tuned)" in forced.stderr, forced.stderr[-2000:]
+    assert not (tmp_path / "forced").exists()  # --write tuned writes no tuning that learned nothing
 
 
 def test_open_settings_are_chosen_from_the_row_count_and_given_ones_are_kept():

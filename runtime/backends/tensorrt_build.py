@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +121,16 @@ def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_ca
                                   "export one with smaller --max-packed-tokens / --max-state-tokens for it")
         raise EngineFileError(f"TensorRT failed to build a plan from {graph} (see the log above)")
     data = bytes(plan)
-    part = out.with_name(out.name + ".partial")  # a new file, renamed over: never written through a hard link that
-    part.write_bytes(data)                        # an engine copy shares with its source (manifest.copy_engine)
-    os.replace(part, out)
+    # a new file renamed over the plan: never written through a hard link an engine copy shares with its source
+    # (manifest.copy_engine), never left half-written
+    fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(part, out)
+    except BaseException:
+        Path(part).unlink(missing_ok=True)
+        raise
     seconds = time.perf_counter() - t0
     if cache is not None:
         timing_cache.parent.mkdir(parents=True, exist_ok=True)
