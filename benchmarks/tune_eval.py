@@ -229,12 +229,17 @@ def write_user_md(results: dict) -> None:
     before = json.loads(BEFORE.read_text())["runs"] if BEFORE.exists() else {}
     lines = [f"# `onepass tune` on a user's own rows ({_when(results)})", "",
              "`onepass tune` from the base engine (no adapter) with its own settings for the row count (LoRA rank 16 on "
-             "the top 4 blocks, the lower 26 computed once per state; lr 1e-3; at least 30 steps), CE + RLCD, 20% of "
-             "the training rows held out; then tune writes the best held-out candidate of base, base + calibrate, tuned, "
+             "the top 4 blocks, the lower 26 computed once per state; lr 1e-3; at least 30 steps), CE + RLCD; from 100 "
+             "rows, 20% of the training rows held out; then tune writes the best held-out candidate of base, base + calibrate, tuned, "
              f"tuned + calibrate. Test: {TEST_ROWS} other rows of the same data set (never trained on, disjoint "
              "states). Calibrate columns: temperature/bias fitted on the same training rows. **written**: the engine "
              "tune wrote, answering as served (its calibration applied). before: the same rows and test rows on "
-             "2026-12-01 (every block, lr 3e-4, 3 epochs, no choice; tune_user_2026-12-01.json).", "",
+             "2026-12-01 (every block, lr 3e-4, 3 epochs, no choice; tune_user_2026-12-01.json). Fewer than 100 rows: "
+             "the choice is cross-validated over 3 folds of whole states and the chosen candidate fitted on all the "
+             "rows (train s: the 3 runs and the last one; rows/s: the rows of every step of every run per second of "
+             "all of them, – where that was not recorded). tuned / tuned + calibrate: – where tune wrote an untuned "
+             "candidate (no tuned engine exists to test; the candidates' own cross-validated figures are in "
+             "tune_user.json, `choice`).", "",
              "| data set | rows | majority | base | base + calibrate | tuned | tuned + calibrate | chosen | **written** "
              "| written - (base + cal) | before | train s | rows/s | train s before |", "|---" * 14 + "|"]
     for key, run in results["runs"].items():
@@ -242,12 +247,14 @@ def write_user_md(results: dict) -> None:
             continue
         old = before.get(key, {})
         gain = run["written"]["accuracy"] - run["base_calibrated"]["accuracy"]
+        tuned = run["choice"]["chosen"].startswith("tuned")  # else no tuned engine was written: nothing to test
         lines.append(f"| {run['dataset']} | {run['rows']} | {run['majority']:.3f} | {run['base']['accuracy']:.3f} | "
-                     f"{run['base_calibrated']['accuracy']:.3f} | {run['tuned']['accuracy']:.3f} | "
-                     f"{run['tuned_calibrated']['accuracy']:.3f} | {run['choice']['chosen']} | "
+                     f"{run['base_calibrated']['accuracy']:.3f} | "
+                     f"{_fmt(run['tuned']['accuracy'] if tuned else None)} | "
+                     f"{_fmt(run['tuned_calibrated']['accuracy'] if tuned else None)} | {run['choice']['chosen']} | "
                      f"**{run['written']['accuracy']:.3f}** | {gain:+.3f} | "
                      f"{_fmt(old.get('tuned', {}).get('accuracy'))} | {run['train_seconds']:.0f} | "
-                     f"{run['rows_per_second']:.2f} | {_fmt0(old.get('train_seconds'))} |")
+                     f"{run['rows_per_second']:.2f} | {_fmt0(old.get('train_seconds'))} |".replace("| 0.00 |", "| – |"))
     lines += [f"\n{run['dataset']}/{run['rows']}: {run['note']}" for run in results["runs"].values() if run.get("note")]
     lines += ["", "Coverage at a target accuracy: the share of test rows answered when only the most "
               "confident are kept, thresholds chosen on the test rows themselves (an upper bound for a threshold "

@@ -33,6 +33,7 @@ class Outcome:
     chosen: Candidate
     seconds: float
     folds: int  # 0: one held-out split
+    rows_trained: int  # question rows of every optimiser step of every run (the folds' and the last)
 
 
 def state_folds(chunks: list, folds: int, seed: int) -> list[int]:
@@ -85,7 +86,7 @@ def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bo
     chosen = choose(found, runs.config.write)
     if chosen.name.startswith("base"):
         runs.restore_initial()
-    return Outcome(progress, found, chosen, time.perf_counter() - started, 0)
+    return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen)
 
 
 def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: bool, readout: str,
@@ -97,7 +98,7 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
     rows_of = np.cumsum([0] + [c.size for c in chunks])
     pick = lambda rows, f, inside: [r for i, c in enumerate(chunks) if (fold_of[i] == f) != inside  # noqa: E731
                                     for r in rows[rows_of[i]:rows_of[i + 1]]]
-    folds = []
+    folds, trained = [], 0
     for f in range(CV_FOLDS):
         inside = [c for c, k in zip(chunks, fold_of) if k != f]
         outside = [c for c, k in zip(chunks, fold_of) if k == f]
@@ -105,7 +106,7 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
         trainer = runs.trainer(inside, [], f"fold{f}.pt")
         if resume and (runs.work / f"fold{f}.pt").is_file():  # a finished run's checkpoint gives its weights back
             trainer.resume()
-        trainer.run()
+        trained += trainer.run().rows_seen
         folds.append((pick(base, f, True), pick(base, f, False), runs.scored(inside), runs.scored(outside)))
     found = candidates(folds, readout)
     chosen = choose(found, runs.config.write)
@@ -120,4 +121,4 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
     if chosen.name.endswith("+calibrate"):
         rows = runs.scored(chunks) if chosen.name.startswith("tuned") else base
         chosen = replace(chosen, calibration=calibrated(rows, readout))
-    return Outcome(progress, found, chosen, time.perf_counter() - started, CV_FOLDS)
+    return Outcome(progress, found, chosen, time.perf_counter() - started, CV_FOLDS, trained + progress.rows_seen)

@@ -167,7 +167,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
               "rule": "lowest NLL on rows the candidate was not fitted on; a dearer candidate must win by > 1e-3"}
     history = progress.history
-    metrics = {"seconds": outcome.seconds, "rows_per_second": progress.rows_seen / max(progress.seconds, 1e-9),
+    metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
                "weights": "initial (the base engine's, --keep-base)" if chosen.name == "base" else "tuned"}
     if held:
