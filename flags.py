@@ -70,10 +70,10 @@ def _training(p, named: str, held: str) -> None:
                    help="LoRA adapters merged on export, every weight, or a decision head over the frozen decoder")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--train-blocks", type=_blocks, default=None, metavar="N|all",
-                   help="train only the top N decoder blocks, or all (default: LoRA on the top 4, the lower blocks run "
-                        "once per state; full: all)")
+                   help="train only the top N decoder blocks, or all (default: LoRA on the top 4 under 80 training "
+                        "rows, the lower blocks run once per state; every block from 80; full: all)")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: 1e-3 for LoRA on up to 8 blocks, 2e-4 on more, 2e-5 full)")
+                   help="learning rate (default: 1e-3 for LoRA on up to 8 blocks, 3e-4 on more, 2e-5 full)")
     p.add_argument("--epochs", type=int, default=None,
                    help="epochs (default 3, more for a few dozen rows: at least 30 steps, at most 12 epochs)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")

@@ -206,8 +206,8 @@ def user_eval(args) -> None:
                 written = _as_served(tuned, tuned_test)
                 config = Engine.load(tuned).manifest.tuning
             m = summary["tuning"]["metrics"]
-            results["runs"][f"{name}/{n}"] = {
-                "dataset": name, "rows": n, "test_rows": len(test), "majority": _majority(base_test),
+            results["runs"][f"{name}/{n}" + (f"/{args.tag}" if args.tag else "")] = {
+                "dataset": name + (f" ({args.tag})" if args.tag else ""), "rows": n, "test_rows": len(test), "majority": _majority(base_test),
                 "base": _accuracy_with(base_train, base_test, False),
                 "base_calibrated": _accuracy_with(base_train, base_test, True),
                 "tuned": _accuracy_with(tuned_train, tuned_test, False),
@@ -245,7 +245,7 @@ def write_user_md(results: dict) -> None:
     for key, run in results["runs"].items():
         if "written" not in run:
             continue
-        old = before.get(key, {})
+        old = before.get("/".join(key.split("/")[:2]), {})  # a tagged run: the same rows before
         gain = run["written"]["accuracy"] - run["base_calibrated"]["accuracy"]
         tuned = run["choice"]["chosen"].startswith("tuned")  # else no tuned engine was written: nothing to test
         lines.append(f"| {run['dataset']} | {run['rows']} | {run['majority']:.3f} | {run['base']['accuracy']:.3f} | "
@@ -320,6 +320,7 @@ def main() -> None:
     u.add_argument("--lr", type=float, default=None, help="default: tune's choice")
     u.add_argument("--seed", type=int, default=0)
     u.add_argument("--train-blocks", type=int, default=None, help="0: every block; default: tune's choice")
+    u.add_argument("--tag", default="", help="recorded beside the default runs (e.g. '8 blocks'), not over them")
     c = sub.add_parser("cascade", help="coverage of the shipped default engine, a tuned engine and the cascade")
     c.add_argument("--default", required=True, help="the shipped default engine")
     c.add_argument("--base", required=True, help="engine exported with --adapter none (what is tuned)")

@@ -496,11 +496,12 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
 def test_open_settings_are_chosen_from_the_row_count_and_given_ones_are_kept():
     few, many = tn.resolved(tn.TuneConfig(), 40, 30, held=10), tn.resolved(tn.TuneConfig(), 400, 30, held=100)
     assert (few.train_blocks, few.lr, few.epochs) == (4, 1e-3, 6)  # 5 steps an epoch: 6 epochs reach 30 steps
-    assert (many.train_blocks, many.lr, many.epochs) == (4, 1e-3, 3)
+    assert (many.train_blocks, many.lr, many.epochs) == (0, 3e-4, 3)  # from 80 training rows: every block
     assert tn.resolved(tn.TuneConfig(), 4, 30).epochs == 12  # capped
     given = tn.resolved(tn.TuneConfig(train_blocks=0, lr=3e-4, epochs=2), 40, 30)
     assert (given.train_blocks, given.lr, given.epochs) == (0, 3e-4, 2)  # 0: every block, as asked
-    assert tn.resolved(tn.TuneConfig(train_blocks=0), 40, 30).lr == 2e-4  # every block: the gentler rate
+    assert tn.resolved(tn.TuneConfig(train_blocks=0), 40, 30).lr == 3e-4  # every block: the gentler rate
+    assert tn.resolved(tn.TuneConfig(), 79, 30).train_blocks == 4 and tn.resolved(tn.TuneConfig(), 80, 30).train_blocks == 0
     full = tn.resolved(tn.TuneConfig(method="full"), 40, 30)
     assert (full.train_blocks, full.lr, full.epochs) == (0, 2e-5, 3)
     assert tn.resolved(tn.TuneConfig(), 40, 2).train_blocks == 2  # a model with fewer blocks: all of them
