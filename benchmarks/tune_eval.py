@@ -228,8 +228,9 @@ def write_user_md(results: dict) -> None:
     """The user-data table from tune_user.json, beside the figures before issue 44 (tune_user_2026-12-01.json)."""
     before = json.loads(BEFORE.read_text())["runs"] if BEFORE.exists() else {}
     lines = [f"# `onepass tune` on a user's own rows ({_when(results)})", "",
-             "`onepass tune` from the base engine (no adapter) with its own settings for the row count (LoRA rank 16 on "
-             "the top 4 blocks, the lower 26 computed once per state; lr 1e-3; at least 30 steps), CE + RLCD; from 100 "
+             "`onepass tune` from the base engine (no adapter) with its own settings for the row count (LoRA rank 16; "
+             "under 80 training rows on the top 4 blocks, the lower 26 computed once per state, lr 1e-3, at least 30 "
+             "steps; from 80, every block, lr 3e-4, 3 epochs; a tagged row: the variant it names), CE + RLCD; from 100 "
              "rows, 20% of the training rows held out; then tune writes the best held-out candidate of base, base + calibrate, tuned, "
              f"tuned + calibrate. Test: {TEST_ROWS} other rows of the same data set (never trained on, disjoint "
              "states). Calibrate columns: temperature/bias fitted on the same training rows. **written**: the engine "
