@@ -81,6 +81,19 @@ def role_profiles(manifest: EngineDescription) -> dict[str, Profile]:
             "score": Profile.from_manifest(manifest, opt_packed=128, opt_past=512, opt_readout=64)}
 
 
+def _replace(out: Path, data: bytes) -> None:
+    """``data`` as ``out``, through a new file renamed over it: never written through a hard link an engine copy
+    shares with its source (manifest.copy_engine), never left half-written."""
+    fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(part, out)
+    except BaseException:
+        Path(part).unlink(missing_ok=True)
+        raise
+
+
 def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_capability: str | None = None,
                flavour: str | None = None, profiles: dict[str, Profile] | None = None,
                timing_cache: Path | None = None, workspace_bytes: int | None = None, tf32: bool = False,
@@ -121,16 +134,7 @@ def build_plan(root: Path, manifest: EngineDescription, out: Path, *, compute_ca
                                   "export one with smaller --max-packed-tokens / --max-state-tokens for it")
         raise EngineFileError(f"TensorRT failed to build a plan from {graph} (see the log above)")
     data = bytes(plan)
-    # a new file renamed over the plan: never written through a hard link an engine copy shares with its source
-    # (manifest.copy_engine), never left half-written
-    fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(part, out)
-    except BaseException:
-        Path(part).unlink(missing_ok=True)
-        raise
+    _replace(out, data)
     seconds = time.perf_counter() - t0
     if cache is not None:
         timing_cache.parent.mkdir(parents=True, exist_ok=True)
