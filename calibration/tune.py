@@ -191,10 +191,15 @@ class PackedScorer:
     blocks from them. The scores are the same as running every block (``tests/test_tune.py``); a trainable
     parameter in a frozen block is refused, since its cache would go stale. Past ``cache_budget`` bytes the further
     chunks' lower blocks run again at each use (slower, the same scores) instead of filling the memory.
+
+    With ``state_weights`` (a context manager factory under which the decoder computes with the base weights, e.g.
+    peft's ``disable_adapter``) the state's K/V of every block are the base weights', computed once per chunk
+    without gradient: the trained parameters act on the question and option tokens only, as they would in one engine
+    whose state cache is shared by several tuned tasks (issue 45); each step then runs the packed tokens alone.
     """
 
     def __init__(self, decoder, readout: str, device: torch.device, bf16: bool, frozen: int = 0,
-                 cache_budget: int = TRUNK_CACHE_BYTES):
+                 cache_budget: int = TRUNK_CACHE_BYTES, state_weights=None):
         if readout not in ("mean", "sum"):
             raise OnepassError(f"tune trains the 'mean' or 'sum' read-out; this engine's read-out is {readout!r}. "
                                "Export the base engine with --readout mean")
@@ -206,6 +211,9 @@ class PackedScorer:
             raise ValueError(f"the lower {frozen} blocks (or the embedding) have trainable parameters: their "
                              "outputs cannot be cached")
         self.decoder, self.readout, self.device, self.bf16, self.frozen = decoder, readout, device, bf16, frozen
+        if state_weights is not None and decoder.embed.requires_grad:
+            raise ValueError("a state computed with the base weights needs a frozen embedding (LoRA or top blocks)")
+        self.state_weights = state_weights
         self.empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim, device=device)
                       for _ in range(2 * dims.num_layers)]
         self.trunks: dict[int, tuple] = {}  # id(chunk) -> (packed batch, state x, packed x) entering block `frozen`
@@ -221,31 +229,45 @@ class PackedScorer:
             return self.decoder.run_blocks(x, tables, past, blocks)
 
     def _trunk(self, chunk: Chunk) -> tuple:
-        """(packed batch, state x, packed x) at the entry of block ``frozen``: computed once per chunk."""
+        """(packed batch, state batch, state x, packed x at the entry of block ``frozen``, the state's K/V of every
+        block or None): computed once per chunk where nothing trained enters them (the state x is None then)."""
         key = id(chunk)
-        if key not in self.trunks:
-            batch, state = pack(chunk.encoded, len(chunk.state_ids)), causal(chunk.state_ids, 0)
-            x_state = self.decoder.embed[self._tensor(state.input_ids)]
-            x_packed = self.decoder.embed[self._tensor(batch.input_ids)]
+        if key in self.trunks:
+            return self.trunks[key][1:]
+        batch, state = pack(chunk.encoded, len(chunk.state_ids)), causal(chunk.state_ids, 0)
+        x_state = self.decoder.embed[self._tensor(state.input_ids)]
+        x_packed = self.decoder.embed[self._tensor(batch.input_ids)]
+        if not self.frozen and self.state_weights is None:
+            return batch, state, x_state, x_packed, None  # the embedding may be trained: nothing is cached
+        state_past = None
+        with torch.no_grad():
+            if self.state_weights is not None:
+                with self.state_weights():
+                    _, state_past = self._blocks(x_state, state, self.empty, range(self.decoder.dims.num_layers))
+                state_past = [t.detach() for t in state_past]
+                past, x_state = state_past[:2 * self.frozen], None
             if self.frozen:
-                with torch.no_grad():
-                    lower = range(self.frozen)
+                lower = range(self.frozen)
+                if state_past is None:
                     x_state, past = self._blocks(x_state, state, self.empty, lower)
-                    x_packed, _ = self._blocks(x_packed, batch, past, lower)
-                size = (x_state.numel() + x_packed.numel()) * x_state.element_size()
-                if self.cached_bytes + size > self.cache_budget:  # past the budget: computed again at each use
-                    return batch, state, x_state, x_packed
-                self.cached_bytes += size
-                self.trunks[key] = (chunk, batch, state, x_state.detach(), x_packed.detach())  # chunk: keeps its id
-            else:
-                return batch, state, x_state, x_packed  # the embedding may be trained: nothing is cached
+                x_packed, _ = self._blocks(x_packed, batch, past, lower)
+        kept = [t for t in (x_state, x_packed, *(state_past or [])) if t is not None]
+        size = sum(t.numel() * t.element_size() for t in kept)
+        if self.cached_bytes + size > self.cache_budget:  # past the budget: computed again at each use
+            return batch, state, x_state, x_packed.detach(), state_past
+        self.cached_bytes += size
+        self.trunks[key] = (chunk, batch, state, None if x_state is None else x_state.detach(), x_packed.detach(),
+                            state_past)  # chunk: keeps its id
         return self.trunks[key][1:]
 
     def scores(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
-        batch, state, x_state, x_packed = self._trunk(chunk)
+        batch, state, x_state, x_packed, state_past = self._trunk(chunk)
         top = range(self.frozen, self.decoder.dims.num_layers)
-        _, presents = self._blocks(x_state, state, self.empty, top)  # the state's K/V of the top blocks, with gradient
+        if state_past is None:
+            _, presents = self._blocks(x_state, state, self.empty, top)  # the state's K/V of the top blocks, with gradient
+        else:
+            presents = state_past[2 * self.frozen:]  # the base weights' state K/V: no gradient, computed once
         x, _ = self._blocks(x_packed, batch, presents, top)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             _, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))

@@ -327,6 +327,7 @@ def _lora_scorers(tiny_llama_dir, frozen: int):
                        [TuneRow(text, q, 0) for q in questions])
               for text in ("The storm hit the red team's stadium.", "A quiet afternoon in the blue office, nothing more.")]
     cached = tn.PackedScorer(decoder, "mean", torch.device("cpu"), False, frozen)
+    cached.peft_model = model  # for the tests that switch the adapter off
     return cached, tn.PackedScorer(decoder, "mean", torch.device("cpu"), False, 0), params, chunks
 
 
@@ -358,6 +359,48 @@ def test_cached_frozen_blocks_give_the_scores_and_gradients_of_the_whole_pass(ti
     stale, _ = _scores_and_grads(cached, params, chunks)
     fresh, _ = _scores_and_grads(whole, params, chunks)
     assert torch.allclose(stale, reference, atol=1e-5) and not torch.allclose(fresh, reference, atol=1e-3)
+
+
+def _question_side_reference(scorer, chunk):
+    """Option scores of ``chunk`` as an engine sharing its state cache across tasks would answer: the state prefilled
+    by the decoder's forward with the adapter off (the base engine), then the packed pass with it on, over that past."""
+    from onepass.runtime.backends.batch import causal
+    from onepass.runtime.core.tree import pack
+
+    decoder, model = scorer.decoder, scorer.peft_model
+    state, batch = causal(chunk.state_ids, 0), pack(chunk.encoded, len(chunk.state_ids))
+    t = torch.from_numpy
+    with torch.no_grad(), model.disable_adapter():
+        prefill = decoder(t(state.input_ids), t(state.position_ids), t(state.tree_mask),
+                          *[torch.zeros(decoder.dims.num_kv_heads, 0, decoder.dims.head_dim)] * (2 * decoder.dims.num_layers),
+                          t(state.readout_index), t(state.readout_target), torch.tensor(0))
+    target = decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *prefill[1:],
+                     t(batch.readout_index), t(batch.readout_target), torch.tensor(len(chunk.state_ids)))[0]
+    return [torch.stack([target[t(r)].sum() for r in readouts]) / torch.tensor([float(len(o)) for o in q.options])
+            for q, readouts in zip(chunk.encoded, batch.option_readouts)]
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_state_from_the_base_weights_gives_the_scores_and_gradients_of_a_shared_state_cache(tiny_llama_dir, frozen):
+    """``state_weights`` (issue 45): the state's K/V come from the base weights, the adapter acts on the question and
+    option tokens only. Scores and gradients equal the contract forward's (the state prefilled with the adapter off,
+    then the packed pass over that past; float32, 1e-5), with or without cached lower blocks, twice (the second
+    from the cache). Negative control: the ordinary scorer, whose state passes through the adapter, differs."""
+    cached, whole, params, chunks = _lora_scorers(tiny_llama_dir, frozen=1)
+    shared = tn.PackedScorer(cached.decoder, "mean", torch.device("cpu"), False, frozen,
+                             state_weights=cached.peft_model.disable_adapter)
+    for p in params:
+        p.grad = None
+    reference = [s for c in chunks for s in _question_side_reference(cached, c)]
+    torch.stack([s.logsumexp(-1) - s[0] for s in reference]).sum().backward()
+    ref_scores, ref_grads = torch.cat([s.detach() for s in reference]), torch.cat([p.grad.flatten() for p in params])
+    for _ in range(2):
+        scores, grads = _scores_and_grads(shared, params, chunks)
+        assert torch.allclose(scores, ref_scores, atol=1e-5) and torch.allclose(grads, ref_grads, atol=1e-5, rtol=1e-4)
+    assert len(shared.trunks) == len(chunks)
+    assert (ref_scores.abs() > 1e-3).all() and ref_grads.abs().max() > 1e-3
+    through_adapter, _ = _scores_and_grads(whole, params, chunks)  # the control: the adapter also on the state
+    assert not torch.allclose(through_adapter, ref_scores, atol=1e-3)
 
 
 def test_a_cache_over_trainable_blocks_is_refused(tiny_llama_dir):
