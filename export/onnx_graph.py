@@ -10,7 +10,7 @@ import torch
 from torch.export import Dim
 
 from ..runtime.backends import contract
-from ..runtime.backends.torch_decoder import PackedDecoder
+from ..runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
 log = logging.getLogger("onepass.export")
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "torchvision missing"
@@ -58,4 +58,26 @@ def export_decoder(decoder: PackedDecoder, path: Path) -> None:
             optimize=True,
             verbose=False,
         )
+    program.save(str(path), external_data=True)
+
+
+def export_task_decoder(graph: TaskDecoder, shapes: dict, path: Path) -> None:
+    """Write the task-slot graph (``contract.task_input_specs`` after the contract's inputs; no decision head) to
+    ``path`` (+ ``path.data``), its task rank axis dynamic: tasks are added by feeding more slots, not by export."""
+    dims = graph.dims
+    specs = [*contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim),
+             *contract.task_input_specs(graph.task_blocks, shapes)]
+    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
+    base = example_inputs(dims)
+    packed, rank = base[0].shape[0], 3  # a traced rank of 3: any K (0 included) runs
+    extra = [torch.randn(*(packed if a == contract.PACKED else rank if a == contract.TASK_RANK else a
+                           for a in spec.shape)) for spec in specs[len(base):]]
+    axes = {contract.PACKED: Dim.DYNAMIC, contract.PAST: Dim.DYNAMIC, contract.READOUT: Dim.DYNAMIC,
+            contract.TASK_RANK: Dim.DYNAMIC}
+    per_input = [{i: axes[a] for i, a in enumerate(spec.shape) if isinstance(a, str)} for spec in specs]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(graph, (*base, *extra), dynamo=True, input_names=[s.name for s in specs],
+                                    output_names=names_out, dynamic_shapes=(*per_input[:3], tuple(per_input[3:])),
+                                    opset_version=OPSET, optimize=True, verbose=False)
     program.save(str(path), external_data=True)

@@ -27,6 +27,8 @@ class PackedBatch:
     # tree_mask[i, j] == (order[j, 0] <= order[i, 0] <= order[j, 1]) (``intervals``): the mask in 2N numbers, what
     # the GPU pass uploads and expands on the device. None where a batch was built from a mask alone.
     tree_order: np.ndarray | None = None
+    # [N] int64: each token's task number (-1: none), where the questions were packed with tasks; else None
+    token_task: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

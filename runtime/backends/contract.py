@@ -53,6 +53,8 @@ PAST_LENGTH = "past_length"
 INPUT_IDS, POSITION_IDS, TREE_MASK = "input_ids", "position_ids", "tree_mask"
 READOUT_INDEX, READOUT_TARGET = "readout_index", "readout_target"
 BATCH_INPUTS = (INPUT_IDS, POSITION_IDS, TREE_MASK, READOUT_INDEX, READOUT_TARGET)
+#: A block's linear maps, in peft's order (q_proj ... down_proj): the order of a task-slot graph's task inputs.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 #: The outputs read on the host, and the prefix of the new K/V outputs (which stay where the backend keeps K/V).
 TARGET_LOGPROB, HEAD_SCORE, PRESENT = "target_logprob", "head_score", "present_"
 
@@ -79,6 +81,23 @@ def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[Tenso
     specs.append(TensorSpec(READOUT_INDEX, "int64", (READOUT,)))
     specs.append(TensorSpec(READOUT_TARGET, "int64", (READOUT,)))
     specs.append(TensorSpec(PAST_LENGTH, "int64", ()))
+    return specs
+
+
+#: A task-slot graph's extra inputs (issue 45, ``TaskDecoder``): the per-token task mask and each task block's factors.
+TASK_MASK, TASK_RANK = "task_mask", "task_rank"
+
+
+def task_input_specs(task_blocks, shapes: dict) -> list[TensorSpec]:
+    """The inputs a task-slot graph takes after the contract's: ``task_mask`` [N, K], then per task block and
+    projection ``task_a.{block}.{proj}`` [in, K] and ``task_b.{block}.{proj}`` [K, out] (``shapes``: projection ->
+    (in, out)); K, every task's rank summed, is dynamic (0: no task)."""
+    specs = [TensorSpec(TASK_MASK, "float32", (PACKED, TASK_RANK))]
+    for block in task_blocks:
+        for proj in PROJECTIONS:
+            d_in, d_out = shapes[proj]
+            specs += [TensorSpec(f"task_a.{block}.{proj}", "float32", (d_in, TASK_RANK)),
+                      TensorSpec(f"task_b.{block}.{proj}", "float32", (TASK_RANK, d_out))]
     return specs
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from .contract import PROJECTIONS
 from .errors import ModelSourceError
 from .model import ModelInfo
 
@@ -109,15 +110,23 @@ class Block(nn.Module):
             self.k_norm = RMSNorm(attn.k_norm.weight, dims.rms_norm_eps, share)
         self.gate, self.up, self.down = (own(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
-    def forward(self, x, cos, sin, bias, past_k, past_v):
+    def _proj(self, name: str, h, task):
+        """The projection ``name`` of ``h``, plus each token's own task's low-rank update where ``task`` has one."""
+        y = getattr(self, name)(h)
+        if task is not None and name in task.weights:
+            a, b = task.weights[name]  # [in, K], [K, out]: every task's slots side by side
+            y = y + ((h @ a) * task.mask) @ b  # mask [N, K]: 1 on the slots of the token's task, else 0
+        return y
+
+    def forward(self, x, cos, sin, bias, past_k, past_v, task: "TaskSlots | None" = None):
         """x [N, d]; cos/sin [N, D]; bias [N, S+N]; past [Hkv, S, D] -> (x, new_k, new_v)."""
         d = self.dims
         n = x.shape[0]
         group = d.num_heads // d.num_kv_heads
         h = self.input_norm(x)
-        q = self.q(h).view(n, d.num_heads, d.head_dim).transpose(0, 1)  # [H, N, D]
-        k = self.k(h).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
-        v = self.v(h).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
+        q = self._proj("q", h, task).view(n, d.num_heads, d.head_dim).transpose(0, 1)  # [H, N, D]
+        k = self._proj("k", h, task).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
+        v = self._proj("v", h, task).view(n, d.num_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, N, D]
         if d.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -130,9 +139,9 @@ class Block(nn.Module):
         scores = scores + bias.repeat(group, 1)
         out = torch.softmax(scores, dim=-1) @ values  # [Hkv, G*N, D]
         out = out.reshape(d.num_heads, n, d.head_dim).transpose(0, 1).reshape(n, -1)  # [N, H*D]
-        x = x + self.o(out)
+        x = x + self._proj("o", out, task)
         h = self.post_norm(x)
-        x = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        x = x + self._proj("down", nn.functional.silu(self._proj("gate", h, task)) * self._proj("up", h, task), task)
         return x, k, v
 
 
@@ -207,7 +216,7 @@ class PackedDecoder(nn.Module):
         self.head = head
         return self
 
-    def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None):
+    def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None, tasks: dict | None = None):
         """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents).
 
         ``args``: the 2L past tensors, readout_index, readout_target and optionally ``past_length`` (a 0-d int64
@@ -220,7 +229,7 @@ class PackedDecoder(nn.Module):
             past_length = args[2 * layers + 2]
         x = self.embed[input_ids]  # [N, d]
         tables = self.attention_tables(position_ids, tree_mask, past[0].shape[1], past_length)
-        x, presents = self.run_blocks(x, tables, past, range(layers))
+        x, presents = self.run_blocks(x, tables, past, range(layers), tasks)
         h, target = self.final(x, readout_index, readout_target)
         return h, target, presents
 
@@ -237,13 +246,13 @@ class PackedDecoder(nn.Module):
                                     torch.finfo(torch.float32).min).expand(n, s)
         return emb.cos(), emb.sin(), torch.cat([past_bias, tree_bias], dim=1)  # bias fp32, on the inputs' device
 
-    def run_blocks(self, x, tables, past, blocks):
+    def run_blocks(self, x, tables, past, blocks, tasks: dict | None = None):
         """x [N, d] through the blocks numbered ``blocks`` (a range), each with its own past pair in ``past`` (2 per
-        block, in the range's order) -> (x, presents of those blocks)."""
+        block, in the range's order) -> (x, presents of those blocks). ``tasks``: block number -> its ``TaskSlots``."""
         cos, sin, bias = tables
         presents = []
         for j, i in enumerate(blocks):
-            x, k, v = self.blocks[i](x, cos, sin, bias, past[2 * j], past[2 * j + 1])
+            x, k, v = self.blocks[i](x, cos, sin, bias, past[2 * j], past[2 * j + 1], (tasks or {}).get(i))
             presents += [k, v]
         return x, presents
 
@@ -261,6 +270,40 @@ class PackedDecoder(nn.Module):
         if self.head is None:
             return (target, *presents)
         return (target, *presents, self.head(h))
+
+
+@dataclass(frozen=True)
+class TaskSlots:
+    """The tuned tasks' low-rank updates of one block, side by side (issue 45): for each adapted projection,
+    A [in, K] and B [K, out] hold every task's rank-r factors in its own K-slots (the scale folded into B), and
+    ``mask`` [N, K] is 1 on the slots of each token's task (0 everywhere for a token of no task, e.g. the state's)."""
+
+    mask: torch.Tensor
+    weights: dict  # projection name ("q" ... "down") -> (A, B)
+
+
+class TaskDecoder(nn.Module):
+    """The packed decoder with task slots on the blocks ``task_blocks``: the contract's inputs, then ``task_mask``
+    [N, K] and, per task block and projection (``PROJECTIONS`` order), ``task_a`` [in, K] and ``task_b`` [K, out].
+    Each token applies its own task's update, so questions of different tasks share one pass and one state cache;
+    K is a dynamic axis: tasks are data fed with the pass, and the graph stays the base engine's."""
+
+    def __init__(self, decoder: PackedDecoder, task_blocks):
+        super().__init__()
+        if decoder.head is not None:
+            raise ValueError("task slots and a decision head do not combine")
+        self.decoder, self.task_blocks = decoder, tuple(task_blocks)
+        self.dims = decoder.dims
+
+    def forward(self, input_ids, position_ids, tree_mask, *args):
+        base = 2 * self.dims.num_layers + 3  # past K/V, readout_index, readout_target, past_length
+        mask, weights = args[base], args[base + 1:]
+        per_block = 2 * len(PROJECTIONS)
+        tasks = {b: TaskSlots(mask, {p: (weights[j * per_block + 2 * k], weights[j * per_block + 2 * k + 1])
+                                     for k, p in enumerate(PROJECTIONS)})
+                 for j, b in enumerate(self.task_blocks)}
+        _, target, presents = self.decoder.readout(input_ids, position_ids, tree_mask, *args[:base], tasks=tasks)
+        return (target, *presents)
 
 
 class DecisionHead(nn.Module):

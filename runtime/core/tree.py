@@ -54,6 +54,14 @@ class _Trie:
     children: list = field(default_factory=lambda: [{}])  # node -> {token: node}
     depth: list = field(default_factory=lambda: [0])
 
+    def virtual(self) -> int:
+        """A new root (one task's questions go below it): a node below the root at depth 0, never packed."""
+        self.tokens.append(-1)
+        self.parent.append(0)
+        self.children.append({})
+        self.depth.append(0)
+        return len(self.tokens) - 1
+
     def insert(self, seq: Sequence[int], below: int = 0) -> list[int]:
         """Add a token sequence below node ``below`` (the root); return the nodes of its path."""
         node, path = below, []
@@ -85,7 +93,7 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
 
 
 def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None,
-         mask: bool = True) -> PackedBatch:
+         mask: bool = True, tasks: Sequence[int] | None = None) -> PackedBatch:
     """Pack questions into one sequence that continues a state of ``past_len`` tokens.
 
     All questions go into one trie: questions whose trunks begin with the same tokens
@@ -98,28 +106,38 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     :class:`TooManyTokens` is raised before the quadratic tree mask is built. ``mask=False`` leaves the mask out
     (``tree_mask`` and ``tree_order`` None): a plan of the pass, its sizes and positions, for limits checked before any
     work.
+
+    ``tasks``: each question's task number (-1: none, the base engine's weights). Questions share trunk tokens only
+    within one task (a token computed with one task's weights is not another's), and ``token_task`` says each
+    packed token's task, what the task slots' mask is built from (:mod:`onepass.runtime.core.tasks`).
     """
     trie = _Trie()
+    roots = {-1: 0, **{task: trie.virtual() for task in sorted(set(tasks or ())) if task != -1}}  # task -> root
+    task_of = list(tasks) if tasks is not None else [-1] * len(questions)
     scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
     paths: list = [None] * len(questions)
-    for i in sorted(range(len(questions)), key=lambda i: (questions[i].trunk, sorted(questions[i].options))):
+    for i in sorted(range(len(questions)), key=lambda i: (task_of[i], questions[i].trunk, sorted(questions[i].options))):
         q = questions[i]
-        trunk_end = trie.insert(q.trunk)[-1]
+        trunk_end = trie.insert(q.trunk, below=roots[task_of[i]])[-1]
         for opt in sorted(q.options):
             scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
         paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
     if max_tokens is not None:
-        size = sum(1 for children in trie.children[1:] if children)
+        size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in roots.values())
         if size > max_tokens:
             raise TooManyTokens(size, max_tokens)
     packed_of: dict[int, int] = {}
-    ids, pos, parent = [], [], []
+    ids, pos, parent, token_task = [], [], [], []
+    task_root = {node: task for task, node in roots.items()}
+    node_task = [-1] * len(trie.tokens)
     for node in range(1, len(trie.tokens)):
-        if trie.children[node]:
+        node_task[node] = task_root.get(node, node_task[trie.parent[node]])
+        if trie.children[node] and node not in task_root:
             packed_of[node] = len(ids)
             ids.append(trie.tokens[node])
             pos.append(past_len + trie.depth[node] - 1)
             parent.append(packed_of.get(trie.parent[node], -1))
+            token_task.append(node_task[node])
     readout_of = {node: r for r, node in enumerate(sorted(scored))}
     return PackedBatch(
         input_ids=np.array(ids, dtype=np.int64),
@@ -129,6 +147,7 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
         readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
         option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],
         tree_order=intervals(parent) if mask else None,
+        token_task=np.array(token_task, dtype=np.int64) if tasks is not None else None,
     )
 
 

@@ -1,0 +1,108 @@
+"""Tuned tasks as low-rank updates fed with the pass (issue 45). Pure numpy.
+
+A task is a LoRA adapter trained with the state's K/V from the base weights (``PackedScorer(state_weights=...)``):
+it acts on its own question and option tokens only, so several tasks can share one prefill of a state and one
+packed pass. The graph with task slots (``TaskDecoder``) takes, per adapted block and projection, every task's
+factors side by side — A [in, K] and B [K, out], K the sum of the tasks' ranks — and a mask [N, K] that is 1 on
+the slots of each packed token's task. Adding a task changes the data fed, never the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..backends.contract import PROJECTIONS
+
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class TaskAdapter:
+    """One task's factors: (block, projection) -> (A [r, in], B [out, r] with the LoRA scale folded in)."""
+
+    name: str
+    rank: int
+    factors: dict
+
+    @classmethod
+    def from_peft(cls, name: str, state: dict, scale: float) -> "TaskAdapter":
+        """From a PEFT state dict (``...layers.{i}.self_attn.q_proj.lora_A[.adapter].weight`` -> array) and the
+        adapter's scale (alpha / r)."""
+        parts: dict = {}
+        for key, value in state.items():
+            m = _KEY.search(key)
+            if m is None:
+                raise ValueError(f"task {name!r}: {key!r} is not a LoRA factor of a block's projection")
+            block, proj, side = int(m.group(1)), m.group(2), m.group(3)
+            if proj not in PROJECTIONS:
+                raise ValueError(f"task {name!r}: unknown projection {proj!r} (known: {', '.join(PROJECTIONS)})")
+            parts.setdefault((block, proj), {})[side] = np.asarray(value, dtype=np.float32)
+        factors, ranks = {}, set()
+        for where, ab in parts.items():
+            if set(ab) != {"A", "B"}:
+                raise ValueError(f"task {name!r}: block {where[0]} {where[1]} has lora_{''.join(ab)} alone")
+            factors[where] = (ab["A"], ab["B"] * np.float32(scale))
+            ranks.add(ab["A"].shape[0])
+        if len(ranks) != 1:
+            raise ValueError(f"task {name!r}: one rank expected, found {sorted(ranks)}")
+        return cls(name, ranks.pop(), factors)
+
+
+@dataclass(frozen=True)
+class TaskStack:
+    """Tasks side by side: the graph's task inputs (in ``TaskDecoder`` order) and each task's slots."""
+
+    names: tuple
+    slots: tuple  # per task, its (start, stop) on the K axis
+    inputs: list  # per task block and projection: A [in, K], B [K, out] (float32)
+
+    @property
+    def width(self) -> int:
+        """K, every task's rank summed."""
+        return self.slots[-1][1] if self.slots else 0
+
+    def mask(self, token_task: Sequence[int]) -> np.ndarray:
+        """[N, K] float32: 1 on the slots of each token's task (-1: none, a row of zeros)."""
+        out = np.zeros((len(token_task), self.width), dtype=np.float32)
+        for i, task in enumerate(token_task):
+            if task >= 0:
+                start, stop = self.slots[task]
+                out[i, start:stop] = 1.0
+        return out
+
+
+def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict) -> TaskStack:
+    """The tasks' factors side by side for a graph with slots on ``task_blocks``; ``shapes``: projection ->
+    (in, out). A block or projection a task does not adapt gets zeros in its slots; a task that adapts a block
+    without slots is refused (the graph could not apply it)."""
+    blocks = set(task_blocks)
+    slots, start = [], 0
+    for task in tasks:
+        outside = sorted({b for b, _ in task.factors} - blocks)
+        if outside:
+            raise ValueError(f"task {task.name!r} adapts blocks {outside}; this engine has task slots on "
+                             f"blocks {sorted(blocks)} only")
+        slots.append((start, start + task.rank))
+        start += task.rank
+    inputs = []
+    for block in task_blocks:
+        for proj in PROJECTIONS:
+            d_in, d_out = shapes[proj]
+            a, b = np.zeros((d_in, start), np.float32), np.zeros((start, d_out), np.float32)
+            for task, (lo, hi) in zip(tasks, slots):
+                if (block, proj) in task.factors:
+                    fa, fb = task.factors[(block, proj)]
+                    a[:, lo:hi], b[lo:hi, :] = fa.T, fb.T
+            inputs += [a, b]
+    return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs)
+
+
+def projection_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict:
+    """(in, out) of each projection of a block."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden),
+            "gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
