@@ -78,7 +78,8 @@ def run_mode(mode: str, base_dir: str, train_rows, test_rows, config: TuneConfig
     after = evaluate(scorer, test)
     return {"before": before, "after": after, "train_seconds": seconds, "steps": progress.step,
             "rows_per_second": progress.rows_seen / max(seconds, 1e-9),
-            "config": {"train_blocks": config.train_blocks, "lr": config.lr, "epochs": config.epochs}}
+            "config": {"train_blocks": config.train_blocks, "lr": config.lr, "epochs": config.epochs,
+                       "rank": config.rank}}
 
 
 def main() -> None:
@@ -87,20 +88,25 @@ def main() -> None:
     ap.add_argument("--datasets", nargs="+", default=["bbc", "rotten", "tweets_choice", "tweets_score"])
     ap.add_argument("--rows", type=int, default=200)
     ap.add_argument("--train-blocks", type=int, default=None, help="default: tune's choice for the row count")
+    ap.add_argument("--epochs", type=int, default=None, help="default: tune's choice for the row count")
+    ap.add_argument("--lr", type=float, default=None, help="default: tune's choice for the row count")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     path = RESULTS / "shared_state.json"
     results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     results["machine"] = _machine()
-    config = TuneConfig(rank=16, holdout=0.2, seed=args.seed, train_blocks=args.train_blocks)
+    config = TuneConfig(rank=args.rank, holdout=0.2, seed=args.seed, train_blocks=args.train_blocks, epochs=args.epochs,
+                        lr=args.lr)
     for name in args.datasets:
         train, test = user_rows(name, args.rows, args.seed)
         with tempfile.TemporaryDirectory() as tmp:
             train_rows = _rows(train, Path(tmp), "train")
             test_rows = _rows(test, Path(tmp), "test")
             run = {"dataset": name, "rows": args.rows, "test_rows": len(test), "majority": _majority(test)}
-            for mode in MODES:
+            for mode in args.modes:
                 print(f"== {name} / {args.rows} rows / {mode}", flush=True)
                 run[mode] = run_mode(mode, args.base, train_rows, test_rows, config, Path(tmp))
         results["runs"][f"{name}/{args.rows}" + (f"/{args.tag}" if args.tag else "")] = run
@@ -118,16 +124,18 @@ def write_md(results: dict) -> None:
              "trained on; accuracy (NLL) by the computation each was trained with, uncalibrated.", "",
              "| data set | rows | majority | base | whole | question | question - whole | train s whole | "
              "train s question | rows/s whole | rows/s question |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    acc = lambda x: f"{x['accuracy']:.3f} ({x['nll']:.3f})" if x else "–"  # noqa: E731
+    num = lambda x, key, f: format(x[key], f) if x else "–"  # noqa: E731
     for key, r in results["runs"].items():
-        w, q = r["whole"], r["question"]
-        acc = lambda x: f"{x['accuracy']:.3f} ({x['nll']:.3f})"  # noqa: E731
+        w, q = r.get("whole"), r.get("question")
         tag = key.split("/")[2] if key.count("/") == 2 else ""
+        gap = f"{q['after']['accuracy'] - w['after']['accuracy']:+.3f}" if w and q else "–"
         lines.append(f"| {r['dataset']}{f' ({tag})' if tag else ''} | {r['rows']} | {r['majority']:.3f} | "
-                     f"{acc(w['before'])} | {acc(w['after'])} | {acc(q['after'])} | "
-                     f"{q['after']['accuracy'] - w['after']['accuracy']:+.3f} | {w['train_seconds']:.0f} | "
-                     f"{q['train_seconds']:.0f} | {w['rows_per_second']:.2f} | {q['rows_per_second']:.2f} |")
+                     f"{acc((w or q)['before'])} | {acc(w and w['after'])} | {acc(q and q['after'])} | {gap} | "
+                     f"{num(w, 'train_seconds', '.0f')} | {num(q, 'train_seconds', '.0f')} | "
+                     f"{num(w, 'rows_per_second', '.2f')} | {num(q, 'rows_per_second', '.2f')} |")
     lines += ["", "Settings per run (blocks 0: every block): " + "; ".join(
-        f"{k}: {r['whole']['config']}" for k, r in results["runs"].items()), "",
+        f"{k}: {(r.get('whole') or r.get('question'))['config']}" for k, r in results["runs"].items()), "",
         "    python benchmarks/shared_state.py --base engines/smollm2-base --datasets bbc rotten tweets_choice "
         "tweets_score"]
     (RESULTS / "shared_state.md").write_text("\n".join(lines) + "\n")

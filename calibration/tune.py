@@ -216,7 +216,8 @@ class PackedScorer:
         self.state_weights = state_weights
         self.empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim, device=device)
                       for _ in range(2 * dims.num_layers)]
-        self.trunks: dict[int, tuple] = {}  # id(chunk) -> (packed batch, state x, packed x) entering block `frozen`
+        # id(chunk) -> (chunk, packed batch, state batch, state x, packed x entering block `frozen`, the state's K/V)
+        self.trunks: dict[int, tuple] = {}
         self.cached_bytes, self.cache_budget = 0, cache_budget
 
     def _tensor(self, a):

@@ -69,7 +69,7 @@ def export_task_decoder(graph: TaskDecoder, shapes: dict, path: Path) -> None:
              *contract.task_input_specs(graph.task_blocks, shapes)]
     names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
     base = example_inputs(dims)
-    packed, rank = base[0].shape[0], 3  # a traced rank of 3: any K (0 included) runs
+    packed, rank = base[0].shape[0], 5  # a traced rank of 5 (no other axis is 5): any K (0 included) runs
     extra = [torch.randn(*(packed if a == contract.PACKED else rank if a == contract.TASK_RANK else a
                            for a in spec.shape)) for spec in specs[len(base):]]
     axes = {contract.PACKED: Dim.DYNAMIC, contract.PAST: Dim.DYNAMIC, contract.READOUT: Dim.DYNAMIC,

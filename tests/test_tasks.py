@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 from onepass.runtime.backends.batch import causal  # noqa: E402
 from onepass.runtime.backends.torch_decoder import PackedDecoder, TaskDecoder  # noqa: E402
 from onepass.runtime.core.tasks import TaskAdapter, projection_shapes, stack  # noqa: E402
-from onepass.runtime.core.tree import QuestionTokens, option_logprobs, pack  # noqa: E402
+from onepass.runtime.core.tree import QuestionTokens, TooManyTokens, option_logprobs, pack  # noqa: E402
 from test_decoder import QUESTIONS, STATE, TOL, tiny_model  # noqa: E402
 
 TASKS = ("fraud", "urgency")
@@ -109,6 +109,12 @@ def test_one_trunk_under_two_tasks_is_packed_twice_and_untasked_packing_is_uncha
     plain, untasked = pack(QUESTIONS, 10), pack(QUESTIONS, 10, tasks=[-1] * len(QUESTIONS))
     assert np.array_equal(plain.input_ids, untasked.input_ids) and np.array_equal(plain.tree_mask, untasked.tree_mask)
     assert plain.token_task is None and (untasked.token_task == -1).all()
+    assert pack([q for q, _ in asked], 10, max_tokens=both.num_tokens, tasks=[0, 1]).num_tokens == both.num_tokens
+    with pytest.raises(TooManyTokens):  # the tasks' virtual roots are not counted, each task's tokens are
+        pack([q for q, _ in asked], 10, max_tokens=both.num_tokens - 1, tasks=[0, 1])
+    for wrong in ([0], [0, 1, 1], [0, -2]):
+        with pytest.raises(ValueError, match="task number >= -1"):
+            pack([q for q, _ in asked], 10, tasks=wrong)
 
 
 def test_a_task_on_blocks_without_slots_is_refused():
@@ -118,6 +124,11 @@ def test_a_task_on_blocks_without_slots_is_refused():
     assert stack(tasks[:1], [1], shapes).width == 4  # the first task adapts block 1 only
     with pytest.raises(ValueError, match="adapts blocks \\[0\\]; this engine has task slots on blocks \\[1\\]"):
         stack(tasks, [1], shapes)
+    wide = {**shapes, "q": (shapes["q"][0] + 1, shapes["q"][1])}
+    with pytest.raises(ValueError, match="block 1 q has factors"):
+        stack(tasks[:1], [1], wide)
+    with pytest.raises(ValueError, match="token tasks must be in -1..0"):
+        stack(tasks[:1], [1], shapes).mask([0, 1])
 
 
 def test_the_task_slot_graph_exports_and_onnx_runtime_answers_as_the_torch_graph(tmp_path):

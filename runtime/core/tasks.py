@@ -31,7 +31,7 @@ class TaskAdapter:
     @classmethod
     def from_peft(cls, name: str, state: dict, scale: float) -> "TaskAdapter":
         """From a PEFT state dict (``...layers.{i}.self_attn.q_proj.lora_A[.adapter].weight`` -> array) and the
-        adapter's scale (alpha / r)."""
+        adapter's one scale (alpha / r, as onepass's ``lora_config`` trains: no rank or alpha patterns, no rsLoRA)."""
         parts: dict = {}
         for key, value in state.items():
             m = _KEY.search(key)
@@ -67,12 +67,12 @@ class TaskStack:
 
     def mask(self, token_task: Sequence[int]) -> np.ndarray:
         """[N, K] float32: 1 on the slots of each token's task (-1: none, a row of zeros)."""
-        out = np.zeros((len(token_task), self.width), dtype=np.float32)
-        for i, task in enumerate(token_task):
-            if task >= 0:
-                start, stop = self.slots[task]
-                out[i, start:stop] = 1.0
-        return out
+        token_task = np.asarray(token_task, dtype=np.int64)
+        if token_task.size and (token_task.min() < -1 or token_task.max() >= len(self.slots)):
+            raise ValueError(f"token tasks must be in -1..{len(self.slots) - 1} (the {len(self.slots)} tasks fed); "
+                             f"got {token_task.min()}..{token_task.max()}")
+        slot_task = np.repeat(np.arange(len(self.slots)), [stop - start for start, stop in self.slots])  # [K]
+        return (token_task[:, None] == slot_task[None, :]).astype(np.float32)
 
 
 def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict) -> TaskStack:
@@ -96,6 +96,10 @@ def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict
             for task, (lo, hi) in zip(tasks, slots):
                 if (block, proj) in task.factors:
                     fa, fb = task.factors[(block, proj)]
+                    if fa.shape != (task.rank, d_in) or fb.shape != (d_out, task.rank):
+                        raise ValueError(f"task {task.name!r}: block {block} {proj} has factors {fa.shape} and "
+                                         f"{fb.shape}; this engine's {proj} takes ({task.rank}, {d_in}) and "
+                                         f"({d_out}, {task.rank})")
                     a[:, lo:hi], b[lo:hi, :] = fa.T, fb.T
             inputs += [a, b]
     return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs)

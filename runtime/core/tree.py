@@ -111,6 +111,9 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     within one task (a token computed with one task's weights is not another's), and ``token_task`` says each
     packed token's task, what the task slots' mask is built from (:mod:`onepass.runtime.core.tasks`).
     """
+    if tasks is not None and (len(tasks) != len(questions) or any(int(t) < -1 for t in tasks)):
+        raise ValueError(f"tasks must give each of the {len(questions)} questions a task number >= -1 "
+                         f"(-1: none); got {list(tasks)!r}")
     trie = _Trie()
     roots = {-1: 0, **{task: trie.virtual() for task in sorted(set(tasks or ())) if task != -1}}  # task -> root
     task_of = list(tasks) if tasks is not None else [-1] * len(questions)
@@ -123,12 +126,13 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
             scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
         paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
     if max_tokens is not None:
-        size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in roots.values())
+        virtual = set(roots.values())
+        size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in virtual)
         if size > max_tokens:
             raise TooManyTokens(size, max_tokens)
     packed_of: dict[int, int] = {}
     ids, pos, parent, token_task = [], [], [], []
-    task_root = {node: task for task, node in roots.items()}
+    task_root = {node: task for task, node in roots.items()}  # also: the nodes never packed
     node_task = [-1] * len(trie.tokens)
     for node in range(1, len(trie.tokens)):
         node_task[node] = task_root.get(node, node_task[trie.parent[node]])
