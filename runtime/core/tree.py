@@ -92,6 +92,14 @@ def ancestor_mask(parent: Sequence[int]) -> np.ndarray:
     return mask
 
 
+def _task_roots(trie: _Trie, tasks: Sequence[int] | None, count: int) -> dict[int, int]:
+    """Task number -> the trie root of its questions: the root for -1 (no task), a virtual root for each task."""
+    if tasks is not None and (len(tasks) != count or any(int(t) < -1 for t in tasks)):
+        raise ValueError(f"tasks must give each of the {count} questions a task number >= -1 (-1: none); "
+                         f"got {list(tasks)!r}")
+    return {-1: 0, **{task: trie.virtual() for task in sorted(set(tasks or ())) if task != -1}}
+
+
 def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | None = None,
          mask: bool = True, tasks: Sequence[int] | None = None) -> PackedBatch:
     """Pack questions into one sequence that continues a state of ``past_len`` tokens.
@@ -111,11 +119,8 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     within one task (a token computed with one task's weights is not another's), and ``token_task`` says each
     packed token's task, what the task slots' mask is built from (:mod:`onepass.runtime.core.tasks`).
     """
-    if tasks is not None and (len(tasks) != len(questions) or any(int(t) < -1 for t in tasks)):
-        raise ValueError(f"tasks must give each of the {len(questions)} questions a task number >= -1 "
-                         f"(-1: none); got {list(tasks)!r}")
     trie = _Trie()
-    roots = {-1: 0, **{task: trie.virtual() for task in sorted(set(tasks or ())) if task != -1}}  # task -> root
+    roots = _task_roots(trie, tasks, len(questions))  # task -> its trie root
     task_of = list(tasks) if tasks is not None else [-1] * len(questions)
     scored: dict[int, None] = {}  # trie nodes that are option tokens, in creation order
     paths: list = [None] * len(questions)
