@@ -36,7 +36,6 @@ from tune_eval import _machine  # noqa: E402
 
 import numpy as np  # noqa: E402
 import openvino as ov  # noqa: E402
-import psutil  # noqa: E402
 
 from onepass.runtime.backends import contract  # noqa: E402
 from onepass.runtime.backends.batch import causal  # noqa: E402
@@ -44,6 +43,7 @@ from onepass.runtime.core import manifest as mf  # noqa: E402
 from onepass.runtime.core.prompt import PromptEncoder  # noqa: E402
 from onepass.runtime.core.tasks import TaskAdapter, projection_shapes, stack  # noqa: E402
 from onepass.runtime.core.tree import pack  # noqa: E402
+from onepass.runtime.server.memory import rss_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TASKS, PER_TASK = 4, 3
@@ -121,12 +121,11 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--engine", str(root), "--export", tmp], check=True)
         exported = time.perf_counter() - started
         shapes = {k: tuple(v) for k, v in json.loads((Path(tmp) / "shapes.json").read_text()).items()}
-        process = psutil.Process()
-        rss = [("start", process.memory_info().rss)]
+        rss = [("start", rss_bytes())]
         reqs = []
         for i in range(TASKS):
             reqs.append(_compile(Path(tmp) / "base.onnx", args.threads).create_infer_request())
-            rss.append((f"plain graph compiled x{i + 1}", process.memory_info().rss))
+            rss.append((f"plain graph compiled x{i + 1}", rss_bytes()))
         past = presents(reqs[0].infer(feed(prefill, empty)))
         base_batch = pack(encoded, len(state))
         groups = [pack([q for q, t in zip(encoded, task_of) if t == k], len(state)) for k in range(TASKS)]
@@ -144,7 +143,7 @@ def main() -> None:
         for count in BLOCKS:
             blocks = _top(count, d.num_layers)
             req = _compile(Path(tmp) / f"slots{count}.onnx", args.threads).create_infer_request()
-            rss.append((f"slot graph ({count} blocks) compiled", process.memory_info().rss))
+            rss.append((f"slot graph ({count} blocks) compiled", rss_bytes()))
             stacked, none = stack(_random_tasks(args.rank, blocks, shapes), blocks, shapes), stack([], blocks, shapes)
             batch = pack(encoded, len(state), tasks=task_of)
             untasked = pack(encoded, len(state), tasks=[-1] * len(encoded))
