@@ -197,9 +197,9 @@ def write_md(out: dict) -> None:
         lines.append(f"| {k} | {v['p50']:.3f} | {v['min']:.3f} | {v['p50'] / base[k.split(':')[0]]:.2f}x |")
     one = rss["plain graph compiled x1"] - rss["start"]
     four = rss[f"plain graph compiled x{TASKS}"] - rss["start"]
-    slot_rss = {k.split("(")[1].split(" ")[0]: rss[k] - prev for (k, _), prev in
-                zip([(k, v) for k, v in rss.items() if k.startswith("slot graph")],
-                    [v for k, v in list(rss.items())[TASKS:-1]])}
+    steps = list(rss.items())  # each slot graph's growth: over the step before it
+    slot_rss = {k.split("(")[1].split(" ")[0]: v - steps[i - 1][1] for i, (k, v) in enumerate(steps)
+                if k.startswith("slot graph")}
     lines += ["", f"Memory (RSS growth of the process, MiB): one plain graph compiled {one / mib:.0f}; four (four "
               f"whole engines) {four / mib:.0f}; " + "; ".join(
                   f"the slot graph on {b} blocks {g / mib:.0f}" for b, g in slot_rss.items())

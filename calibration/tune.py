@@ -245,7 +245,6 @@ class PackedScorer:
             if self.state_weights is not None:
                 with self.state_weights():
                     _, state_past = self._blocks(x_state, state, self.empty, range(self.decoder.dims.num_layers))
-                state_past = [t.detach() for t in state_past]
                 past, x_state = state_past[:2 * self.frozen], None
             if self.frozen:
                 lower = range(self.frozen)

@@ -130,14 +130,13 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
         for opt in sorted(q.options):
             scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
         paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
+    task_root = {node: task for task, node in roots.items()}  # also: the nodes never packed
     if max_tokens is not None:
-        virtual = set(roots.values())
-        size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in virtual)
+        size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in task_root)
         if size > max_tokens:
             raise TooManyTokens(size, max_tokens)
     packed_of: dict[int, int] = {}
     ids, pos, parent, token_task = [], [], [], []
-    task_root = {node: task for task, node in roots.items()}  # also: the nodes never packed
     node_task = [-1] * len(trie.tokens)
     for node in range(1, len(trie.tokens)):
         node_task[node] = task_root.get(node, node_task[trie.parent[node]])
