@@ -192,12 +192,46 @@ def _tune_config(args):
 
 
 def cmd_tune(args) -> int:
-    """Fine-tune an engine's decoder on labelled rows and export the tuned engine."""
+    """Fine-tune an engine's decoder on labelled rows and export the tuned engine (or add a task to it)."""
     from .calibration.tune_engine import summary_lines, tune
+    if args.task is not None:
+        return _tune_task(args)
+    if args.out is None:
+        raise OnepassError("tune needs --out (the tuned engine to write) or --task NAME (a task added to --engine)")
     report_dir = args.report or f"{args.out}-report"
     summary = tune(args.engine, args.data, args.out, _tune_config(args), resume=args.resume, report_dir=report_dir,
                    name=args.name, validation=args.validation)
     print("\n".join(summary_lines(summary, args.out, report_dir)))
+    return 0
+
+
+def _tune_task(args) -> int:
+    from .calibration.tune_task import tune_task
+
+    if args.out is not None or args.validation or args.resume:
+        raise OnepassError("--task adds a task to --engine in place: --out, --validation and --resume do not apply")
+    tune_task(args.engine, args.data, args.task, _tune_config(args))
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    """List or remove the tuned tasks beside an engine."""
+    from .runtime.core import task_store
+
+    if args.action == "remove":
+        if not args.name:
+            raise OnepassError("onepass tasks remove ENGINE NAME: name the task to remove")
+        try:
+            task_store.remove(args.engine, args.name)
+        except ValueError as err:
+            raise OnepassError(str(err)) from None
+        print(f"task {args.name!r} removed from {args.engine}")
+        return 0
+    for name in task_store.names(args.engine):
+        card = task_store.read_card(args.engine, name)
+        choice = card.get("metrics", {}).get("choice", {})
+        print(f"{name}\t{choice.get('chosen', '?')}\trank {card['rank']}\tblocks {len(card['blocks'])}\t"
+              f"{card.get('rows', '?')} rows\t{', '.join(card.get('questions', [])[:1])[:60]}")
     return 0
 
 
@@ -238,7 +272,7 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"export": cmd_export, "ask": cmd_ask, "bench": cmd_bench, "check": cmd_check, "guarantee": cmd_guarantee,
-            "calibrate": cmd_calibrate, "eval": cmd_eval, "tune": cmd_tune, "plan": cmd_plan,
+            "calibrate": cmd_calibrate, "eval": cmd_eval, "tune": cmd_tune, "tasks": cmd_tasks, "plan": cmd_plan,
             "build-trt": cmd_build_trt, "quantize": cmd_quantize, "distill": cmd_distill, "serve": cmd_serve,
             "cluster": cmd_cluster, "mcp": cmd_mcp}
 

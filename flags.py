@@ -172,10 +172,17 @@ def parser() -> argparse.ArgumentParser:
     tn = sub.add_parser("tune", help="fine-tune the decoder on labelled rows; writes a tuned engine")
     tn.add_argument("--engine", required=True, help="the base engine directory")
     tn.add_argument("--data", required=True, nargs="+", help="JSONL rows: state, question, label (or probabilities)")
-    tn.add_argument("--out", required=True, help="tuned engine directory to write (only when the run succeeds)")
+    tn.add_argument("--out", help="tuned engine directory to write (only when the run succeeds); not with --task")
+    tn.add_argument("--task", default=None, metavar="NAME",
+                    help="add (or replace) the tuned task NAME beside --engine instead of writing a whole engine: "
+                         "a small adapter on the question tokens, the state shared with the engine's other tasks")
     tn.add_argument("--validation", nargs="+", default=None, help="held-out JSONL rows instead of a --holdout split")
     _training(tn, "tuned", "held out (early stopping, report)")
     tn.add_argument("--report", help="report directory (default: <out>-report)")
+    tk = sub.add_parser("tasks", help="list or remove the tuned tasks stored beside an engine (onepass tune --task)")
+    tk.add_argument("action", choices=("list", "remove"))
+    tk.add_argument("engine", help="engine directory")
+    tk.add_argument("name", nargs="?", help="the task to remove")
     pl = sub.add_parser("plan", help="memory budget and latency floor on a device (assumptions stated)")
     pl.add_argument("--engine", required=True, help="engine directory")
     pl.add_argument("--device", required=True, choices=["orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "h200"])

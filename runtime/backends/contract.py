@@ -43,7 +43,10 @@ then the state): backends feed it only where the graph has it (``io_names``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+import numpy as np
 
 #: Symbolic names of the dynamic axes.
 PACKED, PAST, READOUT = "packed", "past", "readout"
@@ -101,6 +104,49 @@ def task_input_specs(task_blocks, shapes: dict) -> list[TensorSpec]:
     return specs
 
 
+def projection_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict:
+    """(in, out) of each projection of a block."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden),
+            "gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
+
+
+_TASK_INPUT = re.compile(r"task_[ab]\.(\d+)\.\w+$")
+
+
+@dataclass(frozen=True)
+class TaskFeeds:
+    """What a task-slot graph is fed beside the contract's inputs: every task's factors (constant, by input name) and
+    the task of each slot, from which each pass's ``task_mask`` is built from its tokens' tasks."""
+
+    factors: dict  # task_a.{block}.{proj} [in, K], task_b.{block}.{proj} [K, out]: float32
+    slot_task: np.ndarray  # [K] int64: the task number of each slot
+
+    @classmethod
+    def none(cls, input_shapes: dict) -> "TaskFeeds":
+        """No task (K = 0) for a graph whose task inputs have ``input_shapes`` (name -> shape, the task rank axis any
+        value): the graph then computes the base engine's pass."""
+        factors = {}
+        for name, shape in input_shapes.items():
+            if _TASK_INPUT.match(name):
+                factors[name] = np.zeros((shape[0], 0) if name.startswith("task_a.") else (0, shape[1]), np.float32)
+        return cls(factors, np.zeros(0, np.int64))
+
+    def inputs(self, token_task, n: int) -> dict:
+        """The task inputs of a pass of ``n`` tokens whose tasks are ``token_task`` ([N], -1: none; None: no token
+        has a task, as in a prefill)."""
+        if token_task is None:
+            mask = np.zeros((n, self.slot_task.shape[0]), np.float32)
+        else:
+            mask = (np.asarray(token_task)[:, None] == self.slot_task[None, :]).astype(np.float32)
+        return {TASK_MASK: mask, **self.factors}
+
+
+def task_blocks(input_names) -> tuple:
+    """The blocks a graph has task slots on (from its ``task_a.{block}.q`` inputs); () for a plain graph."""
+    return tuple(sorted({int(m.group(1)) for m in map(_TASK_INPUT.match, input_names) if m}))
+
+
 def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool = False) -> list[TensorSpec]:
     """The graph outputs, in order, for a model of the given dimensions (``head``: with a decision head)."""
     specs = [TensorSpec(TARGET_LOGPROB, "float32", (READOUT,))]
@@ -122,7 +168,10 @@ def io_names(model, graph_outputs) -> tuple[list[str], list[str], bool]:
     return past, [s.name for s in output_specs(*dims, head=head)], head
 
 
-def batch_inputs(batch) -> dict:
+def batch_inputs(batch, tasks: TaskFeeds | None = None) -> dict:
     """The packed pass's graph inputs of ``batch`` (a ``PackedBatch``) by their contract names (the past and
-    ``past_length`` are the backend's to add)."""
-    return {name: getattr(batch, name) for name in BATCH_INPUTS}
+    ``past_length`` are the backend's to add), and the task inputs of a task-slot graph (``tasks``)."""
+    inputs = {name: getattr(batch, name) for name in BATCH_INPUTS}
+    if tasks is not None:
+        inputs.update(tasks.inputs(batch.token_task, batch.num_tokens))
+    return inputs

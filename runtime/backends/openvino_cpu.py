@@ -37,6 +37,7 @@ PRECISIONS = ("f32", "bf16")  # OpenVINO's own names of its inference precisions
 class OpenVinoCpuBackend(Backend):
     """The decoder graph compiled by OpenVINO's CPU plugin at ``precision`` (``f32`` or ``bf16``)."""
 
+    runs_tasks = True  # it feeds a task-slot graph's task inputs (contract.TaskFeeds)
     concurrent = True  # one infer request per thread; every pass has its own arrays
     # packed tokens per pass of a split request: 512 measured fastest here, by 1-10% over 256 and 10-15% over 1024
     # on 13-500 questions and a 255-option choice (benchmarks/results/blocks_openvino.md; ONNX Runtime's is 256)
@@ -61,6 +62,10 @@ class OpenVinoCpuBackend(Backend):
         outputs = [o.get_any_name() for o in self.compiled.outputs]
         self.past_names, want, self.has_head = contract.io_names(model, outputs)
         self.has_past_length = contract.PAST_LENGTH in {i.get_any_name() for i in self.compiled.inputs}
+        shapes = {i.get_any_name(): [d.get_length() if d.is_static else 0 for d in i.get_partial_shape()]
+                  for i in self.compiled.inputs}
+        if contract.TASK_MASK in shapes:
+            self.tasks = contract.TaskFeeds.none(shapes)
         missing = [n for n in want if n not in outputs]
         if missing:
             raise BackendUnavailable(f"{graph_path}: OpenVINO sees no output {missing[0]}; re-export the engine")
@@ -92,7 +97,7 @@ class OpenVinoCpuBackend(Backend):
         return StateKV(tuple((self._empty, self._empty) for _ in range(self.model.num_layers)), 0, 0)
 
     def _run(self, batch: PackedBatch, kv: StateKV):
-        inputs = contract.batch_inputs(batch)
+        inputs = contract.batch_inputs(batch, self.tasks)
         inputs.update(zip(self.past_names, (value for pair in kv.layers for value in pair)))
         if self.has_past_length:  # the state is every past row here
             inputs[contract.PAST_LENGTH] = np.asarray(kv.length, dtype=np.int64)

@@ -29,6 +29,7 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 class OrtBackend(Backend):
     """The decoder graph in an ``onnxruntime.InferenceSession`` on ``device`` (``cpu`` or ``cuda``)."""
 
+    runs_tasks = True  # it feeds a task-slot graph's task inputs (contract.TaskFeeds)
     concurrent = True  # InferenceSession.run is thread-safe and every pass has its own bound values
     block_tokens = 256  # packed tokens per pass of a split request: fastest on CPU (benchmarks/results/blocks.md)
     instead = ("ONNX Runtime's CPU provider has no bf16 GEMMs: use the TensorRT backend (onepass build-trt "
@@ -75,6 +76,8 @@ class OrtBackend(Backend):
         self.past_names, self.output_names, self.has_head = contract.io_names(
             model, (o.name for o in self.session.get_outputs()))
         self.has_past_length = contract.PAST_LENGTH in {i.name for i in self.session.get_inputs()}
+        if contract.TASK_MASK in {i.name for i in self.session.get_inputs()}:
+            self.tasks = contract.TaskFeeds.none({i.name: i.shape for i in self.session.get_inputs()})
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = self._on_device(zeros)
 
@@ -95,7 +98,7 @@ class OrtBackend(Backend):
 
     def _run(self, batch: PackedBatch, kv: StateKV):
         binding = self.session.io_binding()
-        for name, value in contract.batch_inputs(batch).items():
+        for name, value in contract.batch_inputs(batch, self.tasks).items():
             binding.bind_cpu_input(name, value)
         if self.has_past_length:  # the state is every past row here
             binding.bind_cpu_input(contract.PAST_LENGTH, np.asarray(kv.length, dtype=np.int64))

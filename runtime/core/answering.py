@@ -21,8 +21,10 @@ class Answering:
     """The read-out of one engine. ``null_logprobs(encoded)`` scores questions over the content-free state (the
     ``prior`` read-out's priors, cached per question)."""
 
-    def __init__(self, manifest, encoder: PromptEncoder, null_logprobs: Callable[[list], list]):
+    def __init__(self, manifest, encoder: PromptEncoder, null_logprobs: Callable[[list], list],
+                 task_calibrations: tuple = ()):
         self.manifest, self.encoder, self._null_logprobs = manifest, encoder, null_logprobs
+        self.task_calibrations = tuple(task_calibrations)  # per tuned task: its own calibration, or None
         self._priors: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -40,6 +42,11 @@ class Answering:
         with self._lock:
             return [self._priors.get(q) if q in self._priors else None for q in encoded]
 
+    def calibration(self, task: int, readout: str):
+        """The calibration of a question of ``task`` (-1: the engine's own), where it was fitted on ``readout``."""
+        cal = self.manifest.calibration if task == -1 else self.task_calibrations[task]
+        return cal if cal is not None and cal.readout == readout else None  # fitted on another read-out: not applicable
+
     def answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
         scores = self.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
         return {qid: answer(q, softmax(sc)) for (qid, q), sc in zip(questions.items(), scores)}
@@ -55,9 +62,6 @@ class Answering:
         if readout == "head" and (self.manifest.head is None or heads is None):
             raise InvalidRequest("the 'head' read-out needs an engine with a decision head "
                                  "(export one with `onepass export --head FILE`, trained by `make head`); this one has none", "readout")
-        cal = self.manifest.calibration if calibrated else None
-        if cal is not None and cal.readout != readout:
-            cal = None  # fitted on another read-out: not applicable
         priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
         head_iter = iter(heads) if heads is not None else None
         out = []
@@ -67,6 +71,7 @@ class Answering:
                 scores = self.manifest.head.beta * (lp / lengths) + next(head_iter)
             else:
                 scores = option_scores(lp, lengths, prior, readout)
+            cal = self.calibration(tokens.task, readout) if calibrated else None
             if cal is not None:
                 names = self.encoder.options(q)
                 scores = cal.apply(q.type, scores, names, question_key(q.type, self.encoder.instructions(q), names))

@@ -12,6 +12,8 @@ from typing import Mapping
 import numpy as np
 
 from . import manifest as manifest_mod
+from . import task_store
+from .tasks import no_tasks_on, task_feeds
 from ..backends.base import Backend
 from .readout_calibration import question_key
 from .answering import Answering
@@ -35,13 +37,16 @@ class Engine:
     """An engine directory loaded for serving. Thread-safe for concurrent ``ask`` calls."""
 
     def __init__(self, root: Path, manifest, backend: Backend, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 cache: StateCache | None = None):
+                 cache: StateCache | None = None, tasks: task_store.Tasks | None = None):
         self.root = root
         self.manifest = manifest
         self.backend = backend
+        self.tasks = tasks  # the tuned tasks stored beside the engine (their slot graph is what the backend runs)
+        if tasks is not None:
+            backend.tasks = task_feeds(tasks, backend)
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
         self.planner = Planner(self.encoder, manifest.limits, manifest.model.max_position,
-                               lambda: backend.block_tokens)
+                               lambda: backend.block_tokens, tasks.names if tasks else ())
         if manifest.prompt.option_line == OLD_OPTION_LINE and str(root) not in _WARNED:  # once, not per with_limits
             _WARNED.add(str(root))
             log.warning("%s renders a described choice option as %r, which works against it (a choice with only some "
@@ -56,7 +61,8 @@ class Engine:
                         reserved >> 20, cache_bytes >> 20)
         self.cache = cache if cache is not None else StateCache(max(0, cache_bytes - reserved))
         self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk)
-        self.answering = Answering(manifest, self.encoder, self._null_logprobs)
+        self.answering = Answering(manifest, self.encoder, self._null_logprobs,
+                                   tasks.calibrations if tasks else ())
         self._null: State | None = None
 
     @classmethod
@@ -75,11 +81,14 @@ class Engine:
 
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
+        manifest, tasks = task_store.served(root, manifest, verify)  # with tasks, their slot graph answers
         if backend in (None, backends.AUTO):
             backend = backend_choice.default
         elif isinstance(backend, str):
+            if tasks is not None and not backends.backend_class(backend).runs_tasks:
+                raise no_tasks_on(backend)
             backend = backends.factory(backend)
-        return cls(root, manifest, backend(root, manifest, threads), cache_bytes)
+        return cls(root, manifest, backend(root, manifest, threads), cache_bytes, tasks=tasks)
 
     def close(self) -> None:
         """Drop the cached states and release the backend (device memory, graphs). Engines made by
@@ -114,7 +123,7 @@ class Engine:
                                     "export an engine with a larger limit instead", key)
         manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
         budget = self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0)  # as this engine was given
-        return Engine(self.root, manifest, self.backend, budget, cache=self.cache)
+        return Engine(self.root, manifest, self.backend, budget, cache=self.cache, tasks=self.tasks)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ trie), so admission needs no estimate, and a merged pass that fails never tokeni
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from array import array
@@ -55,9 +56,21 @@ class Prepared:
 class Planner:
     """The engine's limits applied to requests: checks, tokenising, and the passes that will answer them."""
 
-    def __init__(self, encoder: PromptEncoder, limits, max_position: int, block_tokens: Callable[[], int]):
+    def __init__(self, encoder: PromptEncoder, limits, max_position: int, block_tokens: Callable[[], int],
+                 tasks: tuple = ()):
         self.encoder, self.limits, self.max_position = encoder, limits, max_position
         self._block_tokens = block_tokens
+        self.tasks = tuple(tasks)  # the engine's tuned tasks by name: a question's ``task`` is its number here
+
+    def task_number(self, name: str | None, field_path: str) -> int:
+        """A question's task as its number (-1: none), or InvalidRequest naming the engine's tasks."""
+        if name is None:
+            return -1
+        if name not in self.tasks:
+            have = f"its tasks are {', '.join(self.tasks)}" if self.tasks else "it has none (onepass tune --task)"
+            raise InvalidRequest(f"this engine has no tuned task {name!r}; {have}, or leave task out for the base "
+                                 "engine", field_path)
+        return self.tasks.index(name)
 
     @property
     def block_tokens(self) -> int:
@@ -134,7 +147,10 @@ class Planner:
             if self.encoder.surely_over(self.encoder.caller_text(q), bound):
                 raise LimitExceeded(f"the question is more than {bound} tokens; this engine allows at most "
                                     f"{bound} per question", f"questions.{qid}")
+            task = self.task_number(q.task, f"questions.{qid}.task")
             tokens = self.encoder.question(q)
+            if task != -1:
+                tokens = dataclasses.replace(tokens, task=task)
             if len(tokens.trunk) > limits.max_state_tokens:  # a long trunk is prefilled onto the state
                 raise LimitExceeded(f"the question is {len(tokens.trunk)} tokens before its options; this engine "
                                     f"allows at most {limits.max_state_tokens}", f"questions.{qid}")
@@ -195,6 +211,10 @@ class Planner:
                    for ks in blocks([encoded[i] for i in small], block)]
             for i in sorted(set(range(len(encoded))) - set(small)):  # against the longer state's length
                 q = encoded[i]
+                if q.task != -1:  # its trunk would be prefilled by the base weights, not its task's
+                    raise LimitExceeded(f"a question of the tuned task {self.tasks[q.task]!r} packs into "
+                                        f"{packed_size(q)} tokens; a tuned task's question must fit one pass of "
+                                        f"{block} tokens: send fewer or shorter options", "questions")
                 self.check_state_length(past + len(q.trunk) - 1)
                 tail = QuestionTokens(q.trunk[-1:], q.options)
                 for group in option_groups(tail, block):

@@ -46,6 +46,14 @@ def _content(value, what: str, field_path: str | None, optional: bool = False):
     return value.strip()
 
 
+def _task(value, field_path: str = "task"):
+    """A question's task: None (the base engine) or the name of one of the engine's tuned tasks (checked there)."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidRequest(f"task must be the name of one of the engine's tuned tasks (a string) or left out; got "
+                             f"{type(value).__name__}", field_path)
+    return value
+
+
 def check_visible(name: str, what: str, field_path: str | None) -> None:
     """Refuse a name (a question id, an option name) holding an invisible formatting character (Unicode category
     Cf: zero-width spaces and joiners, bidi controls, the BOM, soft hyphens, tags; and U+034F): two names that
@@ -84,8 +92,10 @@ class Noul:
 
     instructions: object = None
     criteria: Mapping | None = None
+    task: str | None = None  # a tuned task of the engine that answers it (None: the base engine)
 
     def __post_init__(self):
+        _task(self.task)
         object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         crit = self.criteria
         if crit is not None:
@@ -108,8 +118,10 @@ class Choice:
 
     instructions: object = None
     criteria: Mapping = field(default_factory=dict)
+    task: str | None = None  # a tuned task of the engine that answers it (None: the base engine)
 
     def __post_init__(self):
+        _task(self.task)
         object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         items = self.criteria.items() if isinstance(self.criteria, Mapping) else None
         if items is None and isinstance(self.criteria, (list, tuple)):
@@ -139,8 +151,10 @@ class Score:
 
     instructions: object = None
     criteria: Sequence = ()
+    task: str | None = None  # a tuned task of the engine that answers it (None: the base engine)
 
     def __post_init__(self):
+        _task(self.task)
         object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         if isinstance(self.criteria, (str, bytes)) or not isinstance(self.criteria, Sequence):
             raise InvalidRequest("criteria must be a list of level descriptions, low to high", "criteria")
@@ -160,7 +174,7 @@ Question = Union[Noul, Choice, Score]
 
 
 def to_wire(question: Question) -> dict:
-    """The TypeSafe JSON form ``{type, instructions[, criteria]}`` of a question (inverse of from_wire)."""
+    """The TypeSafe JSON form ``{type, instructions[, criteria][, task]}`` of a question (inverse of from_wire)."""
     body = {"type": question.type, "instructions": question.instructions}
     if isinstance(question, Choice):
         body["criteria"] = dict(question.criteria)
@@ -168,11 +182,14 @@ def to_wire(question: Question) -> dict:
         body["criteria"] = list(question.criteria)
     elif question.criteria:
         body["criteria"] = dict(question.criteria)
+    if question.task is not None:  # an extension of the wire (issue 45): only where a task is named
+        body["task"] = question.task
     return body
 
 
 def from_wire(qid: str, body) -> Question:
-    """Build a question from its TypeSafe JSON form ``{type, instructions, criteria}``."""
+    """Build a question from its TypeSafe JSON form ``{type, instructions, criteria}`` and, as an extension, ``task``
+    (the engine's tuned task that answers it)."""
     path = f"questions.{qid}"
     if not isinstance(body, Mapping):
         raise InvalidRequest("a question must be an object with type, instructions and criteria", path)
@@ -183,11 +200,12 @@ def from_wire(qid: str, body) -> Question:
     if kind not in QUESTION_TYPES:
         raise InvalidRequest(f"unknown question type {kind!r}; allowed: {', '.join(QUESTION_TYPES)}", f"{path}.type")
     try:
+        task = body.get("task")
         if kind == "noul":
-            return Noul(body.get("instructions"), body.get("criteria"))
+            return Noul(body.get("instructions"), body.get("criteria"), task)
         if kind == "choice":
-            return Choice(body.get("instructions"), body.get("criteria") or {})
-        return Score(body.get("instructions"), body.get("criteria") or ())
+            return Choice(body.get("instructions"), body.get("criteria") or {}, task)
+        return Score(body.get("instructions"), body.get("criteria") or (), task)
     except InvalidRequest as err:
         raise InvalidRequest(err.reason, f"{path}.{err.field}" if err.field else path) from None
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.contract import PROJECTIONS
+from ..backends.contract import PROJECTIONS, TaskFeeds, projection_shapes  # noqa: F401 - projection_shapes: re-exported
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -59,11 +59,21 @@ class TaskStack:
     names: tuple
     slots: tuple  # per task, its (start, stop) on the K axis
     inputs: list  # per task block and projection: A [in, K], B [K, out] (float32)
+    blocks: tuple = ()  # the task blocks, in the inputs' order
 
     @property
     def width(self) -> int:
         """K, every task's rank summed."""
         return self.slots[-1][1] if self.slots else 0
+
+    def slot_task(self) -> np.ndarray:
+        """[K] int64: the task number of each slot."""
+        return np.repeat(np.arange(len(self.slots)), [stop - start for start, stop in self.slots]).astype(np.int64)
+
+    def feeds(self) -> TaskFeeds:
+        """What a backend feeds the task-slot graph: the factors by input name, and each slot's task."""
+        names = [f"task_{side}.{block}.{proj}" for block in self.blocks for proj in PROJECTIONS for side in "ab"]
+        return TaskFeeds(dict(zip(names, self.inputs)), self.slot_task())
 
     def mask(self, token_task: Sequence[int]) -> np.ndarray:
         """[N, K] float32: 1 on the slots of each token's task (-1: none, a row of zeros)."""
@@ -71,8 +81,7 @@ class TaskStack:
         if token_task.size and (token_task.min() < -1 or token_task.max() >= len(self.slots)):
             raise ValueError(f"token tasks must be in -1..{len(self.slots) - 1} (the {len(self.slots)} tasks fed); "
                              f"got {token_task.min()}..{token_task.max()}")
-        slot_task = np.repeat(np.arange(len(self.slots)), [stop - start for start, stop in self.slots])  # [K]
-        return (token_task[:, None] == slot_task[None, :]).astype(np.float32)
+        return (token_task[:, None] == self.slot_task()[None, :]).astype(np.float32)
 
 
 def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict) -> TaskStack:
@@ -102,11 +111,24 @@ def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict
                                          f"({d_out}, {task.rank})")
                     a[:, lo:hi], b[lo:hi, :] = fa.T, fb.T
             inputs += [a, b]
-    return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs)
+    return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs, tuple(task_blocks))
 
 
-def projection_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict:
-    """(in, out) of each projection of a block."""
-    q, kv = heads * head_dim, kv_heads * head_dim
-    return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden),
-            "gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
+def task_feeds(tasks, backend) -> TaskFeeds:
+    """What ``backend`` feeds its task-slot graph for the engine's ``tasks`` (``task_store.Tasks``): their factors
+    side by side on the graph's blocks. BackendUnavailable where the backend runs no task slots."""
+    none = backend.tasks  # the graph's own feeds with no task: they give each projection's (in, out)
+    if none is None:
+        raise no_tasks_on(backend.name)
+    block = tasks.blocks[0]
+    shapes = {p: (none.factors[f"task_a.{block}.{p}"].shape[0], none.factors[f"task_b.{block}.{p}"].shape[1])
+              for p in PROJECTIONS}
+    return stack(tasks.adapters, tasks.blocks, shapes).feeds()
+
+
+def no_tasks_on(backend: str):
+    """The error for a backend that runs no task slots, asked to serve an engine with tasks."""
+    from ..backends.errors import BackendUnavailable
+
+    return BackendUnavailable(f"the {backend} backend does not run tuned tasks (task slots); use openvino-cpu or "
+                              "onnxruntime, or remove the tasks (onepass tasks remove)")

@@ -29,6 +29,7 @@ class QuestionTokens:
 
     trunk: tuple[int, ...]
     options: tuple[tuple[int, ...], ...]
+    task: int = -1  # the tuned task whose weights answer it (its number in the engine's tasks); -1: the base engine
 
     def __post_init__(self):
         if not self.trunk:
@@ -115,10 +116,13 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     (``tree_mask`` and ``tree_order`` None): a plan of the pass, its sizes and positions, for limits checked before any
     work.
 
-    ``tasks``: each question's task number (-1: none, the base engine's weights). Questions share trunk tokens only
+    ``tasks``: each question's task number (-1: none, the base engine's weights; by default each question's own
+    ``task``). Questions share trunk tokens only
     within one task (a token computed with one task's weights is not another's), and ``token_task`` says each
     packed token's task, what the task slots' mask is built from (:mod:`onepass.runtime.core.tasks`).
     """
+    if tasks is None and any(q.task != -1 for q in questions):
+        tasks = [q.task for q in questions]
     trie = _Trie()
     roots = _task_roots(trie, tasks, len(questions))  # task -> its trie root
     task_of = list(tasks) if tasks is not None else [-1] * len(questions)
@@ -195,7 +199,8 @@ def blocks(questions: Sequence[QuestionTokens], max_tokens: int) -> list[list[in
     together and keep sharing it. The budget is counted on each question alone (an upper bound); a
     question larger than ``max_tokens`` gets a block of its own.
     """
-    order = sorted(range(len(questions)), key=lambda i: (questions[i].trunk, sorted(questions[i].options)))
+    order = sorted(range(len(questions)), key=lambda i: (questions[i].task, questions[i].trunk,
+                                                         sorted(questions[i].options)))
     out: list[list[int]] = []
     used = 0
     for i in order:

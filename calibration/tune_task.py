@@ -1,0 +1,135 @@
+"""`onepass tune --task NAME --engine DIR --data rows.jsonl`: a tuned task added to an engine in place (issue 45).
+
+The task's LoRA is trained on the question and option tokens only: the state's K/V come from the engine's own weights
+(``PackedScorer(state_weights=...)``), as the engine serves it, with the state prefilled once for every task. The
+candidates and the choice are tune's (base + calibrate, tuned, tuned + calibrate; cross-validated below
+``CV_BELOW_ROWS`` rows), and what is chosen is stored beside the engine (``runtime.core.task_store``): the factors in
+float16 and a card with its calibration, the questions and data it was tuned on and its metrics. The engine's files
+are untouched. The graph with task slots (``TaskDecoder``) is exported once per engine, again only when a task needs
+blocks it has no slots on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime.core import manifest as mf
+from ..runtime.core import task_store
+from ..runtime.core.errors import OnepassError
+from ..runtime.core.prompt import PromptEncoder
+from ..runtime.core.readout_calibration import question_key
+from ..runtime.core.tasks import TaskAdapter, projection_shapes
+from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
+from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, held_out_choice
+from .tune_data import group_by_state, load_rows, split_states
+
+
+def tune_task(engine_dir: str | Path, data: list[str | Path], name: str, config: TuneConfig = TuneConfig(),
+              log=print) -> dict:
+    """Tune the task ``name`` on ``data`` and store it beside the engine ``engine_dir`` (replacing a task of that
+    name); returns a summary (the card written)."""
+    from ..export.model_source import engine_source, load_model
+    from ..runtime.backends.torch_decoder import PackedDecoder
+    from .tune_engine import _fingerprint, _trainable
+
+    t0 = time.perf_counter()
+    engine_dir = Path(engine_dir)
+    try:
+        task_store.check_name(name)
+    except ValueError as err:
+        raise OnepassError(str(err)) from None
+    if config.method != "lora":
+        raise OnepassError(f"a task is a LoRA adapter on the question tokens; --method {config.method} writes a whole "
+                           "engine (leave out --task)")
+    base = mf.load(engine_dir)
+    if base.head is not None:
+        raise OnepassError("the engine has a decision head, which task slots do not combine with; add tasks to an "
+                           "engine exported without --head")
+    rows, files = load_rows(data)
+    encoder = PromptEncoder(str(engine_dir / base.tokenizer), base.prompt)
+    cv = len(rows) < CV_BELOW_ROWS and config.write == "best"
+    train_groups, held_groups = (group_by_state(rows), []) if cv else split_states(group_by_state(rows),
+                                                                                    config.holdout, config.seed)
+    if cv and len(train_groups) < 2 * CV_FOLDS:
+        raise OnepassError(f"{len(train_groups)} distinct states are too few to cross-validate the choice over "
+                           f"{CV_FOLDS} folds of whole states: give at least {2 * CV_FOLDS} states")
+    config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
+                      sum(len(g) for g in held_groups))
+    train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
+    spec, adapters = engine_source(base)
+    torch.manual_seed(config.seed)
+    model, params = _trainable(load_model(spec, adapters).model, config)
+    model.train()
+    layers = base.model.num_layers
+    frozen = layers - config.train_blocks if config.train_blocks else 0
+    scorer = PackedScorer(PackedDecoder(model.base_model.model, share=True), base.scoring.readout,
+                          torch.device("cpu"), bool(config.bf16), frozen, state_weights=model.disable_adapter)
+    work = task_store.root_of(engine_dir) / f".{name}.tune"
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"tuning task {name!r} of {base.name} on {sum(len(g) for g in train_groups)} rows ({len(train_groups)} "
+        f"states): LoRA rank {config.rank} on " + (f"the top {config.train_blocks} blocks" if config.train_blocks
+                                                    else "every block")
+        + ", the state's K/V from the engine's own weights (shared by every task)")
+    try:
+        runs = Runs(scorer, params, config, work, _fingerprint(files, engine_dir), encoder, log)
+        base_train, base_held = runs.scored(train), runs.scored(held)
+        if cv:
+            outcome = cross_validated_choice(runs, train, base_train, False, base.scoring.readout, config.seed)
+        else:
+            outcome = held_out_choice(runs, train, held, (base_train, base_held), False, base.scoring.readout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    chosen, found = outcome.chosen, outcome.found
+    judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
+    log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
+        + f" -> {chosen.name}")
+    if chosen.name == "base" and not config.keep_base:
+        raise NothingLearned(f"on the {judged} rows neither calibrating nor tuning beat the engine's own answers, so "
+                             f"no task was written. Give more labelled rows, or pass --keep-base to store the task "
+                             "anyway (it then answers as the engine)")
+    adapter = _adapter(model, name) if chosen.name.startswith("tuned") else TaskAdapter(name, 0, {})
+    seconds = outcome.seconds
+    card = {"calibration": chosen.calibration.to_dict() if chosen.calibration else None,
+            "questions": sorted({question_key(r.question.type, encoder.instructions(r.question),
+                                              encoder.options(r.question)) for r in rows}),
+            "data": files, "rows": len(rows), "scale_folded": True,
+            "config": {**dataclasses.asdict(config), "learning_rate": config.learning_rate},
+            "metrics": {"choice": {"chosen": chosen.name, "judged": judged,
+                                   "candidates": [c.as_dict() for c in found]},
+                        "train_seconds": seconds, "rows_per_second": outcome.rows_trained / max(seconds, 1e-9)}}
+    ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log)
+    path = task_store.write_task(engine_dir, base, adapter, card)
+    log(f"task {name!r} ({chosen.name}, rank {adapter.rank}) written to {path} in {time.perf_counter() - t0:.0f} s")
+    return task_store.read_card(engine_dir, name)
+
+
+def _adapter(model, name: str) -> TaskAdapter:
+    """The trained LoRA as a task (its scale folded into B)."""
+    from peft import get_peft_model_state_dict
+
+    cfg = model.peft_config["default"]
+    state = {k: v.detach().float().cpu().numpy() for k, v in get_peft_model_state_dict(model).items()}
+    return TaskAdapter.from_peft(name, state, cfg.lora_alpha / cfg.r)
+
+
+def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
+    """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
+    ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
+    from ..export.onnx_graph import export_task_decoder
+    from ..runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
+
+    have = set(task_store.slot_blocks(engine_dir))
+    if have and blocks <= have:
+        return
+    want = sorted(have | blocks) or [manifest.model.num_layers - 1]  # a task of no factors still needs a graph
+    log(f"exporting the engine's graph with task slots on blocks {want[0]}..{want[-1]} ({len(want)} blocks); ~1 min")
+    graph = TaskDecoder(PackedDecoder(base_model().eval()), want)
+    d = graph.dims
+    shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
+    with torch.no_grad():
+        task_store.write_slots(engine_dir, manifest, want, lambda path: export_task_decoder(graph, shapes, path))

@@ -1,0 +1,219 @@
+"""Tuned tasks stored beside an engine (issue 45): ``DIR/tasks/NAME/`` per task, ``DIR/tasks/slots/`` the graph with
+task slots that answers them. The engine's own files are never touched: a task is an add-on, written and removed
+whole (a directory renamed into place), and read back verified (hashes, and the engine it was tuned on).
+
+    DIR/tasks/NAME/task.json      the task's card: its engine, rank, blocks, factors' sha256, calibration, the
+                                  questions and data it was tuned on, its metrics
+    DIR/tasks/NAME/factors.npz    A.{block}.{proj} [r, in] and B.{block}.{proj} [out, r] (the LoRA scale folded into
+                                  B), float16
+    DIR/tasks/slots/graph.onnx    the engine's decoder with task slots on some blocks (``TaskDecoder``), exported
+    DIR/tasks/slots/slots.json    by ``onepass tune --task``; its blocks and files' sha256
+
+Pure numpy and json: the runtime reads tasks without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EngineFileError
+from .manifest import Manifest, sha256_file
+from .readout_calibration import Calibration
+from .tasks import TaskAdapter
+
+TASKS, SLOTS, CARD, FACTORS, SLOTS_CARD = "tasks", "slots", "task.json", "factors.npz", "slots.json"
+GRAPH = "graph.onnx"
+NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+NAME_RULE = "1-64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
+
+
+def check_name(name) -> str:
+    """A task name as stored (a folder name), or ValueError saying what is allowed."""
+    if not isinstance(name, str) or not NAME.fullmatch(name) or name == SLOTS:
+        raise ValueError(f"task name {name!r} is not allowed: {NAME_RULE} (and not {SLOTS!r})")
+    return name
+
+
+def engine_weights(manifest: Manifest) -> str:
+    """The identity of an engine's weights: a digest of its graph files' sha256 (a task is tuned on these)."""
+    files = sorted((k, v) for k, v in manifest.files.items() if k.startswith(manifest.graph))
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """An engine's tuned tasks as loaded: numbered in name order (a question's ``task`` is looked up here)."""
+
+    names: tuple
+    adapters: tuple  # TaskAdapter per task
+    cards: tuple  # task.json per task
+    calibrations: tuple  # Calibration or None per task
+    blocks: tuple  # the blocks the slot graph has slots on
+    graph: str  # the slot graph, relative to the engine directory
+    files: dict  # the slot graph's files (relative to the engine directory) -> sha256
+
+    def number(self, name: str) -> int:
+        return self.names.index(name)
+
+
+def root_of(engine: Path) -> Path:
+    return Path(engine) / TASKS
+
+
+def names(engine: str | os.PathLike) -> list[str]:
+    """The tasks stored beside an engine, in name order."""
+    root = root_of(Path(engine))
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and NAME.fullmatch(p.name) and p.name != SLOTS
+                  and (p / CARD).is_file())
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise EngineFileError(f"{path} cannot be read: {err}; remove the task (onepass tasks remove) and tune it "
+                              "again") from None
+
+
+def read_card(engine: str | os.PathLike, name: str) -> dict:
+    return _json(root_of(Path(engine)) / check_name(name) / CARD)
+
+
+def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> Tasks | None:
+    """The engine's tasks (None where it has none), each checked against the engine it was tuned on (EngineFileError
+    otherwise) and, with ``verify``, its files' sha256."""
+    engine = Path(engine)
+    found = names(engine)
+    if not found:
+        return None
+    slots_dir = root_of(engine) / SLOTS
+    slots = _json(slots_dir / SLOTS_CARD)
+    weights = engine_weights(manifest)
+    if slots.get("engine_weights") != weights:
+        raise EngineFileError(f"{slots_dir} was exported from other weights than {engine}'s; tune the tasks again")
+    files = {f"{TASKS}/{SLOTS}/{k}": v for k, v in slots["files"].items()}
+    adapters, cards, calibrations = [], [], []
+    for name in found:
+        card = read_card(engine, name)
+        if card.get("engine_weights") != weights:
+            raise EngineFileError(f"task {name!r} was tuned on other weights than {engine}'s ({card.get('engine')}); "
+                                  f"tune it again on this engine, or remove it (onepass tasks remove {engine} {name})")
+        files[f"{TASKS}/{name}/{FACTORS}"] = card["factors_sha256"]
+        adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
+        cards.append(card)
+        calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
+    if verify:
+        for rel, sha in files.items():
+            if sha256_file(engine / rel) != sha:
+                raise EngineFileError(f"{engine / rel} does not match its recorded sha256: the file changed after "
+                                      "the task was written; tune the task again")
+    return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
+                 f"{TASKS}/{SLOTS}/{GRAPH}", files)
+
+
+def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manifest, Tasks | None]:
+    """(the manifest the backend reads, the engine's tasks): with tasks, the manifest's graph is their slot graph (which
+    answers untasked questions as the engine's own graph, its task inputs empty), its files added."""
+    tasks = load(engine, manifest, verify)
+    if tasks is None:
+        return manifest, None
+    return dataclasses.replace(manifest, graph=tasks.graph, files={**manifest.files, **tasks.files}), tasks
+
+
+def _adapter(path: Path, name: str, card: dict) -> TaskAdapter:
+    with np.load(path, allow_pickle=False) as data:
+        factors: dict = {}
+        for key in data.files:
+            side, block, proj = key.split(".")
+            factors.setdefault((int(block), proj), {})[side] = data[key].astype(np.float32)
+    return TaskAdapter(name, int(card["rank"]), {k: (v["A"], v["B"]) for k, v in factors.items()})
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """``tmp`` renamed to ``final``; an old ``final`` is moved aside first and deleted after: never half of one."""
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    if final.exists():
+        final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        if old.exists():
+            old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _staging(engine: Path, name: str) -> Path:
+    tmp = root_of(engine) / f".{name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_task(engine: str | os.PathLike, manifest: Manifest, adapter: TaskAdapter, card: dict) -> Path:
+    """Add or replace the task ``adapter.name`` beside the engine, atomically: its factors (float16) and its card
+    (``card`` plus the engine's identity, rank, blocks and the factors' sha256)."""
+    engine = Path(engine)
+    name = check_name(adapter.name)
+    tmp = _staging(engine, name)
+    try:
+        arrays = {f"{side}.{block}.{proj}": value.astype(np.float16)
+                  for (block, proj), pair in sorted(adapter.factors.items()) for side, value in zip("AB", pair)}
+        np.savez(tmp / FACTORS, **arrays)
+        full = {**card, "name": name, "engine": manifest.name, "engine_weights": engine_weights(manifest),
+                "rank": adapter.rank, "blocks": sorted({b for b, _ in adapter.factors}),
+                "factors_sha256": sha256_file(tmp / FACTORS)}
+        (tmp / CARD).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _replace_dir(tmp, root_of(engine) / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root_of(engine) / name
+
+
+def slot_blocks(engine: str | os.PathLike) -> tuple:
+    """The blocks the engine's slot graph has task slots on; () where it has none."""
+    path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
+    return tuple(_json(path)["blocks"]) if path.is_file() else ()
+
+
+def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export) -> None:
+    """Export the slot graph on ``blocks`` with ``export(path)`` (it writes ``path`` and ``path``.data) and put it in
+    place atomically with its card."""
+    engine = Path(engine)
+    tmp = _staging(engine, SLOTS)
+    try:
+        export(tmp / GRAPH)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
+                "files": files}
+        (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _replace_dir(tmp, root_of(engine) / SLOTS)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove(engine: str | os.PathLike, name: str) -> None:
+    """Remove a task (KeyError-like ValueError naming the tasks there when it is not one); the slot graph goes with the
+    last task."""
+    engine = Path(engine)
+    present = names(engine)
+    if check_name(name) not in present:
+        raise ValueError(f"{engine} has no task {name!r}; its tasks: {', '.join(present) or 'none'}")
+    gone = root_of(engine) / f".{name}.removed-{uuid.uuid4().hex[:8]}"
+    (root_of(engine) / name).rename(gone)
+    shutil.rmtree(gone, ignore_errors=True)
+    if not names(engine):
+        shutil.rmtree(root_of(engine), ignore_errors=True)

@@ -1,0 +1,171 @@
+"""Tuned tasks stored beside an engine and served by it (issue 45): ``Engine.load`` of an engine with tasks runs its
+slot graph, each question of a task answers as transformers + peft asking it alone of that task (the state from the
+engine's own weights), untasked questions answer as the engine without tasks, and the store refuses what it should.
+"""
+
+import copy
+import hashlib
+import json
+import shutil
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from onepass.runtime.core import manifest as mf  # noqa: E402
+from onepass.runtime.core import task_store  # noqa: E402
+from onepass.runtime.core.engine import Engine  # noqa: E402
+from onepass.runtime.core.errors import EngineFileError, InvalidRequest  # noqa: E402
+from onepass.runtime.core.questions import Choice, Noul  # noqa: E402
+from onepass.runtime.core.tasks import TaskAdapter  # noqa: E402
+
+TASKS = ("fraud", "urgency")
+TOL = 1e-4  # float32, summed over an option's tokens (as test_tasks)
+STATE = "Ticket: my card was charged twice for the same order and nobody answers the phone."
+QUESTIONS = {"fraud": Noul("Is this fraud?"), "team": Choice("Which team?", {"billing": None, "shipping": None})}
+
+
+@pytest.fixture(scope="module")
+def tasked(tiny_engine_dir, tiny_llama_dir, tmp_path_factory):
+    """(engine copy with the two tasks stored, the peft model holding them over the tiny Llama's weights)."""
+    import transformers
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from onepass.calibration.tune_task import ensure_slots
+    from onepass.export.adapter import lora_config
+
+    engine = tmp_path_factory.mktemp("tasked") / "engine"
+    mf.copy_engine(tiny_engine_dir, engine)
+    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager")  # noqa: E731
+    peft = get_peft_model(load().eval(), lora_config(4, None, [1]), adapter_name=TASKS[0])  # scale 2: exact in fp16
+    peft.add_adapter(TASKS[1], lora_config(2, None, [0, 1]))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p).mul_(0.3 if "lora_B" in name else 1.0).half().float())  # stored as fp16
+    peft.eval()
+    manifest = mf.load(engine)
+    for name in TASKS:
+        state = {k: v.numpy() for k, v in get_peft_model_state_dict(peft, adapter_name=name).items()}
+        cfg = peft.peft_config[name]
+        adapter = TaskAdapter.from_peft(name, state, cfg.lora_alpha / cfg.r)
+        ensure_slots(engine, manifest, load, {b for b, _ in adapter.factors}, log=lambda *a: None)
+        task_store.write_task(engine, manifest, adapter, {"questions": [], "calibration": None})
+    return engine, peft
+
+
+def _alone(peft, state_ids, tokens, task: str | None) -> np.ndarray:
+    """[K] option log-likelihoods of a question asked alone of ``task`` (None: the base) over the base's cache."""
+    with torch.no_grad():
+        with peft.disable_adapter():
+            past = peft(torch.tensor([list(state_ids)]), use_cache=True).past_key_values
+        if task is not None:
+            peft.set_adapter(task)
+        out = []
+        for option in tokens.options:
+            seq = list(tokens.trunk) + list(option)
+            with peft.disable_adapter() if task is None else nullcontext():
+                logits = peft(torch.tensor([seq]), past_key_values=copy.deepcopy(past), use_cache=True).logits[0]
+            lp = torch.log_softmax(logits[len(tokens.trunk) - 1:-1].double(), -1)
+            out.append(sum(float(lp[k, t]) for k, t in enumerate(option)))
+    return np.array(out)
+
+
+def _asked():
+    """Both questions of each task and of none, in one request."""
+    return {f"{qid}.{task or 'base'}": type(q)(q.instructions, q.criteria, task)
+            for task in (*TASKS, None) for qid, q in QUESTIONS.items()}
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino-cpu"])
+def test_an_engine_with_tasks_answers_each_question_as_its_task_alone(tasked, tiny_engine_dir, backend):
+    """One request, questions of two tasks and of none, one pass over one prefill: each equals transformers + peft
+    asking it alone of its task (1e-4); untasked ones equal the engine without tasks (1e-5). Negative control: the
+    two tasks' names swapped moves the answers far past the tolerance."""
+    if backend == "openvino-cpu":
+        pytest.importorskip("openvino")
+    engine_dir, peft = tasked
+    asked = _asked()
+    with Engine.load(engine_dir, backend=backend) as engine, Engine.load(tiny_engine_dir, backend=backend) as plain:
+        assert engine.tasks.names == TASKS and engine.manifest.graph == "tasks/slots/graph.onnx"
+        encoded = engine.encode_questions(asked)
+        state_ids = engine.planner.state_ids(STATE)
+        got = engine.option_logprobs(STATE, encoded)
+        want = [_alone(peft, state_ids, tokens, q.task) for tokens, q in zip(encoded, asked.values())]
+        for qid, g, w in zip(asked, got, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=TOL, err_msg=qid)
+        base = plain.option_logprobs(STATE, plain.encode_questions({k: v for k, v in asked.items() if v.task is None}))
+        np.testing.assert_allclose(np.concatenate(got[-2:]), np.concatenate(base), rtol=0, atol=1e-5)
+        swapped = {k: type(q)(q.instructions, q.criteria, {"fraud": "urgency", "urgency": "fraud"}.get(q.task))
+                   for k, q in asked.items()}
+        moved = engine.option_logprobs(STATE, engine.encode_questions(swapped))
+        assert max(np.abs(m - w).max() for m, w in zip(moved[:4], want[:4])) > 100 * TOL
+        answers = engine.ask(STATE, asked)
+        assert set(answers) == set(asked)
+
+
+def test_the_wire_names_a_task_and_an_unknown_one_is_refused_with_the_engines_tasks(tasked, tiny_engine_dir):
+    engine_dir, _ = tasked
+    body = {"state": STATE, "questions": {"f": {"type": "noul", "instructions": "Is this fraud?", "task": "fraud"},
+                                          "b": {"type": "noul", "instructions": "Is this fraud?"}}}
+    with Engine.load(engine_dir, backend="onnxruntime") as engine:
+        out = engine.request(body)["answers"]
+        assert out["f"]["noul"] != pytest.approx(out["b"]["noul"], abs=1e-6)  # the task answers, not the base
+        wrong = json.loads(json.dumps(body))
+        wrong["questions"]["f"]["task"] = "spam"
+        with pytest.raises(InvalidRequest, match="no tuned task 'spam'; its tasks are fraud, urgency") as err:
+            engine.request(wrong)
+        assert err.value.field == "questions.f.task"
+        wrong["questions"]["f"]["task"] = 3
+        with pytest.raises(InvalidRequest, match="task must be the name"):
+            engine.request(wrong)
+    with Engine.load(tiny_engine_dir, backend="onnxruntime") as plain:
+        with pytest.raises(InvalidRequest, match="no tuned task 'fraud'; it has none"):
+            plain.request(body)
+
+
+def test_a_backend_without_task_slots_is_refused_by_name(tasked):
+    from onepass.runtime.backends.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="does not run tuned tasks"):
+        Engine.load(tasked[0], backend="torch-cpu")
+
+
+def test_tasks_are_listed_removed_and_verified_and_the_engines_files_never_change(tasked, tmp_path):
+    engine = tmp_path / "engine"
+    shutil.copytree(tasked[0], engine)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+    assert task_store.names(engine) == list(TASKS)
+    factors = engine / "tasks" / "fraud" / "factors.npz"
+    good = factors.read_bytes()
+    factors.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(EngineFileError, match="does not match its recorded sha256"):
+        Engine.load(engine, backend="onnxruntime")
+    factors.write_bytes(good)
+    with pytest.raises(ValueError, match="has no task 'spam'; its tasks: fraud, urgency"):
+        task_store.remove(engine, "spam")
+    for bad in ("Fraud", "slots", "a/b", "", "x" * 65):
+        with pytest.raises(ValueError, match="is not allowed"):
+            task_store.check_name(bad)
+    task_store.remove(engine, "fraud")
+    with Engine.load(engine, backend="onnxruntime") as one:
+        assert one.tasks.names == ("urgency",)
+    task_store.remove(engine, "urgency")
+    assert not (engine / "tasks").exists()
+    with Engine.load(engine, backend="onnxruntime") as none:
+        assert none.tasks is None and none.manifest.graph == mf.load(engine).graph
+    assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+
+
+def test_a_task_tuned_on_other_weights_is_refused(tasked, tmp_path):
+    engine = tmp_path / "engine"
+    shutil.copytree(tasked[0], engine)
+    card = engine / "tasks" / "urgency" / "task.json"
+    data = json.loads(card.read_text())
+    card.write_text(json.dumps({**data, "engine_weights": "0" * 64}))
+    with pytest.raises(EngineFileError, match="task 'urgency' was tuned on other weights"):
+        Engine.load(engine, backend="onnxruntime")
