@@ -169,3 +169,87 @@ def test_a_task_tuned_on_other_weights_is_refused(tasked, tmp_path):
     card.write_text(json.dumps({**data, "engine_weights": "0" * 64}))
     with pytest.raises(EngineFileError, match="task 'urgency' was tuned on other weights"):
         Engine.load(engine, backend="onnxruntime")
+
+
+def test_onepass_serve_answers_tasks_over_http_lists_them_and_counts_answers_per_task(tasked, tmp_path):
+    """A real server over loopback: a request naming a task is answered as the engine answers it in process; an
+    unknown task is a 422 naming the engine's tasks; /v1/models lists them; /metrics counts answers per task."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from conftest import serve_process
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, proc = serve_process(tasked[0], port, tmp_path / "serve.log", "--backend", "onnxruntime")
+
+    def post(body):
+        req = urllib.request.Request(url + "/v1/systemone", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    try:
+        body = {"state": STATE, "questions": {"f": {"type": "noul", "instructions": "Is this fraud?", "task": "fraud"},
+                                              "b": {"type": "noul", "instructions": "Is this fraud?"}}}
+        status, out = post(body)
+        with Engine.load(tasked[0], backend="onnxruntime") as engine:
+            want = engine.request(body)["answers"]
+        assert status == 200 and out["answers"]["f"]["noul"] == pytest.approx(want["f"]["noul"], abs=1e-6)
+        assert out["answers"]["b"]["noul"] == pytest.approx(want["b"]["noul"], abs=1e-6)
+        body["questions"]["f"]["task"] = "spam"
+        status, out = post(body)
+        assert status == 422 and "its tasks are fraud, urgency" in json.dumps(out), out
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            assert json.loads(r.read())["models"][0]["tasks"] == list(TASKS)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'onepass_task_answers_total{task="fraud"} 1.0' in text and \
+            'onepass_task_answers_total{task="-"} 1.0' in text, [ln for ln in text.splitlines() if "task" in ln]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_onepass_tune_task_stores_a_task_that_serves_what_was_chosen(tiny_engine_dir, tmp_path, capsys):
+    """`onepass tune --task` on the tiny Llama (104 rows: one held-out split): the task is stored beside a copy of the
+    engine, whose own files do not change; served by the engine (ONNX Runtime, the task's calibration), its held-out
+    NLL is the chosen candidate's as tune judged it in PyTorch (1e-3); `onepass tasks list|remove`."""
+    from onepass.calibration.tune_data import group_by_state, load_rows, split_states
+    from onepass.cli import main
+    from test_tune import _fact_rows
+
+    engine = tmp_path / "engine"
+    mf.copy_engine(tiny_engine_dir, engine)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+    data = _fact_rows(tmp_path, notes=52, numbered=True)
+    assert main(["tune", "--engine", str(engine), "--data", str(data), "--task", "facts", "--rank", "2",
+                 "--train-blocks", "1", "--epochs", "3", "--batch-questions", "4", "--lr", "1e-2", "--holdout",
+                 "0.25", "--patience", "3"]) == 0
+    card = task_store.read_card(engine, "facts")
+    choice = card["metrics"]["choice"]
+    assert choice["chosen"].startswith("tuned") and card["rank"] == 2 and card["blocks"] == [1], choice
+    assert card["data"][0]["sha256"] and card["questions"] and not list(engine.glob("tasks/.*"))
+    rows, _ = load_rows([data])
+    _, held = split_states(group_by_state(rows), 0.25, 0)
+    with Engine.load(engine, backend="onnxruntime") as served:
+        nll = []
+        for row in (r for g in held for r in g):
+            q = row.question
+            a = served.ask(row.state, {"q": type(q)(q.instructions, q.criteria, "facts")})["q"]
+            nll.append(-np.log(a.noul if row.label == 0 else 1 - a.noul))  # label 0: "yes", the first option
+    chosen = {c["name"]: c["heldout_nll"] for c in choice["candidates"]}[choice["chosen"]]
+    assert np.mean(nll) == pytest.approx(chosen, abs=1e-3)
+    assert {c["name"]: c["heldout_nll"] for c in choice["candidates"]}["base"] > chosen + 0.05
+    capsys.readouterr()
+    assert main(["tasks", "list", str(engine)]) == 0
+    assert capsys.readouterr().out.startswith("facts\t" + choice["chosen"])
+    assert main(["tasks", "remove", str(engine), "facts"]) == 0 and task_store.names(engine) == []
+    assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+    assert main(["tune", "--engine", str(engine), "--data", str(data), "--task", "Bad Name"]) != 0

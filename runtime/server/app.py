@@ -237,6 +237,8 @@ class Server:
         waited = (time.monotonic() - queued) * 1000  # queue, batch window, the pass and its neighbours
         self.metrics.tokens.labels("input").inc(result.input_tokens)
         self.metrics.tokens.labels("packed").inc(result.packed_tokens)
+        for q in questions.values():  # the task names are the engine's (an unknown one was refused when parsed)
+            self.metrics.task_answers.labels(q.task or "-").inc()
         stages = {k: result.timings.get(k, 0.0) for k in STAGES}
         timing["queue"] = max(0.0, waited - sum(stages.values()))  # waiting for the engine thread and batch
         timing.update(stages)
@@ -313,8 +315,10 @@ class Server:
         created = self.engine.manifest.source.get("created", "")[:10] or time.strftime("%Y-%m-%d")
         desc = f"onepass decision engine {self.engine.name} ({self.engine.manifest.model.architecture})"
         names = [self.engine.name, *self.config.aliases]
+        have = getattr(self.engine, "tasks", None)  # (a test double may not have any)
+        tasks = {"tasks": list(have.names)} if have else {}  # a question's "task" names one of them
         return {"models": [{"name": n, "release_date": created, "description": desc if n == self.engine.name
-                            else f"alias of {self.engine.name}"} for n in names]}
+                            else f"alias of {self.engine.name}", **tasks} for n in names]}
 
 
 def _route_label(request: Request) -> str:
