@@ -186,7 +186,8 @@ def _tune_config(args):
 
     return TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
                       epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
-                      batch_questions=args.batch_questions, rlcd_weight=args.rlcd_weight, holdout=args.holdout,
+                      batch_questions=args.batch_questions, holdout=args.holdout,
+                      rlcd_weight=TuneConfig.rlcd_weight if args.rlcd_weight is None else args.rlcd_weight,
                       seed=args.seed, max_state_tokens=args.max_state_tokens, eval_every=args.eval_every,
                       patience=args.patience, keep_base=args.keep_base, write=args.write)
 
@@ -206,11 +207,13 @@ def cmd_tune(args) -> int:
 
 
 def _tune_task(args) -> int:
-    from .calibration.tune_task import tune_task
+    from .calibration.tune_task import task_config, tune_task
 
-    if args.out is not None or args.validation or args.resume:
-        raise OnepassError("--task adds a task to --engine in place: --out, --validation and --resume do not apply")
-    tune_task(args.engine, args.data, args.task, _tune_config(args))
+    if args.out is not None or args.validation or args.resume or args.report or args.name:
+        raise OnepassError("--task adds a task to --engine in place: --out, --validation, --resume, --report and "
+                           "--name do not apply")
+
+    tune_task(args.engine, args.data, args.task, task_config(_tune_config(args), rlcd_given=args.rlcd_weight is not None))
     return 0
 
 
@@ -227,6 +230,11 @@ def cmd_tasks(args) -> int:
             raise OnepassError(str(err)) from None
         print(f"task {args.name!r} removed from {args.engine}")
         return 0
+    from .runtime.core import manifest as mf
+
+    mf.load(args.engine, verify=False)  # not an engine directory: said, not an empty list
+    if args.name:
+        raise OnepassError("onepass tasks list ENGINE lists every task; name one only to remove it")
     for name in task_store.names(args.engine):
         card = task_store.read_card(args.engine, name)
         choice = card.get("metrics", {}).get("choice", {})

@@ -71,7 +71,7 @@ def _training(p, named: str, held: str) -> None:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--train-blocks", type=_blocks, default=None, metavar="N|all",
                    help="train only the top N decoder blocks, or all (default: LoRA on the top 4 under 80 training "
-                        "rows, the lower blocks run once per state; every block from 80; full: all)")
+                        "rows, the lower blocks run once per state; every block from 80; full: all; a --task: 4)")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 1e-3 for LoRA on up to 8 blocks, 3e-4 on more, 2e-5 full)")
     p.add_argument("--epochs", type=int, default=None,
@@ -83,7 +83,8 @@ def _training(p, named: str, held: str) -> None:
                         "rows it was not fitted on; tuned: the tuned weights, uncalibrated, whatever the candidates say")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
     p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
-    p.add_argument("--rlcd-weight", type=float, default=0.5, help="weight of the RLCD term (0: cross-entropy only)")
+    p.add_argument("--rlcd-weight", type=float, default=None,
+                   help="weight of the RLCD term (0: cross-entropy only; default 0.5, and 0 for a --task)")
     p.add_argument("--holdout", type=float, default=0.2, help=f"share of states {held}")
     p.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
     p.add_argument("--patience", type=int, default=None,

@@ -42,20 +42,19 @@ def with_task(question, task):
     return type(question)(question.instructions, question.criteria, task)
 
 
-def tune_tasks(work: Path, names, rows: int, seed: int) -> dict:
-    from onepass.calibration.tune import TuneConfig
+def tune_tasks(work: Path, names, rows: int, config) -> dict:
     from onepass.calibration.tune_task import tune_task
 
     out = {}
     for name in names:
         if name in task_store.names(work):
             continue
-        train, _ = user_rows(name, rows, seed)
+        train, _ = user_rows(name, rows, config.seed)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "train.jsonl"
             write_jsonl(train, path)
             started = time.perf_counter()
-            card = tune_task(work, [path], name, TuneConfig(seed=seed))
+            card = tune_task(work, [path], name, config)
             out[name] = {"seconds": time.perf_counter() - started, "chosen": card["metrics"]["choice"]["chosen"],
                          "blocks": len(card["blocks"]), "rank": card["rank"],
                          "train_seconds": card["metrics"]["train_seconds"]}
@@ -130,14 +129,25 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", choices=("best", "tuned"), default="best", help="tune's --write")
+    ap.add_argument("--lr", type=float, default=None, help="tune's --lr (default: its choice for the row count)")
+    ap.add_argument("--rlcd-weight", type=float, default=None, help="tune's --rlcd-weight (default: a task's, 0)")
+    ap.add_argument("--train-blocks", type=int, default=None, help="tune's --train-blocks (default: a task's, 4)")
     args = ap.parse_args()
+    from onepass.calibration.tune import TuneConfig
+    from onepass.calibration.tune_task import task_config
+
+    config = task_config(TuneConfig(seed=args.seed, write=args.write, lr=args.lr, train_blocks=args.train_blocks,
+                                    rlcd_weight=args.rlcd_weight or 0.0), rlcd_given=args.rlcd_weight is not None)
     work = Path(args.work)
     if not work.exists():
         mf.copy_engine(Path(args.engine), work)
     path = RESULTS / "tasks_served.json"
     out = json.loads(path.read_text()) if path.exists() else {}
     out["machine"], out["rows"] = _machine(), args.rows
-    out.setdefault("tune", {}).update(tune_tasks(work, args.datasets, args.rows, args.seed))
+    out["config"] = {"write": args.write, "lr": args.lr, "rlcd_weight": args.rlcd_weight,
+                     "train_blocks": args.train_blocks}
+    out.setdefault("tune", {}).update(tune_tasks(work, args.datasets, args.rows, config))
     path.write_text(json.dumps(out, indent=2) + "\n")
     with Engine.load(work) as engine:
         out["backend"] = engine.backend.name

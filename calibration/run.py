@@ -51,6 +51,9 @@ def load_rows(path: str | Path) -> list[dict]:
         try:
             row = json.loads(line)
             question = from_wire("question", row["question"])
+            if question.task is not None:  # its answers would be the task's, its calibration the engine's
+                raise InvalidRequest(f"question.task: calibrate and eval measure the engine itself; a row naming "
+                                     f"the tuned task {question.task!r} is not read (leave task out)")
             rows.append({"state": row["state"], "question": question, "label": label_index(question, row["label"]),
                          "dataset": row.get("dataset", "")})
         except (json.JSONDecodeError, KeyError, TypeError, OnepassError) as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,10 +30,26 @@ from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, 
 from .tune_data import group_by_state, load_rows, split_states
 
 
-def tune_task(engine_dir: str | Path, data: list[str | Path], name: str, config: TuneConfig = TuneConfig(),
-              log=print) -> dict:
+# A task's own defaults, where tune's flags leave them open. The top 4 blocks: its slots then cost 1.07x an untuned
+# pass where slots on every block cost 1.23x (benchmarks/results/task_slots.md). Cross-entropy only: with RLCD (tune's
+# 0.5) the question-side LoRA on Rotten Tomatoes (200 rows, on the default engine) grew confidently wrong (held-out NLL
+# 0.55 -> 2.0 while its accuracy rose), so tune kept the calibrated base; without it the held-out NLL fell (0.41
+# calibrated, accuracy 0.85 against the calibrated base's 0.725): benchmarks/results/tasks_served.md.
+TASK_BLOCKS, TASK_RLCD_WEIGHT = 4, 0.0
+
+
+def task_config(config: TuneConfig, rlcd_given: bool = False) -> TuneConfig:
+    """``config`` with a task's defaults where it leaves them open (``train_blocks`` None; ``rlcd_weight`` unless the
+    caller gave one)."""
+    blocks = TASK_BLOCKS if config.train_blocks is None else config.train_blocks
+    return dataclasses.replace(config, train_blocks=blocks,
+                               rlcd_weight=config.rlcd_weight if rlcd_given else TASK_RLCD_WEIGHT)
+
+
+def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
+              config: TuneConfig = task_config(TuneConfig()), log=print) -> dict:
     """Tune the task ``name`` on ``data`` and store it beside the engine ``engine_dir`` (replacing a task of that
-    name); returns a summary (the card written)."""
+    name); returns the card written. ``config``: tune's settings (``task_config`` gives a task's defaults)."""
     from ..export.model_source import engine_source, load_model
     from ..runtime.backends.torch_decoder import PackedDecoder
     from .tune_engine import _fingerprint, _trainable
@@ -50,6 +67,10 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str, config:
     if base.head is not None:
         raise OnepassError("the engine has a decision head, which task slots do not combine with; add tasks to an "
                            "engine exported without --head")
+    if base.precision != "fp32" or base.quantization is not None:
+        raise OnepassError(f"the engine is {base.precision}{' INT8' if base.quantization else ''}; its graph with task "
+                           "slots would be fp32 and answer its untuned questions otherwise than it does: add tasks to "
+                           "an fp32 engine")
     rows, files = load_rows(data)
     encoder = PromptEncoder(str(engine_dir / base.tokenizer), base.prompt)
     cv = len(rows) < CV_BELOW_ROWS and config.write == "best"
@@ -69,8 +90,7 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str, config:
     frozen = layers - config.train_blocks if config.train_blocks else 0
     scorer = PackedScorer(PackedDecoder(model.base_model.model, share=True), base.scoring.readout,
                           torch.device("cpu"), bool(config.bf16), frozen, state_weights=model.disable_adapter)
-    work = task_store.root_of(engine_dir) / f".{name}.tune"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"onepass-task-{name}-"))  # the runs' checkpoints; never in the engine
     log(f"tuning task {name!r} of {base.name} on {sum(len(g) for g in train_groups)} rows ({len(train_groups)} "
         f"states): LoRA rank {config.rank} on " + (f"the top {config.train_blocks} blocks" if config.train_blocks
                                                     else "every block")
@@ -102,8 +122,9 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str, config:
             "metrics": {"choice": {"chosen": chosen.name, "judged": judged,
                                    "candidates": [c.as_dict() for c in found]},
                         "train_seconds": seconds, "rows_per_second": outcome.rows_trained / max(seconds, 1e-9)}}
-    ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log)
-    path = task_store.write_task(engine_dir, base, adapter, card)
+    with task_store.locked(engine_dir):  # one writer of the engine's tasks at a time
+        ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log)
+        path = task_store.write_task(engine_dir, base, adapter, card)
     log(f"task {name!r} ({chosen.name}, rank {adapter.rank}) written to {path} in {time.perf_counter() - t0:.0f} s")
     return task_store.read_card(engine_dir, name)
 

@@ -91,7 +91,8 @@ def test_an_engine_with_tasks_answers_each_question_as_its_task_alone(tasked, ti
     engine_dir, peft = tasked
     asked = _asked()
     with Engine.load(engine_dir, backend=backend) as engine, Engine.load(tiny_engine_dir, backend=backend) as plain:
-        assert engine.tasks.names == TASKS and engine.manifest.graph == "tasks/slots/graph.onnx"
+        assert engine.tasks.names == TASKS and engine.backend.tasks.count == 2  # the backend feeds the slot graph
+        assert engine.manifest == plain.manifest  # the engine's own manifest, as on disk
         encoded = engine.encode_questions(asked)
         state_ids = engine.planner.state_ids(STATE)
         got = engine.option_logprobs(STATE, encoded)
@@ -142,10 +143,19 @@ def test_tasks_are_listed_removed_and_verified_and_the_engines_files_never_chang
     assert task_store.names(engine) == list(TASKS)
     factors = engine / "tasks" / "fraud" / "factors.npz"
     good = factors.read_bytes()
-    factors.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    middle = len(good) // 2  # inside a stored array (the last bytes are the zip's comment length, which it tolerates)
+    factors.write_bytes(good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1:])
     with pytest.raises(EngineFileError, match="does not match its recorded sha256"):
         Engine.load(engine, backend="onnxruntime")
+    with pytest.raises(EngineFileError, match="cannot be read"):  # unverified, the damage is still named
+        Engine.load(engine, backend="onnxruntime", verify=False)
     factors.write_bytes(good)
+    card = engine / "tasks" / "fraud" / "task.json"
+    text = card.read_text()
+    card.write_text(json.dumps({k: v for k, v in json.loads(text).items() if k != "rank"}))
+    with pytest.raises(EngineFileError, match="task.json cannot be read \\(it lacks rank\\)"):
+        Engine.load(engine, backend="onnxruntime")
+    card.write_text(text)
     with pytest.raises(ValueError, match="has no task 'spam'; its tasks: fraud, urgency"):
         task_store.remove(engine, "spam")
     for bad in ("Fraud", "slots", "a/b", "", "x" * 65):
@@ -157,7 +167,7 @@ def test_tasks_are_listed_removed_and_verified_and_the_engines_files_never_chang
     task_store.remove(engine, "urgency")
     assert not (engine / "tasks").exists()
     with Engine.load(engine, backend="onnxruntime") as none:
-        assert none.tasks is None and none.manifest.graph == mf.load(engine).graph
+        assert none.tasks is None and none.backend.tasks is None
     assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
 
 
@@ -253,3 +263,34 @@ def test_onepass_tune_task_stores_a_task_that_serves_what_was_chosen(tiny_engine
     assert main(["tasks", "remove", str(engine), "facts"]) == 0 and task_store.names(engine) == []
     assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
     assert main(["tune", "--engine", str(engine), "--data", str(data), "--task", "Bad Name"]) != 0
+
+
+def test_each_tasks_calibration_applies_to_its_questions_only_and_limits_and_merges_keep_tasks(tasked, tmp_path):
+    """A calibration in urgency's card moves its questions' scores by its bias, not fraud's nor the engine's own
+    (negative control: the raw scores); an engine with lowered limits keeps its tasks; two requests merged into one
+    pass (run_many) each get their own task's answers."""
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tasked[0], engine_dir)
+    card = engine_dir / "tasks" / "urgency" / "task.json"
+    readout = mf.load(engine_dir).scoring.readout
+    data = json.loads(card.read_text())
+    card.write_text(json.dumps({**data, "calibration": {"groups": {"noul": {"temperature": 1.0, "bias": [3.0, 0.0]}},
+                                                          "readout": readout}}))
+    asked = {f"q.{t}": Noul("Is this fraud?", task=t) for t in ("urgency", "fraud", None)}
+    with Engine.load(engine_dir, backend="onnxruntime") as engine:
+        encoded = engine.encode_questions(asked)
+        lp = engine.option_logprobs(STATE, encoded)
+        raw = engine.option_scores(asked, encoded, lp, calibrated=False)
+        cal = engine.option_scores(asked, encoded, lp)
+        np.testing.assert_allclose(cal[0] - raw[0], [3.0, 0.0], atol=1e-12)
+        for c, r in zip(cal[1:], raw[1:]):
+            np.testing.assert_array_equal(c, r)
+        lower = engine.with_limits(max_questions=5)
+        noul = lambda answers: {k: a.noul for k, a in answers.items()}  # noqa: E731
+        assert lower.tasks is engine.tasks
+        assert noul(lower.ask(STATE, asked)) == pytest.approx(noul(engine.ask(STATE, asked)), abs=1e-6)
+        one, two = ({k: v for k, v in asked.items() if v.task == t} for t in ("urgency", "fraud"))
+        merged = engine.run_many([(STATE, one), (STATE, two)])
+        for result, alone in zip(merged, (one, two)):  # each as if asked alone (float reordering only)
+            assert noul(result.answers) == pytest.approx(noul(engine.ask(STATE, alone)), abs=1e-5)
+        assert abs(merged[0].answers["q.urgency"].noul - merged[1].answers["q.fraud"].noul) > 1e-3

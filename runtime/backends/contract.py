@@ -121,6 +121,7 @@ class TaskFeeds:
 
     factors: dict  # task_a.{block}.{proj} [in, K], task_b.{block}.{proj} [K, out]: float32
     slot_task: np.ndarray  # [K] int64: the task number of each slot
+    count: int = 0  # tasks fed (a task of rank 0, a calibration only, has no slot)
 
     @classmethod
     def none(cls, input_shapes: dict) -> "TaskFeeds":
@@ -136,15 +137,17 @@ class TaskFeeds:
         """The task inputs of a pass of ``n`` tokens whose tasks are ``token_task`` ([N], -1: none; None: no token
         has a task, as in a prefill)."""
         if token_task is None:
-            mask = np.zeros((n, self.slot_task.shape[0]), np.float32)
-        else:
-            mask = (np.asarray(token_task)[:, None] == self.slot_task[None, :]).astype(np.float32)
-        return {TASK_MASK: mask, **self.factors}
+            return {TASK_MASK: np.zeros((n, self.slot_task.shape[0]), np.float32), **self.factors}
+        token_task = np.asarray(token_task, dtype=np.int64)
+        if token_task.size and (token_task.min() < -1 or token_task.max() >= self.count):
+            raise ValueError(f"token tasks must be in -1..{self.count - 1} (the {self.count} tasks fed); "
+                             f"got {token_task.min()}..{token_task.max()}")
+        return {TASK_MASK: (token_task[:, None] == self.slot_task[None, :]).astype(np.float32), **self.factors}
 
-
-def task_blocks(input_names) -> tuple:
-    """The blocks a graph has task slots on (from its ``task_a.{block}.q`` inputs); () for a plain graph."""
-    return tuple(sorted({int(m.group(1)) for m in map(_TASK_INPUT.match, input_names) if m}))
+    @property
+    def blocks(self) -> tuple:
+        """The blocks the task inputs are for."""
+        return tuple(sorted({int(m.group(1)) for m in map(_TASK_INPUT.match, self.factors) if m}))
 
 
 def output_specs(num_layers: int, num_kv_heads: int, head_dim: int, head: bool = False) -> list[TensorSpec]:

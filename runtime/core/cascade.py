@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import InvalidRequest
+from .questions import without_task
 
 
 def _threshold(value, what: str) -> float:
@@ -115,7 +116,7 @@ class Cascade:
         answers, by, asked = {}, {}, []
         for i, engine in enumerate(self.engines):
             asked.append(list(pending))
-            got = engine.ask(state, pending)
+            got = engine.ask(state, pending if i == 0 else {q: without_task(v) for q, v in pending.items()})
             decided = got if i == len(self.engines) - 1 else self.gate.split(got)[0]  # the last engine is final
             for qid, answer in decided.items():
                 answers[qid], by[qid] = answer, engine.name

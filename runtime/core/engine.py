@@ -13,7 +13,7 @@ import numpy as np
 
 from . import manifest as manifest_mod
 from . import task_store
-from .tasks import no_tasks_on, task_feeds
+from .tasks import feed_tasks, no_tasks_on
 from ..backends.base import Backend
 from .readout_calibration import question_key
 from .answering import Answering
@@ -43,7 +43,7 @@ class Engine:
         self.backend = backend
         self.tasks = tasks  # the tuned tasks stored beside the engine (their slot graph is what the backend runs)
         if tasks is not None:
-            backend.tasks = task_feeds(tasks, backend)
+            feed_tasks(backend, tasks)
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
         self.planner = Planner(self.encoder, manifest.limits, manifest.model.max_position,
                                lambda: backend.block_tokens, tasks.names if tasks else ())
@@ -81,14 +81,14 @@ class Engine:
 
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
-        manifest, tasks = task_store.served(root, manifest, verify)  # with tasks, their slot graph answers
+        served, tasks = task_store.served(root, manifest, verify)  # with tasks, their slot graph answers
         if backend in (None, backends.AUTO):
             backend = backend_choice.default
         elif isinstance(backend, str):
             if tasks is not None and not backends.backend_class(backend).runs_tasks:
                 raise no_tasks_on(backend)
             backend = backends.factory(backend)
-        return cls(root, manifest, backend(root, manifest, threads), cache_bytes, tasks=tasks)
+        return cls(root, manifest, backend(root, served, threads), cache_bytes, tasks=tasks)
 
     def close(self) -> None:
         """Drop the cached states and release the backend (device memory, graphs). Engines made by

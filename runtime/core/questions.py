@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import unicodedata
 from dataclasses import dataclass, field
@@ -171,6 +172,11 @@ class Score:
 
 
 Question = Union[Noul, Choice, Score]
+
+
+def without_task(question: Question) -> Question:
+    """``question`` as asked of another engine or a teacher: its task is this engine's own tuned adapter."""
+    return dataclasses.replace(question, task=None) if getattr(question, "task", None) is not None else question
 
 
 def to_wire(question: Question) -> dict:

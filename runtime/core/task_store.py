@@ -14,7 +14,9 @@ Pure numpy and json: the runtime reads tasks without torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +35,7 @@ from .tasks import TaskAdapter
 
 TASKS, SLOTS, CARD, FACTORS, SLOTS_CARD = "tasks", "slots", "task.json", "factors.npz", "slots.json"
 GRAPH = "graph.onnx"
+CARD_KEYS = ("engine_weights", "rank", "blocks", "factors_sha256")
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 NAME_RULE = "1-64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
 
@@ -62,9 +65,6 @@ class Tasks:
     graph: str  # the slot graph, relative to the engine directory
     files: dict  # the slot graph's files (relative to the engine directory) -> sha256
 
-    def number(self, name: str) -> int:
-        return self.names.index(name)
-
 
 def root_of(engine: Path) -> Path:
     return Path(engine) / TASKS
@@ -79,16 +79,36 @@ def names(engine: str | os.PathLike) -> list[str]:
                   and (p / CARD).is_file())
 
 
-def _json(path: Path) -> dict:
+def _json(path: Path, keys: tuple = ()) -> dict:
+    """A card, with ``keys`` present, or EngineFileError saying what to do."""
+    what = "the task" if path.name == CARD else "a task (the slot graph is exported again)"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise EngineFileError(f"{path} cannot be read: {err}; remove the task (onepass tasks remove) and tune it "
-                              "again") from None
+        data, why = None, str(err)
+    else:
+        missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys)
+        why = f"it lacks {', '.join(missing)}" if missing else None
+    if why is not None or not isinstance(data, dict):
+        raise EngineFileError(f"{path} cannot be read ({why or 'not an object'}): remove {what} and tune it again "
+                              "(onepass tasks remove / onepass tune --task)")
+    return data
+
+
+@contextlib.contextmanager
+def locked(engine: str | os.PathLike):
+    """The engine's task store held by this process (an exclusive lock on the engine directory itself, so no file is
+    added to it): one writer at a time adds, replaces or removes tasks and exports the slot graph."""
+    fd = os.open(Path(engine), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def read_card(engine: str | os.PathLike, name: str) -> dict:
-    return _json(root_of(Path(engine)) / check_name(name) / CARD)
+    return _json(root_of(Path(engine)) / check_name(name) / CARD, CARD_KEYS)
 
 
 def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> Tasks | None:
@@ -99,7 +119,7 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
     if not found:
         return None
     slots_dir = root_of(engine) / SLOTS
-    slots = _json(slots_dir / SLOTS_CARD)
+    slots = _json(slots_dir / SLOTS_CARD, ("engine_weights", "blocks", "files"))
     weights = engine_weights(manifest)
     if slots.get("engine_weights") != weights:
         raise EngineFileError(f"{slots_dir} was exported from other weights than {engine}'s; tune the tasks again")
@@ -110,15 +130,23 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         if card.get("engine_weights") != weights:
             raise EngineFileError(f"task {name!r} was tuned on other weights than {engine}'s ({card.get('engine')}); "
                                   f"tune it again on this engine, or remove it (onepass tasks remove {engine} {name})")
+        outside = sorted(set(card["blocks"]) - set(slots["blocks"]))
+        if outside:
+            raise EngineFileError(f"task {name!r} adapts blocks {outside}, which the slot graph has no slots on: tune "
+                                  "it again (the slot graph is exported again)")
         files[f"{TASKS}/{name}/{FACTORS}"] = card["factors_sha256"]
-        adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
         cards.append(card)
-        calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
-    if verify:
+    if verify:  # before any file is parsed: a damaged one is named, never a traceback of its parser
         for rel, sha in files.items():
-            if sha256_file(engine / rel) != sha:
-                raise EngineFileError(f"{engine / rel} does not match its recorded sha256: the file changed after "
-                                      "the task was written; tune the task again")
+            if not (engine / rel).is_file() or sha256_file(engine / rel) != sha:
+                raise EngineFileError(f"{engine / rel} is missing or does not match its recorded sha256: the file "
+                                      "changed after the task was written; tune the task again")
+    for name, card in zip(found, cards):
+        adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
+        try:
+            calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
+        except (TypeError, ValueError, KeyError) as err:
+            raise EngineFileError(f"task {name!r}'s calibration is invalid ({err}): tune it again") from None
     return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
                  f"{TASKS}/{SLOTS}/{GRAPH}", files)
 
@@ -133,12 +161,15 @@ def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manif
 
 
 def _adapter(path: Path, name: str, card: dict) -> TaskAdapter:
-    with np.load(path, allow_pickle=False) as data:
-        factors: dict = {}
-        for key in data.files:
-            side, block, proj = key.split(".")
-            factors.setdefault((int(block), proj), {})[side] = data[key].astype(np.float32)
-    return TaskAdapter(name, int(card["rank"]), {k: (v["A"], v["B"]) for k, v in factors.items()})
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            factors: dict = {}
+            for key in data.files:
+                side, block, proj = key.split(".")
+                factors.setdefault((int(block), proj), {})[side] = data[key].astype(np.float32)
+        return TaskAdapter(name, int(card["rank"]), {k: (v["A"], v["B"]) for k, v in factors.items()})
+    except Exception as err:  # noqa: BLE001 - any damage to a file that was not verified (verify=False)
+        raise EngineFileError(f"{path} cannot be read ({type(err).__name__}: {err}): tune task {name!r} again") from None
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -206,14 +237,15 @@ def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export) -
 
 
 def remove(engine: str | os.PathLike, name: str) -> None:
-    """Remove a task (KeyError-like ValueError naming the tasks there when it is not one); the slot graph goes with the
-    last task."""
+    """Remove a task (ValueError naming the tasks there when it is not one); the slot graph goes with the last task.
+    Under the store's lock."""
     engine = Path(engine)
-    present = names(engine)
-    if check_name(name) not in present:
-        raise ValueError(f"{engine} has no task {name!r}; its tasks: {', '.join(present) or 'none'}")
-    gone = root_of(engine) / f".{name}.removed-{uuid.uuid4().hex[:8]}"
-    (root_of(engine) / name).rename(gone)
-    shutil.rmtree(gone, ignore_errors=True)
-    if not names(engine):
-        shutil.rmtree(root_of(engine), ignore_errors=True)
+    with locked(engine):
+        present = names(engine)
+        if check_name(name) not in present:
+            raise ValueError(f"{engine} has no task {name!r}; its tasks: {', '.join(present) or 'none'}")
+        gone = root_of(engine) / f".{name}.removed-{uuid.uuid4().hex[:8]}"
+        (root_of(engine) / name).rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
+        if not names(engine):  # the slot graph goes with the last task (writers wait on the lock)
+            shutil.rmtree(root_of(engine), ignore_errors=True)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.contract import PROJECTIONS, TaskFeeds, projection_shapes  # noqa: F401 - projection_shapes: re-exported
+from ..backends.contract import PROJECTIONS, TASK_MASK, TaskFeeds, projection_shapes  # noqa: F401 - projection_shapes: re-exported
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -73,15 +73,11 @@ class TaskStack:
     def feeds(self) -> TaskFeeds:
         """What a backend feeds the task-slot graph: the factors by input name, and each slot's task."""
         names = [f"task_{side}.{block}.{proj}" for block in self.blocks for proj in PROJECTIONS for side in "ab"]
-        return TaskFeeds(dict(zip(names, self.inputs)), self.slot_task())
+        return TaskFeeds(dict(zip(names, self.inputs)), self.slot_task(), len(self.slots))
 
     def mask(self, token_task: Sequence[int]) -> np.ndarray:
         """[N, K] float32: 1 on the slots of each token's task (-1: none, a row of zeros)."""
-        token_task = np.asarray(token_task, dtype=np.int64)
-        if token_task.size and (token_task.min() < -1 or token_task.max() >= len(self.slots)):
-            raise ValueError(f"token tasks must be in -1..{len(self.slots) - 1} (the {len(self.slots)} tasks fed); "
-                             f"got {token_task.min()}..{token_task.max()}")
-        return (token_task[:, None] == self.slot_task()[None, :]).astype(np.float32)
+        return self.feeds().inputs(token_task, len(token_task))[TASK_MASK]
 
 
 def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict) -> TaskStack:
@@ -114,12 +110,27 @@ def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict
     return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs, tuple(task_blocks))
 
 
+def feed_tasks(backend, tasks) -> None:
+    """``backend`` feeds its task-slot graph the engine's ``tasks`` (``task_feeds``) from now on; where it cannot, it
+    is closed (the engine that opened it fails to load) and the error raised."""
+    try:
+        backend.tasks = task_feeds(tasks, backend)
+    except Exception:
+        backend.close()
+        raise
+
+
 def task_feeds(tasks, backend) -> TaskFeeds:
     """What ``backend`` feeds its task-slot graph for the engine's ``tasks`` (``task_store.Tasks``): their factors
     side by side on the graph's blocks. BackendUnavailable where the backend runs no task slots."""
     none = backend.tasks  # the graph's own feeds with no task: they give each projection's (in, out)
     if none is None:
         raise no_tasks_on(backend.name)
+    if none.blocks != tuple(tasks.blocks):
+        from ..backends.errors import EngineFileError
+
+        raise EngineFileError(f"the slot graph {tasks.graph} has task inputs on blocks {list(none.blocks)}, its card "
+                              f"says {list(tasks.blocks)}: tune a task again to export it anew")
     block = tasks.blocks[0]
     shapes = {p: (none.factors[f"task_a.{block}.{p}"].shape[0], none.factors[f"task_b.{block}.{p}"].shape[1])
               for p in PROJECTIONS}

@@ -34,7 +34,7 @@ from ..core.cascade import Gate
 from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.wire import parse_request, response_body
-from ..core.questions import MAX_LEVELS
+from ..core.questions import MAX_LEVELS, without_task
 from ..core.errors import OnepassError
 from .body import clip, decode, parse_json, read_raw
 from .config import ServerConfig
@@ -297,7 +297,7 @@ class Server:
         """Re-ask the cascade engine the questions answered below ``min_confidence``, about the same state; the
         response is unchanged in form, and ``x-onepass-answered-by`` names the engine of each question."""
         _, review = self.gate.split(result.answers)
-        doubtful = {q: questions[q] for q in review}
+        doubtful = {q: without_task(questions[q]) for q in review}  # a task is this engine's, not the cascade's
         by = {q: self.engine.name for q in result.answers}
         if doubtful:
             start = time.monotonic()  # the same deadline: the cascade cannot run past what the client waits for

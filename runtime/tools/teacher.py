@@ -42,7 +42,7 @@ import numpy as np
 
 from ..core.errors import OnepassError
 from ..core.prompt import state_text
-from ..core.questions import Noul, Question, Score, as_text, to_wire
+from ..core.questions import Noul, Question, Score, as_text, to_wire, without_task
 from ..core.readout import answer
 
 KINDS = ("systemone", "openai")
@@ -418,7 +418,8 @@ class SystemOneTeacher(Teacher):
     path = "/v1/systemone"
 
     async def aprobabilities(self, state, questions, deadline=None) -> dict:
-        body = {"state": state, "questions": {qid: to_wire(q) for qid, q in questions.items()}}
+        # a question's task is this engine's own (its tuned adapter): the teacher is asked the question itself
+        body = {"state": state, "questions": {qid: to_wire(without_task(q)) for qid, q in questions.items()}}
         if self.config.model:
             body["model"] = self.config.model
         data = await self.post(body, deadline)
