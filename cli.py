@@ -118,11 +118,20 @@ def cmd_distill(args) -> int:
     from .calibration.distill import distill, summary_lines
     from .runtime.tools.teacher import connect
 
+    config = _tune_config(args)
+    if args.task is not None:
+        from .calibration.tune_task import task_config
+
+        if args.out is not None or args.name:
+            raise OnepassError("--task adds the student to --engine as a task: --out and --name do not apply")
+        config = task_config(config, rlcd_given=args.rlcd_weight is not None)
+    elif args.out is None:
+        raise OnepassError("distill needs --out (the student engine to write) or --task NAME (a task of --engine)")
     with connect(args.teacher, **_teacher_client(args)) as teacher:
         report = distill(args.engine, teacher, args.states, args.questions, args.out,
-                         target_agreement=args.target_agreement, holdout=args.holdout, config=_tune_config(args),
-                         concurrency=args.teacher_concurrency, resume=args.resume, name=args.name)
-    print("\n".join(summary_lines(report, args.out)))
+                         target_agreement=args.target_agreement, holdout=args.holdout, config=config,
+                         concurrency=args.teacher_concurrency, resume=args.resume, name=args.name, task=args.task)
+    print("\n".join(summary_lines(report, args.out or f"task {args.task!r} of {args.engine}")))
     return 0
 
 

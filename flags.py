@@ -211,7 +211,10 @@ def parser() -> argparse.ArgumentParser:
     _teacher(ds, required=True)
     ds.add_argument("--states", required=True, help="JSONL: one state per line (a JSON string or {\"state\": ...})")
     ds.add_argument("--questions", required=True, help="JSON: the questions by id, asked about every state")
-    ds.add_argument("--out", required=True, help="the student engine directory to write (with its gate)")
+    ds.add_argument("--out", help="the student engine directory to write (with its gate); not with --task")
+    ds.add_argument("--task", default=None, metavar="NAME",
+                    help="the student is the tuned task NAME added beside --engine (onepass tune --task), its "
+                         "agreement and gate measured into its card; labels and report in <engine>.NAME.distill")
     ds.add_argument("--target-agreement", type=float, default=0.95,
                     help="the gate: answer locally where the student agrees with the teacher this often")
     _training(ds, "distilled", "held out (early stopping, the gate)")

@@ -79,7 +79,7 @@ def run_mode(mode: str, base_dir: str, train_rows, test_rows, config: TuneConfig
     return {"before": before, "after": after, "train_seconds": seconds, "steps": progress.step,
             "rows_per_second": progress.rows_seen / max(seconds, 1e-9),
             "config": {"train_blocks": config.train_blocks, "lr": config.lr, "epochs": config.epochs,
-                       "rank": config.rank}}
+                       "rank": config.rank, "rlcd_weight": config.rlcd_weight}}
 
 
 def main() -> None:
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: tune's choice for the row count")
     ap.add_argument("--lr", type=float, default=None, help="default: tune's choice for the row count")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rlcd-weight", type=float, default=0.5, help="tune's --rlcd-weight (a task's default: 0)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
@@ -99,7 +100,7 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     results["machine"] = _machine()
     config = TuneConfig(rank=args.rank, holdout=0.2, seed=args.seed, train_blocks=args.train_blocks, epochs=args.epochs,
-                        lr=args.lr)
+                        lr=args.lr, rlcd_weight=args.rlcd_weight)
     for name in args.datasets:
         train, test = user_rows(name, args.rows, args.seed)
         with tempfile.TemporaryDirectory() as tmp:

@@ -259,10 +259,14 @@ def fit_gate(engine, questions: dict, held: dict, target: float) -> dict:
                          "per_question": per_question}}
 
 
-def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: str, out: str | Path,
+def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: str, out: str | Path | None,
             target_agreement: float = 0.95, holdout: float = 0.2, config: TuneConfig = TuneConfig(),
-            concurrency: int = 4, resume: bool = False, name: str | None = None, log=print) -> dict:
-    """Label ``states`` with ``teacher``, tune ``engine_dir`` on its answers, fit the gate; the report."""
+            concurrency: int = 4, resume: bool = False, name: str | None = None, log=print,
+            task: str | None = None) -> dict:
+    """Label ``states`` with ``teacher``, tune ``engine_dir`` on its answers, fit the gate; the report. ``task``: the
+    student is that tuned task, added beside ``engine_dir`` (``out`` None: the labels and report go beside the engine,
+    in ``<engine>.<task>.distill``); its gate is measured and recorded in its card (a distilled engine's gate is what
+    ``serve --teacher`` reads)."""
     from ..runtime.core.engine import Engine
     from .tune_engine import adapter_at, tune
 
@@ -270,8 +274,10 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
         raise InvalidRequest(f"--target-agreement must be within [0.5, 1), got {target_agreement}")
     if not 0.0 < holdout < 1.0:
         raise InvalidRequest(f"--holdout must be between 0 and 1, got {holdout}")
+    if task is not None:
+        out = Path(engine_dir).with_name(f"{Path(engine_dir).name}.{task}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if task is None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OnepassError(f"{out} exists and is not an empty folder; give another --out")
     states, questions = read_states(states_path), read_questions(questions_path)
     base = Engine.load(engine_dir)
@@ -292,6 +298,12 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     pick = lambda chosen: [r for sid in ids if sid in chosen for r in labelled[sid]]  # noqa: E731
     train = _write_jsonl(_tune_rows(pick(train_ids)), work / "train.jsonl")
     held = _write_jsonl(_tune_rows(pick(held_ids)), work / "held.jsonl")
+    if task is not None:
+        return _distill_task(engine_dir, task, teacher, train, {sid: labelled[sid] for sid in held_ids}, questions,
+                             target_agreement, config, log) | {
+            "states": len(states), "labelled_states": len(ids), "teacher_requests": stats.get("requests", 0),
+            "failed_states": stats.get("failed", 0), "train_states": len(train_ids), "held_out_states": len(held_ids),
+            "labels": str(labels_path)}
     student_dir = work / "engine"  # tuned and gated here, then moved to `out` whole
     summary = _tuned(student_dir, train)
     if summary is None:
@@ -319,6 +331,28 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     (report_dir / "distill.json").write_text(json.dumps(report, indent=2, default=float) + "\n", encoding="utf-8")
     report["report"] = str(report_dir / "distill.json")
     return report
+
+
+def _distill_task(engine_dir, task: str, teacher, train: Path, held: dict, questions: dict, target: float,
+                  config: TuneConfig, log) -> dict:
+    """The student as a tuned task of ``engine_dir``: tuned on ``train`` (tune --task), its agreement with the teacher
+    and gate measured on the ``held`` states and recorded in its card."""
+    from ..runtime.core import task_store
+    from ..runtime.core.engine import Engine
+    from ..runtime.core.questions import with_task
+    from .tune_task import tune_task
+
+    log(f"tuning the task {task!r} on the teacher's answers; {len(held)} states held out for the gate")
+    tune_task(engine_dir, [train], task, config, log=log)
+    with Engine.load(engine_dir) as student:
+        gate = fit_gate(student, {qid: with_task(q, task) for qid, q in questions.items()}, held, target)
+    gate["teacher"] = teacher.name
+    task_store.update_card(engine_dir, task, {"distill": gate})
+    measured = gate["measured"]
+    return {"teacher": teacher.name, "task": task, "target_agreement": target, "agreement": measured["agreement"],
+            "coverage_at_target": measured["coverage"], "agreement_covered": measured["agreement_covered"],
+            "requests_saved": measured["states_all_local"], "per_question": measured["per_question"],
+            "report": str(task_store.root_of(Path(engine_dir)) / task / task_store.CARD)}
 
 
 def _check_inputs(engine, states: list, questions: dict, config: TuneConfig) -> None:
@@ -358,7 +392,9 @@ def summary_lines(report: dict, out) -> list[str]:
             f"held-out agreement with the teacher: {report['agreement']:.3f}",
             f"at the gate (target {report['target_agreement']:.2f}): {report['coverage_at_target']:.1%} of questions "
             f"answered locally" + (f", agreement {covered:.3f} there" if covered is not None else ""),
-            f"served with --teacher: {report['coverage_at_target']:.1%} of questions answered locally; "
-            f"{report['requests_saved']:.1%} of requests need no teacher call (every question above the gate)",
+            (f"the gate is recorded in the task's card ({report['requests_saved']:.1%} of held-out states above it); "
+             "serve --teacher gates the engine's own questions, not a task's" if report.get("task") else
+             f"served with --teacher: {report['coverage_at_target']:.1%} of questions answered locally; "
+             f"{report['requests_saved']:.1%} of requests need no teacher call (every question above the gate)"),
             f"report: {report['report']}; the teacher's labels stay in {report['labels']} (tune rows)"]
 

@@ -804,3 +804,40 @@ def test_a_call_settled_after_its_caller_stopped_is_not_printed_and_other_errors
         assert "never retrieved" in caplog.text and "a bug" in caplog.text
     finally:
         loop.close()
+
+
+@pytest.mark.slow
+def test_distill_task_adds_the_student_beside_the_engine_with_its_measured_gate(tiny_engine_dir, teacher_url,
+                                                                                tmp_path, capsys):
+    """`onepass distill --task`: the teacher's labels (beside the engine, resumable) tune a task of a copy of the
+    engine, whose own files do not change; the task's agreement and gate are measured on held-out states and recorded
+    in its card; the engine answers the task's questions."""
+    import hashlib
+
+    from onepass.cli import main
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core import task_store
+
+    engine = tmp_path / "engine"
+    mf.copy_engine(tiny_engine_dir, engine)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+    states, questions = tmp_path / "states.jsonl", tmp_path / "q.json"
+    states.write_text("".join(json.dumps(s) + "\n" for s in STATES))
+    questions.write_text(json.dumps({q: to_wire(QUESTIONS[q]) for q in ("sky", "fish")}))
+    assert main(["distill", "--engine", str(engine), "--teacher", teacher_url, "--states", str(states),
+                 "--questions", str(questions), "--task", "facts", "--target-agreement", "0.9", "--holdout", "0.25",
+                 "--rank", "2", "--train-blocks", "1", "--epochs", "3", "--batch-questions", "4", "--lr", "1e-2",
+                 "--keep-base"]) == 0
+    printed = capsys.readouterr().out
+    assert "task 'facts'" in printed and "recorded in the task's card" in printed, printed
+    card = task_store.read_card(engine, "facts")
+    measured = card["distill"]["measured"]
+    assert card["distill"]["target_agreement"] == 0.9 and measured["held_out_questions"] == 8
+    assert 0.0 <= measured["agreement"] <= 1.0 and card["distill"]["teacher"]
+    assert len((tmp_path / "engine.facts.distill" / "labels.jsonl").read_text().splitlines()) == 32
+    assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
+    with Engine.load(engine) as served:
+        assert served.tasks.names == ("facts",)
+        served.ask(STATES[0], {"q": Noul("Is the sky blue on a clear day?", task="facts")})
+    assert main(["distill", "--engine", str(engine), "--teacher", teacher_url, "--states", str(states),
+                 "--questions", str(questions), "--task", "facts", "--out", str(tmp_path / "x")]) != 0

@@ -174,6 +174,11 @@ class Score:
 Question = Union[Noul, Choice, Score]
 
 
+def with_task(question: Question, task: str | None) -> Question:
+    """``question`` asked of the engine's tuned ``task`` (None: of the engine itself)."""
+    return dataclasses.replace(question, task=task)
+
+
 def without_task(question: Question) -> Question:
     """``question`` as asked of another engine or a teacher: its task is this engine's own tuned adapter."""
     return dataclasses.replace(question, task=None) if getattr(question, "task", None) is not None else question

@@ -213,6 +213,20 @@ def write_task(engine: str | os.PathLike, manifest: Manifest, adapter: TaskAdapt
     return root_of(engine) / name
 
 
+def update_card(engine: str | os.PathLike, name: str, extra: dict) -> None:
+    """Add ``extra`` to a task's card (what was measured of it after it was written), atomically, under the lock."""
+    path = root_of(Path(engine)) / check_name(name) / CARD
+    with locked(engine):
+        card = {**read_card(engine, name), **extra}
+        tmp = path.with_name(f".{CARD}.{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_text(json.dumps(card, indent=2, sort_keys=True, default=float) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
 def slot_blocks(engine: str | os.PathLike) -> tuple:
     """The blocks the engine's slot graph has task slots on; () where it has none."""
     path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
