@@ -248,7 +248,7 @@ def cmd_tasks(args) -> int:
         card = task_store.read_card(args.engine, name)
         choice = card.get("metrics", {}).get("choice", {})
         print(f"{name}\t{choice.get('chosen', '?')}\trank {card['rank']}\tblocks {len(card['blocks'])}\t"
-              f"{card.get('rows', '?')} rows\t{', '.join(card.get('questions', [])[:1])[:60]}")
+              f"{card.get('rows', '?')} rows\t{(card.get('instructions') or card.get('questions') or [''])[0][:60]}")
     return 0
 
 

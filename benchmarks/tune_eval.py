@@ -174,7 +174,8 @@ def _tune_rows(args, train: list[dict], tmp: str) -> tuple[dict, str]:
     data, out = Path(tmp) / "train.jsonl", Path(tmp) / "tuned"
     write_jsonl(train, data)
     summary = tune(args.base, [data], out, TuneConfig(rank=16, epochs=args.epochs, holdout=0.2, seed=args.seed,
-                                                      lr=args.lr, train_blocks=args.train_blocks), log=print)
+                                                      lr=args.lr, train_blocks=args.train_blocks,
+                                                      rlcd_weight=getattr(args, "rlcd_weight", 0.5)), log=print)
     return summary, str(out)
 
 
@@ -322,6 +323,7 @@ def main() -> None:
     u.add_argument("--seed", type=int, default=0)
     u.add_argument("--train-blocks", type=int, default=None, help="0: every block; default: tune's choice")
     u.add_argument("--tag", default="", help="recorded beside the default runs (e.g. '8 blocks'), not over them")
+    u.add_argument("--rlcd-weight", type=float, default=0.5, help="tune's --rlcd-weight")
     c = sub.add_parser("cascade", help="coverage of the shipped default engine, a tuned engine and the cascade")
     c.add_argument("--default", required=True, help="the shipped default engine")
     c.add_argument("--base", required=True, help="engine exported with --adapter none (what is tuned)")

@@ -117,6 +117,7 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
     card = {"calibration": chosen.calibration.to_dict() if chosen.calibration else None,
             "questions": sorted({question_key(r.question.type, encoder.instructions(r.question),
                                               encoder.options(r.question)) for r in rows}),
+            "instructions": sorted({encoder.instructions(r.question) for r in rows})[:20],  # what `tasks list` shows
             "data": files, "rows": len(rows), "scale_folded": True,
             "config": {**dataclasses.asdict(config), "learning_rate": config.learning_rate},
             "metrics": {"choice": {"chosen": chosen.name, "judged": judged,
