@@ -294,3 +294,15 @@ def test_each_tasks_calibration_applies_to_its_questions_only_and_limits_and_mer
         for result, alone in zip(merged, (one, two)):  # each as if asked alone (float reordering only)
             assert noul(result.answers) == pytest.approx(noul(engine.ask(STATE, alone)), abs=1e-5)
         assert abs(merged[0].answers["q.urgency"].noul - merged[1].answers["q.fraud"].noul) > 1e-3
+
+
+def test_a_tasked_question_longer_than_one_pass_is_refused_and_the_same_untasked_is_answered(tasked):
+    """A question past the backend's block has its trunk prefilled onto the state, by the engine's weights: a task's
+    cannot be (its trunk is the task's), so it is refused, saying so; the same question untasked is answered (control)."""
+    from onepass.runtime.core.errors import LimitExceeded
+
+    big = Choice("Which code?", {f"code {i:03d}": None for i in range(120)}, task="fraud")
+    with Engine.load(tasked[0], backend="onnxruntime") as engine:
+        with pytest.raises(LimitExceeded, match="tuned task 'fraud' packs into .* must fit one pass of 256"):
+            engine.ask(STATE, {"q": big})
+        assert engine.ask(STATE, {"q": Choice(big.instructions, big.criteria)})["q"].choice in big.criteria
