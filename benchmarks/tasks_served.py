@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="tasks_served", help="the results' file name in benchmarks/results (.json, .md)")
     ap.add_argument("--write", choices=("best", "tuned"), default="best", help="tune's --write")
     ap.add_argument("--lr", type=float, default=None, help="tune's --lr (default: its choice for the row count)")
     ap.add_argument("--rlcd-weight", type=float, default=None, help="tune's --rlcd-weight (default: a task's, 0)")
@@ -142,7 +143,7 @@ def main() -> None:
     work = Path(args.work)
     if not work.exists():
         mf.copy_engine(Path(args.engine), work)
-    path = RESULTS / "tasks_served.json"
+    path = RESULTS / f"{args.out}.json"
     out = json.loads(path.read_text()) if path.exists() else {}
     out["machine"], out["rows"] = _machine(), args.rows
     out["config"] = {"write": args.write, "lr": args.lr, "rlcd_weight": args.rlcd_weight,
@@ -157,15 +158,16 @@ def main() -> None:
     out["rss"] = {"engine alone": memory(Path(args.engine), None),
                   "engine with its tasks": memory(work, list(args.datasets))}
     path.write_text(json.dumps(out, indent=2) + "\n")
-    write_md(out)
+    write_md(out, args.out)
 
 
-def write_md(out: dict) -> None:
+def write_md(out: dict, stem: str = "tasks_served") -> None:
     m = out["machine"]
     lines = [f"# Four tuned tasks served by one engine ({m['cpu']}, {m['when']})", "",
              f"`onepass tune --task` on {out['rows']} rows of each data set into one engine (tune's settings for the "
              f"row count), then that engine answering ({out.get('backend')}). Test rows: other states, never trained "
-             "on; each question asked of its task and of the engine itself in one request, as served.", "",
+             f"on; each question asked of its task and of the engine itself in one request, as served. Settings: "
+             f"{out.get('config')} (None: a task's default).", "",
              "| task | chosen | blocks | tune s | test rows | majority | engine | task |", "|---|---|---|---|---|---|---|---|"]
     for name, a in out.get("accuracy", {}).items():
         t = out["tune"].get(name, {})
@@ -185,8 +187,11 @@ def write_md(out: dict) -> None:
         r = out["rss"]
         if r.get("engine alone"):
             lines.append(f"(ratio {r['engine with its tasks'] / r['engine alone']:.2f}x)")
-    lines += ["", "    python benchmarks/tasks_served.py --engine engines/smollm2 --work /tmp/scratch/tasked --rows 200"]
-    (RESULTS / "tasks_served.md").write_text("\n".join(lines) + "\n")
+    blocks = (out.get("config") or {}).get("train_blocks")
+    lines += ["", f"    python benchmarks/tasks_served.py --engine engines/smollm2 --work /tmp/scratch/{stem} --rows "
+              f"{out['rows']}" + (f" --train-blocks {blocks}" if blocks is not None else "")
+              + (f" --out {stem}" if stem != "tasks_served" else "")]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
