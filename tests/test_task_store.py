@@ -306,3 +306,29 @@ def test_a_tasked_question_longer_than_one_pass_is_refused_and_the_same_untasked
         with pytest.raises(LimitExceeded, match="tuned task 'fraud' packs into .* must fit one pass of 256"):
             engine.ask(STATE, {"q": big})
         assert engine.ask(STATE, {"q": Choice(big.instructions, big.criteria)})["q"].choice in big.criteria
+
+
+def test_the_mcp_tools_name_a_task_and_an_unknown_one_is_an_error_naming_the_tasks(tasked):
+    """`onepass mcp` over stdio: a tool call naming a task answers as the engine does in process; an unknown task is the
+    tool's error listing the engine's tasks (not a crash of the session)."""
+    import asyncio
+    import sys
+
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable, args=["-m", "onepass", "mcp", "--engine", str(tasked[0]),
+                                                                 "--backend", "onnxruntime"])
+
+    async def session():
+        async with Client(params) as client:
+            asked = {"state": STATE, "instructions": "Is this fraud?"}
+            good = await client.call_tool("noul", {**asked, "task": "fraud"})
+            bad = await client.call_tool("noul", {**asked, "task": "spam"})
+            return good.structured_content, bad.structured_content
+
+    good, bad = asyncio.run(asyncio.wait_for(session(), timeout=240))
+    with Engine.load(tasked[0], backend="onnxruntime") as engine:
+        want = engine.ask(STATE, {"q": Noul("Is this fraud?", task="fraud")})["q"].noul
+    assert good["noul"] == pytest.approx(want, abs=1e-6)
+    assert "its tasks are fraud, urgency" in bad["error"]

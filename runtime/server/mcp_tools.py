@@ -38,20 +38,22 @@ def build(engine: Engine) -> MCPServer:
         "Use noul for yes/no, choice to pick one of named options, score to rate on ordered levels."))
 
     @server.tool()
-    def noul(state: str, instructions: str, true: str | None = None, false: str | None = None) -> dict[str, Any]:
-        """Yes/no about `state`. Returns {"noul": P(yes)}. `true`/`false` may say what counts as yes/no."""
+    def noul(state: str, instructions: str, true: str | None = None, false: str | None = None,
+             task: str | None = None) -> dict[str, Any]:
+        """Yes/no about `state`. Returns {"noul": P(yes)}. `true`/`false` may say what counts as yes/no; `task`
+        names one of the engine's tuned tasks (as every tool's)."""
         criteria = {k: v for k, v in (("true", true), ("false", false)) if v}
-        return _ask(engine, state, lambda: Noul(instructions, criteria or None))
+        return _ask(engine, state, lambda: Noul(instructions, criteria or None, task))
 
     @server.tool()
-    def choice(state: str, instructions: str, options: dict[str, str | None]) -> dict[str, Any]:
+    def choice(state: str, instructions: str, options: dict[str, str | None], task: str | None = None) -> dict[str, Any]:
         """Pick one option (name -> description or null) about `state`; returns choice, probabilities, confidence."""
-        return _ask(engine, state, lambda: Choice(instructions, options))
+        return _ask(engine, state, lambda: Choice(instructions, options, task))
 
     @server.tool()
-    def score(state: str, instructions: str, levels: list[str]) -> dict[str, Any]:
+    def score(state: str, instructions: str, levels: list[str], task: str | None = None) -> dict[str, Any]:
         """Rate `state` on 2..10 ordered levels (low to high); returns score, legend, probabilities, confidence."""
-        return _ask(engine, state, lambda: Score(instructions, levels))
+        return _ask(engine, state, lambda: Score(instructions, levels, task))
 
     return server
 
