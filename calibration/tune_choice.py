@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..runtime.core.errors import OnepassError
 from .candidates import Candidate, calibrated, candidates, choose, scored_rows
 from .tune import Progress, Trainer
 
@@ -34,6 +35,24 @@ class Outcome:
     seconds: float
     folds: int  # 0: one held-out split
     rows_trained: int  # question rows of every optimiser step of every run (the folds' and the last)
+
+    @property
+    def judged(self) -> str:
+        """How the candidates were judged, as the reports say it."""
+        return f"cross-validated ({self.folds} folds)" if self.folds else "held-out"
+
+    def candidates_line(self) -> str:
+        """The candidates' NLL and accuracy and the one chosen, in one line (what tune logs)."""
+        return (f"{self.judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}"
+                                                           for c in self.found) + f" -> {self.chosen.name}")
+
+
+def check_cv_states(groups: list, instead: str = "") -> None:
+    """OnepassError where ``groups`` (one per state) are too few for a cross-validated choice; ``instead``: what else
+    the caller could give."""
+    if len(groups) < 2 * CV_FOLDS:
+        raise OnepassError(f"{len(groups)} distinct states are too few to cross-validate the choice over {CV_FOLDS} "
+                           f"folds of whole states: give at least {2 * CV_FOLDS} states{instead}")
 
 
 def state_folds(chunks: list, folds: int, seed: int) -> list[int]:
@@ -69,6 +88,15 @@ class Runs:
     def scored(self, chunks: list) -> list[dict]:
         """Rows of ``chunks`` scored by the weights in place now."""
         return scored_rows(self.scorer, chunks, self.encoder)
+
+
+def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool, readout: str, seed: int) -> Outcome:
+    """The chunks scored by the initial weights (before any step, and any resume), then the runs and the choice:
+    cross-validated over whole states where ``cv``, else judged on ``held``."""
+    base_train, base_held = runs.scored(train), runs.scored(held)
+    if cv:
+        return cross_validated_choice(runs, train, base_train, resume, readout, seed)
+    return held_out_choice(runs, train, held, (base_train, base_held), resume, readout)
 
 
 def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str) -> Outcome:

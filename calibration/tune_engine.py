@@ -24,7 +24,7 @@ from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
 from .candidates import TIE
-from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, held_out_choice
+from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
 
@@ -110,10 +110,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if config.method == "head" and cv:
         raise OnepassError(f"--method head needs at least {CV_BELOW_ROWS} rows (or --validation files); "
                            f"got {len(rows)}")
-    if cv and len(train_groups) < 2 * CV_FOLDS:
-        raise OnepassError(f"{len(train_groups)} distinct states are too few to cross-validate the choice over "
-                           f"{CV_FOLDS} folds of whole states: give at least {2 * CV_FOLDS} states (or "
-                           f"{CV_BELOW_ROWS} rows or more, which are split once, or --validation files)")
+    if cv:
+        check_cv_states(train_groups, f" (or {CV_BELOW_ROWS} rows or more, which are split once, or --validation files)")
     spec, adapters = engine_source(base)
     torch.manual_seed(config.seed)
     loaded = load_model(spec, adapters)
@@ -141,17 +139,11 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
         + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
-    base_train, base_held = runs.scored(train), runs.scored(held)  # before any step (and any --resume)
-    if cv:
-        outcome = cross_validated_choice(runs, train, base_train, resume, base.scoring.readout, config.seed)
-    else:
-        outcome = held_out_choice(runs, train, held, (base_train, base_held), resume, base.scoring.readout)
+    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed)
     model.eval()
     scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
-    progress, found, chosen = outcome.progress, outcome.found, outcome.chosen
-    judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
-    log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
-        + f" -> {chosen.name}")
+    progress, found, chosen, judged = outcome.progress, outcome.found, outcome.chosen, outcome.judged
+    log(outcome.candidates_line())
     untuned = found[0]  # the base engine, zero-shot
     if chosen.name == "base" or (config.write == "tuned" and chosen.nll >= untuned.nll - TIE):
         message = (f"tuning never improved on the base engine: on the {judged} rows the base engine's NLL, "

@@ -26,7 +26,7 @@ from ..runtime.core.prompt import PromptEncoder
 from ..runtime.core.readout_calibration import question_key
 from ..runtime.core.tasks import TaskAdapter, projection_shapes
 from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
-from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, cross_validated_choice, held_out_choice
+from .tune_choice import CV_BELOW_ROWS, Runs, check_cv_states, train_and_choose
 from .tune_data import group_by_state, load_rows, split_states
 
 
@@ -78,9 +78,8 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
     cv = len(rows) < CV_BELOW_ROWS and config.write == "best"
     train_groups, held_groups = (group_by_state(rows), []) if cv else split_states(group_by_state(rows),
                                                                                     config.holdout, config.seed)
-    if cv and len(train_groups) < 2 * CV_FOLDS:
-        raise OnepassError(f"{len(train_groups)} distinct states are too few to cross-validate the choice over "
-                           f"{CV_FOLDS} folds of whole states: give at least {2 * CV_FOLDS} states")
+    if cv:
+        check_cv_states(train_groups)
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
                       sum(len(g) for g in held_groups))
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))
@@ -99,17 +98,11 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
         + ", the state's K/V from the engine's own weights (shared by every task)")
     try:
         runs = Runs(scorer, params, config, work, _fingerprint(files, engine_dir), encoder, log)
-        base_train, base_held = runs.scored(train), runs.scored(held)
-        if cv:
-            outcome = cross_validated_choice(runs, train, base_train, False, base.scoring.readout, config.seed)
-        else:
-            outcome = held_out_choice(runs, train, held, (base_train, base_held), False, base.scoring.readout)
+        outcome = train_and_choose(runs, train, held, cv, False, base.scoring.readout, config.seed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    chosen, found = outcome.chosen, outcome.found
-    judged = f"cross-validated ({outcome.folds} folds)" if outcome.folds else "held-out"
-    log(f"{judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}" for c in found)
-        + f" -> {chosen.name}")
+    chosen, found, judged = outcome.chosen, outcome.found, outcome.judged
+    log(outcome.candidates_line())
     if chosen.name == "base" and not config.keep_base:
         raise NothingLearned(f"on the {judged} rows neither calibrating nor tuning beat the engine's own answers, so "
                              f"no task was written. Give more labelled rows, or pass --keep-base to store the task "
