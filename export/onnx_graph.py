@@ -30,35 +30,32 @@ def example_inputs(dims, packed: int = 7, past: int = 5, readout: int = 3) -> tu
     return (ids, pos, mask, *kv, r_index, r_target, torch.tensor(past - 1, dtype=torch.int64))
 
 
-def dynamic_shapes(dims) -> tuple:
-    """The dynamic axes of every input, in input order (see contract)."""
-    packed, past, readout = Dim.DYNAMIC, Dim.DYNAMIC, Dim.DYNAMIC
-    specs = contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)
-    axis = {contract.PACKED: packed, contract.PAST: past, contract.READOUT: readout}
-    per_input = [{i: axis[s] for i, s in enumerate(spec.shape) if isinstance(s, str)} for spec in specs]
+def dynamic_shapes(specs) -> tuple:
+    """The dynamic axes of every input spec, in input order (see contract)."""
+    axes = {contract.PACKED: Dim.DYNAMIC, contract.PAST: Dim.DYNAMIC, contract.READOUT: Dim.DYNAMIC,
+            contract.TASK_RANK: Dim.DYNAMIC}
+    per_input = [{i: axes[a] for i, a in enumerate(spec.shape) if isinstance(a, str)} for spec in specs]
     return (*per_input[:3], tuple(per_input[3:]))  # forward(input_ids, position_ids, tree_mask, *args)
+
+
+def _export(module, inputs: tuple, specs: list, names_out: list, path: Path) -> None:
+    """``module`` traced on ``inputs`` and written to ``path`` (+ ``path.data`` external weights), its inputs named and
+    their axes dynamic as ``specs`` say."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, inputs, dynamo=True, input_names=[s.name for s in specs],
+                                    output_names=names_out, dynamic_shapes=dynamic_shapes(specs),
+                                    opset_version=OPSET, optimize=True, verbose=False)
+    program.save(str(path), external_data=True)
 
 
 def export_decoder(decoder: PackedDecoder, path: Path) -> None:
     """Write ``path`` (+ ``path.data`` external weights) with the contract's names."""
     dims = decoder.dims
-    names_in = [s.name for s in contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
     names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim,
                                                        head=decoder.head is not None)]
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            decoder,
-            example_inputs(dims),
-            dynamo=True,
-            input_names=names_in,
-            output_names=names_out,
-            dynamic_shapes=dynamic_shapes(dims),
-            opset_version=OPSET,
-            optimize=True,
-            verbose=False,
-        )
-    program.save(str(path), external_data=True)
+    _export(decoder, example_inputs(dims), contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim),
+            names_out, path)
 
 
 def export_task_decoder(graph: TaskDecoder, shapes: dict, path: Path) -> None:
@@ -72,12 +69,4 @@ def export_task_decoder(graph: TaskDecoder, shapes: dict, path: Path) -> None:
     packed, rank = base[0].shape[0], 5  # a traced rank of 5 (no other axis is 5): any K (0 included) runs
     extra = [torch.randn(*(packed if a == contract.PACKED else rank if a == contract.TASK_RANK else a
                            for a in spec.shape)) for spec in specs[len(base):]]
-    axes = {contract.PACKED: Dim.DYNAMIC, contract.PAST: Dim.DYNAMIC, contract.READOUT: Dim.DYNAMIC,
-            contract.TASK_RANK: Dim.DYNAMIC}
-    per_input = [{i: axes[a] for i, a in enumerate(spec.shape) if isinstance(a, str)} for spec in specs]
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(graph, (*base, *extra), dynamo=True, input_names=[s.name for s in specs],
-                                    output_names=names_out, dynamic_shapes=(*per_input[:3], tuple(per_input[3:])),
-                                    opset_version=OPSET, optimize=True, verbose=False)
-    program.save(str(path), external_data=True)
+    _export(graph, (*base, *extra), specs, names_out, path)
