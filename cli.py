@@ -221,8 +221,8 @@ def _tune_task(args) -> int:
     if args.out is not None or args.validation or args.resume or args.report or args.name:
         raise OnepassError("--task adds a task to --engine in place: --out, --validation, --resume, --report and "
                            "--name do not apply")
-
-    tune_task(args.engine, args.data, args.task, task_config(_tune_config(args), rlcd_given=args.rlcd_weight is not None))
+    config = task_config(_tune_config(args), rlcd_given=args.rlcd_weight is not None)
+    tune_task(args.engine, args.data, args.task, config)
     return 0
 
 

@@ -80,7 +80,8 @@ class Metrics:
         self.answered = Counter("onepass_questions_answered", "Questions answered, by whom (local: this engine; "
                                 "teacher: forwarded by the gate)", ["by"], registry=self.registry)
         self.task_answers = Counter("onepass_task_answers", "Questions asked, by the tuned task they name ('-': "
-                                    "none, the engine itself; a doubtful one may then go to the teacher)", ["task"], registry=self.registry)
+                                    "none, the engine itself; a doubtful one may then go to the teacher)", ["task"],
+                                    registry=self.registry)
         self.shadowed = Counter("onepass_teacher_shadowed_questions", "Questions answered locally and by the teacher "
                                 "in shadow mode", registry=self.registry)
         self.agreed = Counter("onepass_teacher_agreements", "Shadowed questions whose local answer is the teacher's "
