@@ -79,8 +79,11 @@ def _training(p, named: str, held: str) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
     p.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
     p.add_argument("--write", choices=("best", "tuned"), default="best",
-                   help="best: the candidate (base, base+calibrate, tuned, tuned+calibrate) with the lowest NLL on "
-                        "rows it was not fitted on; tuned: the tuned weights, uncalibrated, whatever the candidates say")
+                   help="best: the candidate (base, base+calibrate, head, head+calibrate, tuned, tuned+calibrate) "
+                        "with the lowest NLL on rows it was not fitted on; tuned: the tuned weights, uncalibrated, "
+                        "whatever the candidates say")
+    p.add_argument("--no-head", dest="head_candidate", action="store_false",
+                   help="leave the decision head (over the untuned engine's hidden states) out of the candidates")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
     p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     p.add_argument("--rlcd-weight", type=float, default=None,

@@ -7,7 +7,11 @@ shapes), attention (QK^T and PV over the state plus the packed tokens, dense as 
 the read-out (log-softmax over the vocabulary at each read-out position). The ceiling: numpy's matmul
 (its BLAS, the same thread count) on the pass's own GEMM shapes, timed as one sequence, and on one square
 2048 x 2048 GEMM. Reported: each backend's achieved GFLOP/s and its share of the ceiling, medians after a
-warm-up, interleaved rounds. Writes benchmarks/results/roofline.{json,md}.
+warm-up, interleaved rounds. With ``openvino-cpu`` among the backends, also where its pass's time goes: OpenVINO's
+own per-operation counters (``PERF_COUNT``) summed by kind, its fused attention (one ``Subgraph`` per block:
+QK^T, the masked softmax and PV) apart from the GEMMs (``FullyConnected``); and the share of the attention's
+packed x packed entries the tree mask hides, so what computing only the unmasked blocks could save at most.
+Writes benchmarks/results/roofline.{json,md}.
 
     python benchmarks/roofline.py --engine engines/smollm2
 """
@@ -57,6 +61,52 @@ def pass_flops(engine: Engine, shapes, n: int, past: int, readouts: int) -> dict
     return {"block GEMMs": 2 * n * sum(i * o for i, o in shapes),
             "attention": m.num_layers * 2 * 2 * heads * m.head_dim * n * (past + n),
             "read-out": 2 * readouts * m.hidden_size * m.vocab_size}
+
+
+def openvino_profile(engine_dir: str, state, batch, rounds: int) -> dict:
+    """Milliseconds per pass by OpenVINO operation kind (its own counters, medians over ``rounds`` passes after a
+    warm-up), from a second compile of the engine's graph with ``PERF_COUNT`` on: what the timed backend runs."""
+    from onepass.runtime.backends.openvino_cpu import OpenVinoCpuBackend
+
+    engine = Engine.load(engine_dir, threads=THREADS, backend="openvino-cpu")
+    backend: OpenVinoCpuBackend = engine.backend
+    backend.config["PERF_COUNT"] = "YES"
+    backend.release_memory()  # compiles again, now with the counters
+    backend.score_all(state.kv, batch)
+    per_kind: dict = {}
+    for _ in range(rounds):
+        backend.score_all(state.kv, batch)
+        sums: dict = {}
+        for op in backend._request().profiling_info:
+            sums[op.node_type] = sums.get(op.node_type, 0.0) + op.real_time.total_seconds() * 1e3
+        for kind, ms in sums.items():
+            per_kind.setdefault(kind, []).append(ms)
+    medians = {kind: statistics.median(v) for kind, v in per_kind.items()}
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
+
+
+def masked_share(batch) -> float:
+    """The share of the packed x packed attention entries the tree mask hides (a token sees itself and its
+    ancestors only)."""
+    return 1.0 - float(batch.tree_mask.sum()) / batch.tree_mask.size
+
+
+def profile_lines(profile: dict, flops: dict, n: int, past: int, hidden: float) -> list[str]:
+    """The profile's table and what skipping the masked attention could save at most."""
+    total = sum(profile.values())
+    attention = profile.get("Subgraph", 0.0)
+    packed_part = n / (past + n)  # the packed x packed share of the attention's entries (and of its FLOPs)
+    bound = attention * packed_part * hidden
+    lines = ["", f"Where OpenVINO's pass goes (its own counters, {total:.0f} ms in all; medians):", "",
+             "| operation | ms | share |", "|---|---|---|"]
+    lines += [f"| {kind} | {ms:.1f} | {ms / total:.1%} |" for kind, ms in profile.items() if ms / total >= 0.005]
+    lines += ["", f"The fused attention (`Subgraph`, one per block) takes {attention / total:.0%} of the pass and "
+              f"the GEMMs (`FullyConnected`) {profile.get('FullyConnected', 0.0) / total:.0%}. Of the attention's "
+              f"entries, {packed_part:.0%} are packed x packed ({n} x {n} of {n} x {past + n}) and the tree mask "
+              f"hides {hidden:.1%} of those: an attention that computed only the unmasked entries (every state "
+              f"entry stays) could save at most {bound:.0f} ms, {bound / total:.0%} of the pass "
+              f"(attention FLOPs at best {1 - packed_part * hidden:.0%} of today's)."]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -113,6 +163,10 @@ def main(argv=None) -> int:
               "ceiling_gflops_per_s": {"pass_gemm_shapes": ceiling, "square_2048": peak},
               "numpy_blas": np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {}).get("name"),
               "backends": rows, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if "openvino-cpu" in runs:
+        _, st, b = runs["openvino-cpu"]
+        result["openvino_profile_ms"] = openvino_profile(args.engine, st, b, args.rounds)
+        result["masked_share_of_packed_attention"] = masked_share(b)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -128,6 +182,9 @@ def main(argv=None) -> int:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['median_ms']:.0f} | {r['gflops_per_s']:.0f} | "
                      f"{r['share_of_pass_gemm_ceiling']:.0%} | {r['share_of_square_gemm_peak']:.0%} |")
+    if "openvino_profile_ms" in result:
+        lines += profile_lines(result["openvino_profile_ms"], flops, n, past,
+                               result["masked_share_of_packed_attention"])
     lines += ["", f"    python benchmarks/roofline.py --engine {args.engine}"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

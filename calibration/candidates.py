@@ -5,6 +5,8 @@ The candidates, all judged on the same held-out states (never trained on, never 
 - ``base``: the untuned engine, zero-shot;
 - ``base+calibrate``: the untuned engine with a calibration (temperature and bias per group,
   :func:`onepass.calibration.fit.fit`) fitted on the training rows' scores;
+- ``head`` and ``head+calibrate``: the untuned engine with a decision head fitted on the training rows' hidden states
+  (:mod:`onepass.calibration.head_candidate`; the engine's read-out becomes ``head``);
 - ``tuned``: the tuned weights;
 - ``tuned+calibrate``: the tuned weights with a calibration fitted on the training rows' tuned scores.
 
@@ -24,7 +26,8 @@ from ..runtime.core.readout import softmax
 from ..runtime.core.readout_calibration import Calibration, question_key
 from .fit import fit
 
-ORDER = ("base", "base+calibrate", "tuned", "tuned+calibrate")  # cheapest first: a tie goes to the earlier
+# cheapest first: a tie goes to the earlier
+ORDER = ("base", "base+calibrate", "head", "head+calibrate", "tuned", "tuned+calibrate")
 TIE = 1e-3  # held-out NLL differences below this are ties
 
 
@@ -44,18 +47,21 @@ class Candidate:
                 "calibrated_groups": groups}
 
 
-def scored_rows(scorer, chunks: list, encoder) -> list[dict]:
+def scored_rows(scorer, chunks: list, encoder, features: bool = False) -> list[dict]:
     """The rows of ``chunks`` scored by ``scorer`` (no gradient), as :func:`onepass.calibration.fit.fit` reads them:
-    type, scores, label, option names, question key; ``target``: the label or the teacher's distribution."""
+    type, scores, label, option names, question key; ``target``: the label or the teacher's distribution. With
+    ``features``, each row also carries what a decision head reads (``scorer.features``), from the same pass."""
     out = []
     with torch.no_grad():
         for chunk in chunks:
-            for scores, row in zip(scorer.scores(chunk), chunk.rows):
+            scored = scorer.scores_and_features(chunk) if features else [(s, None) for s in scorer.scores(chunk)]
+            for (scores, feats), row in zip(scored, chunk.rows):
                 q = row.question
                 names = encoder.options(q)
                 out.append({"type": q.type, "scores": scores.double().cpu().tolist(), "label": row.label,
                             "target": row.target, "names": names, "dataset": row.dataset,
-                            "qkey": question_key(q.type, encoder.instructions(q), names)})
+                            "qkey": question_key(q.type, encoder.instructions(q), names),
+                            **({"features": feats} if features else {})})
     return out
 
 
@@ -78,19 +84,23 @@ def calibrated(train: list[dict], readout: str) -> Calibration | None:
     return calibration if calibration.groups else None
 
 
-def candidates(folds: list[tuple], readout: str) -> list[Candidate]:
+def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = None) -> list[Candidate]:
     """Every candidate with its held-out metrics, in ``ORDER``.
 
     ``folds``: (base train rows, base held-out rows, tuned train rows, tuned held-out rows) of one held-out split,
-    or of each fold of a cross-validation (the tuned rows then come from that fold's own run). A candidate's metrics
-    are over every fold's held-out rows, a calibrated one's calibration fitted on that fold's training rows; a
+    or of each fold of a cross-validation (the tuned rows then come from that fold's own run). ``heads``: per fold,
+    (train rows, held-out rows) as that fold's decision head scores them (None: no head candidates). A candidate's
+    metrics are over every fold's held-out rows, a calibrated one's calibration fitted on that fold's training rows; a
     calibrated candidate exists only where every fold could fit one. With one fold a calibrated candidate carries
     its calibration; with several, none (the caller fits the one it writes on all the rows).
     """
     totals: dict[str, list] = {}
-    for base_train, base_held, tuned_train, tuned_held in folds:
-        for name, train, held in (("base", base_train, base_held), ("tuned", tuned_train, tuned_held)):
-            fitted = calibrated(train, readout)
+    for i, (base_train, base_held, tuned_train, tuned_held) in enumerate(folds):
+        sets = [("base", base_train, base_held, readout), ("tuned", tuned_train, tuned_held, readout)]
+        if heads is not None:
+            sets.insert(1, ("head", *heads[i], "head"))
+        for name, train, held, scored_by in sets:
+            fitted = calibrated(train, scored_by)
             for key, calibration in ((name, None), (f"{name}+calibrate", fitted)):
                 if key != name and calibration is None:
                     totals[key] = None  # a fold without a calibration: no calibrated candidate at all

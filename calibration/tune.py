@@ -66,6 +66,7 @@ class TuneConfig:
     max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
     keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
     write: str = "best"  # "best": the best held-out candidate (calibration/candidates.py); "tuned": the tuned weights
+    head_candidate: bool = True  # a decision head over the untuned engine is a candidate (write="best", method lora)
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 
@@ -262,6 +263,22 @@ class PackedScorer:
 
     def scores(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
+        return self._outputs(chunk)[0]
+
+    def scores_and_features(self, chunk: Chunk) -> list[tuple]:
+        """Per question, (its [K] option scores, what a decision head reads of it: (the final-normed hidden state
+        after each option [K, d] float32, each option's mean log-likelihood [K] float64), numpy), from one pass."""
+        scores, hidden = self._outputs(chunk)
+        out = []
+        for s, h, tokens in zip(scores, hidden, chunk.encoded):
+            lengths = torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=s.device)
+            mean = s if self.readout == "mean" else s / lengths
+            out.append((s, (h.detach().float().cpu().numpy(), mean.detach().double().cpu().numpy())))
+        return out
+
+    def _outputs(self, chunk: Chunk) -> tuple[list, list]:
+        """(per question its [K] option scores; per question the hidden states at its options' last read-out rows
+        [K, d])."""
         batch, state, x_state, x_packed, state_past = self._trunk(chunk)
         top = range(self.frozen, self.decoder.dims.num_layers)
         if state_past is None:
@@ -270,15 +287,16 @@ class PackedScorer:
             presents = state_past[2 * self.frozen:]  # the base weights' state K/V: no gradient, computed once
         x, _ = self._blocks(x_packed, batch, presents, top)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            _, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))
+            h, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))
         target = target.float()  # [R] log-probs of the read-out targets
-        out = []
+        out, hidden = [], []
         for tokens, readouts in zip(chunk.encoded, batch.option_readouts):
             sums = torch.stack([target[torch.from_numpy(r).to(self.device)].sum() for r in readouts])  # [K]
             if self.readout == "mean":
                 sums = sums / torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=self.device)
             out.append(sums)
-        return out
+            hidden.append(h[torch.tensor([int(r[-1]) for r in readouts], device=self.device)])
+        return out, hidden
 
 
 def _target(row: TuneRow, device) -> torch.Tensor:

@@ -7,6 +7,10 @@ chose a tuned engine 2.7 points below calibrating the base on 300 test rows). So
 over whole states (:func:`cross_validated_choice`): ``CV_FOLDS`` runs each train on the other folds and answer their
 own, every row is judged once by a run that never saw it, and only then is the chosen candidate fitted on all the
 rows (the tuned ones by a last run on every row). The frozen blocks' cache is shared by every run.
+
+Beside the untuned and tuned weights, a decision head over the untuned engine's hidden states is a candidate
+(:mod:`.head_candidate`): it is fitted on the same training rows (per fold) from the features of the pass that scores
+the untuned candidates, and judged on the same rows as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..runtime.core.errors import OnepassError
+from . import head_candidate
 from .candidates import Candidate, calibrated, candidates, choose, scored_rows
 from .tune import Progress, Trainer
 
@@ -35,6 +40,7 @@ class Outcome:
     seconds: float
     folds: int  # 0: one held-out split
     rows_trained: int  # question rows of every optimiser step of every run (the folds' and the last)
+    head: object = None  # the decision head fitted on every training row, where a head candidate was chosen
 
     @property
     def judged(self) -> str:
@@ -85,21 +91,39 @@ class Runs:
         return Trainer(self.scorer, self.params, self.config, train, held, self.work / checkpoint, self.fingerprint,
                        self.log)
 
-    def scored(self, chunks: list) -> list[dict]:
-        """Rows of ``chunks`` scored by the weights in place now."""
-        return scored_rows(self.scorer, chunks, self.encoder)
+    def scored(self, chunks: list, features: bool = False) -> list[dict]:
+        """Rows of ``chunks`` scored by the weights in place now (with a decision head's ``features``)."""
+        return scored_rows(self.scorer, chunks, self.encoder, features)
 
 
-def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool, readout: str, seed: int) -> Outcome:
+def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool, readout: str, seed: int,
+                     heads: bool = True) -> Outcome:
     """The chunks scored by the initial weights (before any step, and any resume), then the runs and the choice:
-    cross-validated over whole states where ``cv``, else judged on ``held``."""
-    base_train, base_held = runs.scored(train), runs.scored(held)
+    cross-validated over whole states where ``cv``, else judged on ``held``; ``heads``: a decision head is a
+    candidate too."""
+    base_train, base_held = runs.scored(train, heads), runs.scored(held, heads)
     if cv:
-        return cross_validated_choice(runs, train, base_train, resume, readout, seed)
-    return held_out_choice(runs, train, held, (base_train, base_held), resume, readout)
+        return cross_validated_choice(runs, train, base_train, resume, readout, seed, heads)
+    return held_out_choice(runs, train, held, (base_train, base_held), resume, readout, heads)
 
 
-def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str) -> Outcome:
+def _head_fold(train: list[dict], held: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+    """A head fitted on ``train`` (rows with features): (``train``, ``held``) as it scores them."""
+    model = head_candidate.fit(train, seed)
+    return head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
+
+
+def _finish(runs: Runs, chosen: Candidate, base_train: list[dict]) -> object:
+    """The head a chosen head candidate is written with (fitted on every training row; its calibration, where
+    chosen, fitted on them as the head scores them), the initial weights back in place; None for the others."""
+    if not chosen.name.startswith("head"):
+        return None
+    runs.restore_initial()  # the tuned weights are no part of a head engine
+    return head_candidate.fit(base_train, runs.config.seed)
+
+
+def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str,
+                    heads: bool = True) -> Outcome:
     """One run on ``train``, early stopping and the choice on ``held``; ``base``: (train, held) rows scored before
     any step. The tuned weights are the snapshot early stopping kept on ``held``, so the tuned candidates' held-out
     NLL is the lowest of a few evaluations on those rows (slightly optimistic); with ``CV_BELOW_ROWS`` rows or more
@@ -110,15 +134,17 @@ def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bo
     if resume:
         trainer.resume()
     progress = trainer.run()
-    found = candidates([(*base, runs.scored(train), runs.scored(held))], readout)
+    head_sets = [_head_fold(*base, runs.config.seed)] if heads else None
+    found = candidates([(*base, runs.scored(train), runs.scored(held))], readout, head_sets)
     chosen = choose(found, runs.config.write)
     if chosen.name.startswith("base"):
         runs.restore_initial()
-    return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen)
+    head = _finish(runs, chosen, base[0])
+    return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen, head)
 
 
 def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: bool, readout: str,
-                           seed: int) -> Outcome:
+                           seed: int, heads: bool = True) -> Outcome:
     """``CV_FOLDS`` runs judged on the folds they did not see, then the chosen candidate fitted on every chunk;
     ``base``: the chunks' rows scored before any step, in chunk order."""
     started = time.perf_counter()
@@ -126,7 +152,7 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
     rows_of = np.cumsum([0] + [c.size for c in chunks])
     pick = lambda rows, f, inside: [r for i, c in enumerate(chunks) if (fold_of[i] == f) != inside  # noqa: E731
                                     for r in rows[rows_of[i]:rows_of[i + 1]]]
-    folds, trained = [], 0
+    folds, head_sets, trained = [], [], 0
     for f in range(CV_FOLDS):
         inside = [c for c, k in zip(chunks, fold_of) if k != f]
         outside = [c for c, k in zip(chunks, fold_of) if k == f]
@@ -136,10 +162,13 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
             trainer.resume()
         trained += trainer.run().rows_seen
         folds.append((pick(base, f, True), pick(base, f, False), runs.scored(inside), runs.scored(outside)))
-    found = candidates(folds, readout)
+        if heads:
+            head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed))
+    found = candidates(folds, readout, head_sets if heads else None)
     chosen = choose(found, runs.config.write)
     progress = Progress()
     runs.restore_initial()  # the last fold's weights are no candidate's
+    head = _finish(runs, chosen, base)
     if chosen.name.startswith("tuned"):
         runs.log(f"{chosen.name} chosen: the last run trains on all {len(chunks)} chunks")
         trainer = runs.trainer(chunks, [], "checkpoint.pt")
@@ -147,6 +176,8 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
             trainer.resume()
         progress = trainer.run()
     if chosen.name.endswith("+calibrate"):
-        rows = runs.scored(chunks) if chosen.name.startswith("tuned") else base
-        chosen = replace(chosen, calibration=calibrated(rows, readout))
-    return Outcome(progress, found, chosen, time.perf_counter() - started, CV_FOLDS, trained + progress.rows_seen)
+        rows = (runs.scored(chunks) if chosen.name.startswith("tuned")
+                else head_candidate.head_rows(head, base) if head is not None else base)
+        chosen = replace(chosen, calibration=calibrated(rows, "head" if head is not None else readout))
+    return Outcome(progress, found, chosen, time.perf_counter() - started, CV_FOLDS, trained + progress.rows_seen,
+                   head)

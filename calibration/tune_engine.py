@@ -139,7 +139,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
         + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
-    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed)
+    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed,
+                               heads=config.head_candidate and config.write == "best" and config.method == "lora")
     model.eval()
     scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
     progress, found, chosen, judged = outcome.progress, outcome.found, outcome.chosen, outcome.judged
@@ -164,10 +165,14 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                "weights": "initial (the base engine's, --keep-base)" if chosen.name == "base" else "tuned"}
     if held:
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
-    if chosen.name == "base+calibrate":
+    if chosen.name.startswith(("base+", "head")):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
                    "tuning": {"metrics": metrics, "steps": progress.step}}
-        write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
+        if outcome.head is not None:
+            _write_head_engine(outcome.head, chosen, choice, base, spec, adapters, files, train_rows, out,
+                               name or f"{base.name}-head")
+        else:
+            write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
         if report_dir is not None:
             summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g],
                                                   Path(report_dir), choice)
@@ -203,6 +208,21 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                                               choice)
     shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+def _write_head_engine(head, chosen, choice: dict, base, spec, adapters, files, rows: int, out: Path,
+                       name: str) -> None:
+    """``out``: the base engine's weights with the chosen decision head exported into the graph (read-out ``head``)
+    and the candidate's calibration, if it has one."""
+    from ..export.build import export_engine
+    from . import head_candidate
+
+    info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
+            "config": dataclasses.asdict(head_candidate.CONFIG)}
+    head_info = mf.HeadInfo(beta=head_candidate.beta(head), width=head.head.width, training=info)
+    export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
+                  adapters=adapters, head=head.head, head_info=head_info,
+                  finish=lambda m: dataclasses.replace(m, calibration=chosen.calibration))
 
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:

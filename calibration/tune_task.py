@@ -98,7 +98,8 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
         + ", the state's K/V from the engine's own weights (shared by every task)")
     try:
         runs = Runs(scorer, params, config, work, _fingerprint(files, engine_dir), encoder, log)
-        outcome = train_and_choose(runs, train, held, cv, False, base.scoring.readout, config.seed)
+        outcome = train_and_choose(runs, train, held, cv, False, base.scoring.readout, config.seed,
+                                   heads=False)  # a task is LoRA factors: no head
     finally:
         shutil.rmtree(work, ignore_errors=True)
     chosen, found, judged = outcome.chosen, outcome.found, outcome.judged

@@ -202,7 +202,8 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
 
     data = _fact_rows(tmp_path, notes=52, numbered=True)  # 104 rows: one held-out split (fewer: a cross-validated choice, below)
     out = tmp_path / "tuned"
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3)
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3,
+                           head_candidate=False)  # the LoRA path (the head candidate's: below)
     engine_dir = tiny_engine_dir
     summary = tune(engine_dir, [data], out, config, report_dir=tmp_path / "report", log=lambda *_: None)
     metrics = summary["tuning"]["metrics"]
@@ -234,7 +235,7 @@ def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine
     from onepass.calibration.tune_engine import tune
 
     out, report = tmp_path / "tuned", tmp_path / "report"
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2)
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, head_candidate=False)
     lines = []
     summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, numbered=True)], out, config, report_dir=report,
                    log=lines.append)
@@ -270,6 +271,41 @@ def test_tune_method_head_exports_an_engine_that_answers_with_its_head(tiny_engi
     assert set(answer["c"].probabilities) == {"red", "green"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("notes", [52, 16])  # 104 rows: one held-out split; 32: a cross-validated choice
+def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_engine_dir, tmp_path, notes):
+    """Facts a tiny LoRA run cannot learn in one step (lr 1e-6) but a head over the untuned hidden states can, asked
+    of numbered notes: tune chooses the decision head (with or without a calibration), and the engine it writes
+    (the base weights, the head in its graph, read-out ``head``) answers the held-out rows as the candidate was
+    judged in PyTorch (NLL to 1e-3). Control: the same rows with the head left out (--no-head) write another candidate,
+    worse on the same rows."""
+    from onepass import Engine
+    from onepass.calibration.tune_engine import tune
+
+    data = _fact_rows(tmp_path, notes=notes, numbered=True)
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25)
+    out, report = tmp_path / "tuned", tmp_path / "report"
+    summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lambda *_: None)
+    choice = summary["choice"]
+    by_name = {c["name"]: c["heldout_nll"] for c in choice["candidates"]}
+    chosen = choice["chosen"]
+    assert chosen.startswith("head") and by_name[chosen] < by_name["base"] - 0.05, choice
+    engine = Engine.load(out)
+    assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["choice"]["chosen"] == chosen
+    assert (engine.manifest.calibration is not None) == chosen.endswith("+calibrate")
+    assert engine.manifest.head.training["rows"] == (78 if notes == 52 else 32)
+    if notes == 52:  # a held-out split: the report scores the written engine (ONNX Runtime) on the held-out rows
+        served = json.loads((report / "report.json").read_text())["after"]["all"]["nll"]
+        assert served == pytest.approx(by_name[chosen], abs=1e-3)
+    # control: without the head the best of the others is written, and it is worse on the same rows
+    other = tune(tiny_engine_dir, [data], tmp_path / "no-head", dataclasses.replace(config, head_candidate=False,
+                                                                                    keep_base=True),
+                 log=lambda *_: None)["choice"]
+    nll = {c["name"]: c["heldout_nll"] for c in other["candidates"]}
+    assert "head" not in nll and nll[other["chosen"]] > by_name[chosen] + 0.05
+    assert Engine.load(tmp_path / "no-head").manifest.scoring.readout != "head"
+
+
 def test_tune_cli_errors_are_one_line_and_write_nothing(tmp_path):
     data = _write(tmp_path, [{"state": "x", "question": NOUL, "label": "maybe"}])
     out = tmp_path / "out"
@@ -287,7 +323,7 @@ def test_tune_that_never_beats_step_0_writes_nothing_and_exits_2_unless_keep_bas
     data = _fact_rows(tmp_path, notes=12)  # 24 rows: the 16 each fold trains on are too few to calibrate
     out = tmp_path / "tuned"
     args = [sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data", str(data), "--out",
-            str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2", "--holdout", "0.25"]
+            str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2", "--holdout", "0.25", "--no-head"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -457,8 +493,9 @@ def test_cross_validation_folds_keep_each_state_whole_and_none_is_empty():
 
 @pytest.mark.parametrize("judged", ["cross-validated", "held-out"])
 def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, tmp_path, judged):
-    """When base (or base+calibrate) wins, the weights left in the model are the initial ones, not the last
-    training run's (the weights `--keep-base` exports). Control: when tuned wins they are the trained ones."""
+    """When base (or base+calibrate) or the decision head wins, the weights left in the model are the initial ones,
+    not the last training run's (the weights `--keep-base` exports, and a head engine's), and only a chosen head
+    comes back with the outcome. Control: when tuned wins they are the trained ones."""
     from types import SimpleNamespace
 
     from onepass.calibration import tune_choice as tc
@@ -476,11 +513,13 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
             return tn.Progress()
 
     monkeypatch.setattr(tc, "Trainer", Moves)
+    monkeypatch.setattr(tc, "head_candidate", SimpleNamespace(fit=lambda rows, seed: "fitted head",
+                                                              head_rows=lambda model, rows: rows))
     chunks = [SimpleNamespace(state_ids=(i,), size=1) for i in range(6)]
-    for winner, moved in (("base", False), ("tuned", True)):
-        nll = {"base": 0.5, "tuned": 0.9} if winner == "base" else {"base": 0.9, "tuned": 0.5}
-        monkeypatch.setattr(tc, "candidates", lambda folds, readout: [Candidate(n, None, v, 0.5)  # noqa: B023
-                                                                      for n, v in nll.items()])
+    for winner, moved in (("base", False), ("head", False), ("tuned", True)):
+        nll = {name: 0.5 if name == winner else 0.9 for name in ("base", "head", "tuned")}
+        monkeypatch.setattr(tc, "candidates", lambda folds, readout, heads: [Candidate(n, None, v, 0.5)  # noqa: B023
+                                                                             for n, v in nll.items()])
         with torch.no_grad():
             weight.zero_()
         runs = tc.Runs(None, [weight], tn.TuneConfig(), tmp_path, {}, None, lambda *_: None)
@@ -491,6 +530,7 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
             outcome = tc.held_out_choice(runs, chunks[:4], chunks[4:], ([{}] * 4, [{}] * 2), False, "mean")
         assert outcome.chosen.name == winner
         assert bool(weight.abs().sum() > 0) == moved, (winner, weight)
+        assert outcome.head == ("fitted head" if winner == "head" else None)
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
@@ -508,8 +548,8 @@ def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate(
 @pytest.mark.slow
 def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_engine_dir, tmp_path):
     """Every note's answer is yes, which a calibration of the untuned engine learns from the training rows; a
-    learning rate too small to move the weights leaves the tuned candidates no better. `onepass tune` then writes the
-    base engine (the same graph and weights) with that calibration, says so, and the engine answers yes more
+    learning rate too small to move the weights leaves the tuned candidates no better (and the head is left out:
+    it would learn the same). `onepass tune` then writes the base engine (the same graph and weights) with that calibration, says so, and the engine answers yes more
     surely than its base."""
     from onepass import Engine
 
@@ -519,7 +559,7 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
     out = tmp_path / "tuned"
     proc = subprocess.run([sys.executable, "-m", "onepass", "tune", "--engine", str(tiny_engine_dir), "--data",
                            str(data), "--out", str(out), "--lr", "1e-12", "--max-steps", "2", "--rank", "2",
-                           "--holdout", "0.25"], capture_output=True, text=True, timeout=600)
+                           "--holdout", "0.25", "--no-head"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "written: base+calibrate" in proc.stdout, proc.stdout[-2000:]
     base, tuned = Engine.load(tiny_engine_dir), Engine.load(out)

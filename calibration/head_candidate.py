@@ -1,0 +1,53 @@
+"""The decision head as one of `onepass tune`'s candidates: the cheapest fit that learns from the hidden states.
+
+The untuned engine already computes, for every option, the final-normed hidden state after reading it; with a few
+dozen labelled rows a small head over those states (:class:`onepass.calibration.head.HeadModel`: ``beta * zero_shot +
+head(h)``) separates what the zero-shot read-out does not (50 Rotten Tomatoes rows: 0.64 on 300 unseen states, where
+calibrating the untuned engine gives 0.51 and tuning LoRA 0.56; ``benchmarks/results/head_candidate.md``). Its
+features come from the same pass that scores the untuned candidates, so it costs tune a few seconds of fitting per run,
+and it is judged as the others are: on rows it was not fitted on (cross-validated over whole states with few rows). A
+chosen head is exported into the graph (the engine's read-out becomes ``head``), as ``tune --method head`` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import head as hd
+from .head_features import OptionFeatures
+
+# Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/results/head_candidate.md):
+# cross-entropy only, a narrow MLP, strong weight decay and a fixed number of epochs (no rows to stop early on).
+CONFIG = hd.HeadConfig(width=16, rlcd_weight=0.0, lr=1e-3, weight_decay=0.1, epochs=60, batch=64, seed=0)
+
+
+def option_features(rows: list[dict]) -> OptionFeatures:
+    """The head's training view of scored rows that carry their ``features`` (:func:`candidates.scored_rows`)."""
+    hidden = np.concatenate([r["features"][0] for r in rows]).astype(np.float32)
+    mean = np.concatenate([r["features"][1] for r in rows]).astype(np.float64)
+    sizes = [len(r["features"][1]) for r in rows]
+    return OptionFeatures(hidden, mean, np.ones_like(mean), np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                          np.array([r["label"] for r in rows], dtype=np.int64), np.array(["tune"] * len(rows)))
+
+
+def fit(rows: list[dict], seed: int = 0) -> hd.HeadModel:
+    """A head fitted on ``rows`` (their labels: a teacher's distribution counts as its most probable option)."""
+    model, _ = hd.train(option_features(rows), None, hd.HeadConfig(**{**CONFIG.__dict__, "seed": seed}))
+    return model.eval()
+
+
+def head_rows(model: hd.HeadModel, rows: list[dict]) -> list[dict]:
+    """``rows`` as the head engine scores them: each row's scores replaced by ``beta * mean + head(h)``."""
+    with torch.no_grad():
+        out = []
+        for r in rows:
+            hidden, mean = (torch.from_numpy(np.asarray(a)) for a in r["features"])
+            scores = model(hidden.float(), mean.float()).double().tolist()
+            out.append({**r, "scores": scores})
+    return out
+
+
+def beta(model: hd.HeadModel) -> float:
+    """The weight of the zero-shot mean read-out in the head's score (the manifest's ``head.beta``)."""
+    return float(model.beta.detach())
