@@ -533,6 +533,41 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
         assert outcome.head == ("fitted head" if winner == "head" else None)
 
 
+def _with_features(rows, signal: float, rng):
+    """``rows`` carrying a head's features: 16-d hidden states in which the labelled option's carry ``signal`` on
+    one axis (0: nothing to learn), and the rows' own scores as the options' mean log-likelihoods."""
+    out = []
+    for r in rows:
+        hidden = rng.normal(0, 1, (len(r["scores"]), 16)).astype(np.float32)
+        hidden[r["label"], 0] += signal
+        out.append({**r, "features": (hidden, np.asarray(r["scores"], dtype=np.float64))})
+    return out
+
+
+def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_beside_the_others():
+    """A head fitted on rows whose hidden states carry the label (and whose zero-shot scores do not) answers other
+    rows far better than the base; the six candidates come in order, the head's calibration fitted on the head's own
+    scores (read-out ``head``). Control: hidden states that carry nothing give a head no better than the base."""
+    from onepass.calibration import head_candidate
+    from onepass.calibration.candidates import candidates, choose
+
+    rng = np.random.default_rng(0)
+    labels = np.arange(120) % 2
+    train, held = (_with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels[:60]), 3.0, rng) for _ in range(2))
+    model = head_candidate.fit(train)
+    head_train, head_held = head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
+    found = candidates([(train, held, train, held)], "mean", [(head_train, head_held)])
+    assert [c.name for c in found] == ["base", "base+calibrate", "head", "head+calibrate", "tuned", "tuned+calibrate"]
+    by_name = {c.name: c for c in found}
+    assert by_name["head"].accuracy > 0.8 and by_name["head"].nll < by_name["base"].nll - 0.1, found
+    assert choose(found).name.startswith("head") and by_name["head+calibrate"].calibration.readout == "head"
+    noise = [_with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels[:60]), 0.0, rng) for _ in range(2)]
+    blind = head_candidate.fit(noise[0])
+    found = candidates([(*noise, *noise)], "mean", [tuple(head_candidate.head_rows(blind, n) for n in noise)])
+    by_name = {c.name: c for c in found}
+    assert by_name["head"].accuracy < 0.7 and by_name["head"].nll > by_name["base"].nll - 0.05
+
+
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
     from onepass.calibration.candidates import candidates
 
