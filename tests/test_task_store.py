@@ -8,6 +8,7 @@ import hashlib
 import json
 import shutil
 from contextlib import nullcontext
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -127,6 +128,40 @@ def test_the_wire_names_a_task_and_an_unknown_one_is_refused_with_the_engines_ta
     with Engine.load(tiny_engine_dir, backend="onnxruntime") as plain:
         with pytest.raises(InvalidRequest, match="no tuned task 'fraud'; it has none"):
             plain.request(body)
+
+
+def test_decide_asks_a_fields_task_as_named_on_the_field_or_on_its_nested_model(tasked):
+    """``json_schema_extra={"task": ...}`` on a field asks its question of that task (on a nested model's field, every
+    question inside); each answer equals the same question asked with its task in Python, the untasked field the base's.
+    Control: the tasked answers differ from the untasked ones. A task that is not a name is refused naming the field."""
+    from pydantic import BaseModel, Field
+
+    from onepass.runtime.core.errors import InvalidRequest as Invalid
+
+    class Inner(BaseModel):
+        team: Literal["billing", "shipping"] = Field(description="Which team?")
+
+    class Ticket(BaseModel):
+        fraud: bool = Field(description="Is this fraud?", json_schema_extra={"task": "fraud"})
+        plain: bool = Field(description="Is this fraud?")
+        routed: Inner = Field(json_schema_extra={"task": "urgency"})
+
+    engine_dir, _ = tasked
+    with Engine.load(engine_dir, backend="onnxruntime") as engine:
+        decision = engine.decide(STATE, Ticket)
+        want = engine.ask(STATE, {"fraud": Noul("Is this fraud?", task="fraud"), "plain": Noul("Is this fraud?"),
+                                  "team": Choice("Which team?", {"billing": None, "shipping": None}, task="urgency")})
+        assert decision.answers["fraud"].noul == pytest.approx(want["fraud"].noul, abs=1e-9)
+        assert decision.answers["plain"].noul == pytest.approx(want["plain"].noul, abs=1e-9)
+        assert decision.answers["routed.team"].probabilities == pytest.approx(want["team"].probabilities, abs=1e-9)
+        assert abs(decision.answers["fraud"].noul - decision.answers["plain"].noul) > 1e-4
+
+        class Bad(BaseModel):
+            fraud: bool = Field(json_schema_extra={"task": 3})
+
+        with pytest.raises(Invalid, match="^fraud: task must be the name") as err:
+            engine.decide(STATE, Bad)
+        assert err.value.field == "fraud"
 
 
 def test_a_backend_without_task_slots_is_refused_by_name(tasked):

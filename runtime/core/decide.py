@@ -10,7 +10,9 @@ Field -> question (the field's ``description`` is the instructions; else its nam
 * ``Optional[...]`` of any of these -> the field is ``None`` when its answer abstains
   (confidence under ``min_confidence``); a required field keeps its value and is listed in
   ``abstained``;
-* a nested model -> its fields, with ids prefixed ``"outer.inner"``.
+* a nested model -> its fields, with ids prefixed ``"outer.inner"``;
+* ``json_schema_extra={"task": "fraud"}`` on a field -> its question is asked of the engine's tuned task
+  ``fraud`` (``onepass tune --task``); on a nested model's field, every question inside it is.
 
 Anything else is refused with an error naming the field. The client side (``request_body`` and
 ``parse_response``) builds the same TypeSafe request for ``onepass serve`` or any compatible
@@ -29,7 +31,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel
 
 from .errors import InvalidRequest
-from .questions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer, to_wire
+from .questions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, ScoreAnswer, to_wire, with_task
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -72,8 +74,9 @@ def _unwrap_optional(annotation) -> tuple[Any, bool]:
     return annotation, False
 
 
-def plan(model: type[BaseModel], prefix: tuple = ()) -> tuple[dict, dict]:
-    """({question id: Question}, {question id: _Field}) for every field of ``model`` (nested models flattened)."""
+def plan(model: type[BaseModel], prefix: tuple = (), task: str | None = None) -> tuple[dict, dict]:
+    """({question id: Question}, {question id: _Field}) for every field of ``model`` (nested models flattened);
+    ``task``: the tuned task a nested model's fields inherit where they name none."""
     if not (inspect.isclass(model) and issubclass(model, BaseModel)):
         raise InvalidRequest(f"decide needs a pydantic BaseModel class, got {model!r}", "model")
     questions, fields = {}, {}
@@ -84,6 +87,7 @@ def plan(model: type[BaseModel], prefix: tuple = ()) -> tuple[dict, dict]:
         instructions = info.description or name.replace("_", " ")
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         described = extra.get("options", {}) or {}
+        field_task = extra.get("task", task)
         levels = next((m for m in info.metadata if isinstance(m, Levels)), None)
         if levels is not None:
             if annotation is not int:
@@ -103,13 +107,19 @@ def plan(model: type[BaseModel], prefix: tuple = ()) -> tuple[dict, dict]:
         elif inspect.isclass(annotation) and issubclass(annotation, BaseModel):
             if optional:
                 raise InvalidRequest(f"field {qid}: an optional nested model is not supported", qid)
-            inner_q, inner_f = plan(annotation, path)
+            inner_q, inner_f = plan(annotation, path, field_task)
             questions.update(inner_q)
             fields.update(inner_f)
+            continue
         else:
             raise InvalidRequest(
                 f"field {qid}: type {annotation!r} cannot be asked; use bool, Literal[...], an Enum, "
                 "Annotated[int, Levels(...)], a nested model, or Optional[...] of one of these", qid)
+        if field_task is not None:
+            try:
+                questions[qid] = with_task(questions[qid], field_task)
+            except InvalidRequest as err:  # a task that is not a name
+                raise InvalidRequest(err.reason, qid) from None
     return questions, fields
 
 
