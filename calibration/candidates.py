@@ -61,7 +61,7 @@ def scored_rows(scorer, chunks: list, encoder, features: bool = False) -> list[d
                 out.append({"type": q.type, "scores": scores.double().cpu().tolist(), "label": row.label,
                             "target": row.target, "names": names, "dataset": row.dataset,
                             "qkey": question_key(q.type, encoder.instructions(q), names),
-                            **({"features": feats} if features else {})})
+                            **({"features": feats, "state": hash(tuple(chunk.state_ids))} if features else {})})
     return out
 
 

@@ -5,7 +5,9 @@ dozen labelled rows a small head over those states (:class:`onepass.calibration.
 head(h)``) separates what the zero-shot read-out does not (50 Rotten Tomatoes rows: 0.64 on 300 unseen states, where
 calibrating the untuned engine gives 0.51 and tuning LoRA 0.56; ``benchmarks/results/head_candidate.md``). Its
 features come from the same pass that scores the untuned candidates, so it costs tune a few seconds of fitting per run,
-and it is judged as the others are: on rows it was not fitted on (cross-validated over whole states with few rows). A
+and it is judged as the others are: on rows it was not fitted on (cross-validated over whole states with few rows).
+Its scores are divided by a temperature chosen on its own out-of-fold scores (:func:`temperature`), so that a head
+that separates the classes is not judged out of the choice for the overconfidence of a fit to a few dozen rows. A
 chosen head is exported into the graph (the engine's read-out becomes ``head``), as ``tune --method head`` does.
 """
 
@@ -31,10 +33,55 @@ def option_features(rows: list[dict]) -> OptionFeatures:
                           np.array([r["label"] for r in rows], dtype=np.int64), np.array(["tune"] * len(rows)))
 
 
+INNER_FOLDS = 3  # folds of whole states over a head's own training rows, for its temperature
+TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(20.0), 61))  # the grid a temperature is chosen from
+
+
 def fit(rows: list[dict], seed: int = 0) -> hd.HeadModel:
-    """A head fitted on ``rows`` (their labels: a teacher's distribution counts as its most probable option)."""
+    """A head fitted on ``rows`` (their labels: a teacher's distribution counts as its most probable option), its
+    scores divided by the temperature its out-of-fold scores on ``rows`` ask for (:func:`temperature`), folded into
+    the head: what the engine computes is what was judged."""
+    model = _train(rows, seed)
+    return tempered(model, temperature(rows, seed))
+
+
+def _train(rows: list[dict], seed: int) -> hd.HeadModel:
     model, _ = hd.train(option_features(rows), None, hd.HeadConfig(**{**CONFIG.__dict__, "seed": seed}))
     return model.eval()
+
+
+def temperature(rows: list[dict], seed: int = 0) -> float:
+    """The temperature of lowest NLL for scores of rows the head was not fitted on. A head fitted to a few dozen rows
+    separates them far more surely than it separates others (its scores on its own rows would call for sharpening, on
+    others for softening: 50 rows of speeches, NLL 0.92 with accuracy 0.58 where the calibrated base has 0.74 with
+    0.54); so ``INNER_FOLDS`` heads, each fitted on the other folds of whole states, score the rest, and the
+    temperature is chosen on those scores (1 where the rows are too few to fold)."""
+    states = sorted({r["state"] for r in rows})
+    if len(states) < 2 * INNER_FOLDS:
+        return 1.0
+    order = np.random.default_rng([seed, 45]).permutation(len(states))
+    fold_of = {states[i]: k % INNER_FOLDS for k, i in enumerate(order)}
+    scored = []
+    for f in range(INNER_FOLDS):
+        inside = [r for r in rows if fold_of[r["state"]] != f]
+        scored += head_rows(_train(inside, seed), [r for r in rows if fold_of[r["state"]] == f])
+    nll = [sum(-_log_softmax(np.asarray(r["scores"]) / t)[r["label"]] for r in scored) for t in TEMPERATURES]
+    return float(TEMPERATURES[int(np.argmin(nll))])
+
+
+def tempered(model: hd.HeadModel, t: float) -> hd.HeadModel:
+    """``model`` with its scores divided by ``t`` (beta and the head's output layer scaled), in place."""
+    with torch.no_grad():
+        model.beta.div_(t)
+        model.head.out.weight.div_(t)
+        model.head.out.bias.div_(t)
+    model.temperature = t
+    return model
+
+
+def _log_softmax(s: np.ndarray) -> np.ndarray:
+    s = s - s.max()
+    return s - np.log(np.exp(s).sum())
 
 
 def head_rows(model: hd.HeadModel, rows: list[dict]) -> list[dict]:

@@ -218,7 +218,7 @@ def _write_head_engine(head, chosen, choice: dict, base, spec, adapters, files, 
     from . import head_candidate
 
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
-            "config": dataclasses.asdict(head_candidate.CONFIG)}
+            "config": dataclasses.asdict(head_candidate.CONFIG), "temperature": getattr(head, "temperature", 1.0)}
     head_info = mf.HeadInfo(beta=head_candidate.beta(head), width=head.head.width, training=info)
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
                   adapters=adapters, head=head.head, head_info=head_info,

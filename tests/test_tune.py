@@ -537,10 +537,10 @@ def _with_features(rows, signal: float, rng):
     """``rows`` carrying a head's features: 16-d hidden states in which the labelled option's carry ``signal`` on
     one axis (0: nothing to learn), and the rows' own scores as the options' mean log-likelihoods."""
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
         hidden = rng.normal(0, 1, (len(r["scores"]), 16)).astype(np.float32)
         hidden[r["label"], 0] += signal
-        out.append({**r, "features": (hidden, np.asarray(r["scores"], dtype=np.float64))})
+        out.append({**r, "features": (hidden, np.asarray(r["scores"], dtype=np.float64)), "state": i // 2})
     return out
 
 
@@ -566,6 +566,16 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     found = candidates([(*noise, *noise)], "mean", [tuple(head_candidate.head_rows(blind, n) for n in noise)])
     by_name = {c.name: c for c in found}
     assert by_name["head"].accuracy < 0.7 and by_name["head"].nll > by_name["base"].nll - 0.05
+    # the temperature comes from scores of rows each inner head did not see: noise asks for softening, and the
+    # temperature is folded into the head exactly (beta and its output layer)
+    assert head_candidate.temperature(noise[0]) > 1.5
+    import copy
+
+    raw = head_candidate._train(noise[0], 0)
+    halved = head_candidate.tempered(copy.deepcopy(raw), 2.0)
+    np.testing.assert_allclose([r["scores"] for r in head_candidate.head_rows(halved, noise[1])],
+                               [np.asarray(r["scores"]) / 2 for r in head_candidate.head_rows(raw, noise[1])],
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
