@@ -347,6 +347,8 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
                      f"NLL {r['nll']:.3f}  Brier {r['brier']:.3f}  ECE {r['ece']:.3f}")
     chosen = summary.get("choice", {}).get("chosen", "tuned")
     what = {"base": "the base engine (--keep-base)", "base+calibrate": "the base engine with a calibration",
+            "head": "the base engine with a decision head",
+            "head+calibrate": "the base engine with a decision head and a calibration",
             "tuned": "tuned engine", "tuned+calibrate": "tuned engine (with a calibration)"}[chosen]
     lines.append(f"{what} written to {out}; report in {report_dir}")
     return lines

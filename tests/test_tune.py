@@ -294,6 +294,9 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["choice"]["chosen"] == chosen
     assert (engine.manifest.calibration is not None) == chosen.endswith("+calibrate")
     assert engine.manifest.head.training["rows"] == (78 if notes == 52 else 32)
+    from onepass.calibration.tune_engine import summary_lines
+
+    assert summary_lines(summary, out, report)[-1].startswith("the base engine with a decision head")  # as printed
     if notes == 52:  # a held-out split: the report scores the written engine (ONNX Runtime) on the held-out rows
         served = json.loads((report / "report.json").read_text())["after"]["all"]["nll"]
         assert served == pytest.approx(by_name[chosen], abs=1e-3)
