@@ -79,7 +79,7 @@ def _training(p, named: str, held: str) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
     p.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
     p.add_argument("--write", choices=("best", "tuned"), default="best",
-                   help="best: the candidate (base, base+calibrate, head, head+calibrate, tuned, tuned+calibrate) "
+                   help="best: the candidate (base, base+calibrate, head, tuned, tuned+calibrate) "
                         "with the lowest NLL on rows it was not fitted on; tuned: the tuned weights, uncalibrated, "
                         "whatever the candidates say")
     p.add_argument("--no-head", dest="head_candidate", action="store_false",

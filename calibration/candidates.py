@@ -5,8 +5,10 @@ The candidates, all judged on the same held-out states (never trained on, never 
 - ``base``: the untuned engine, zero-shot;
 - ``base+calibrate``: the untuned engine with a calibration (temperature and bias per group,
   :func:`onepass.calibration.fit.fit`) fitted on the training rows' scores;
-- ``head`` and ``head+calibrate``: the untuned engine with a decision head fitted on the training rows' hidden states
-  (:mod:`onepass.calibration.head_candidate`; the engine's read-out becomes ``head``);
+- ``head``: the untuned engine with a decision head fitted on the training rows' hidden states
+  (:mod:`onepass.calibration.head_candidate`; the engine's read-out becomes ``head``). It has no calibrated twin: its
+  temperature is chosen on its own out-of-fold scores already, and a calibration fitted on the scores of the rows it
+  was fitted on would only sharpen it;
 - ``tuned``: the tuned weights;
 - ``tuned+calibrate``: the tuned weights with a calibration fitted on the training rows' tuned scores.
 
@@ -27,7 +29,7 @@ from ..runtime.core.readout_calibration import Calibration, question_key
 from .fit import fit
 
 # cheapest first: a tie goes to the earlier
-ORDER = ("base", "base+calibrate", "head", "head+calibrate", "tuned", "tuned+calibrate")
+ORDER = ("base", "base+calibrate", "head", "tuned", "tuned+calibrate")
 TIE = 1e-3  # held-out NLL differences below this are ties
 
 
@@ -96,12 +98,12 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
     """
     totals: dict[str, list] = {}
     for i, (base_train, base_held, tuned_train, tuned_held) in enumerate(folds):
-        sets = [("base", base_train, base_held, readout), ("tuned", tuned_train, tuned_held, readout)]
+        sets = [("base", base_train, base_held), ("tuned", tuned_train, tuned_held)]
         if heads is not None:
-            sets.insert(1, ("head", *heads[i], "head"))
-        for name, train, held, scored_by in sets:
-            fitted = calibrated(train, scored_by)
-            for key, calibration in ((name, None), (f"{name}+calibrate", fitted)):
+            sets.insert(1, ("head", *heads[i]))
+        for name, train, held in sets:
+            fitted = calibrated(train, readout) if name != "head" else None
+            for key, calibration in ((name, None), *(((f"{name}+calibrate", fitted),) if name != "head" else ())):
                 if key != name and calibration is None:
                     totals[key] = None  # a fold without a calibration: no calibrated candidate at all
                 if totals.get(key, []) is None:

@@ -263,12 +263,12 @@ class PackedScorer:
 
     def scores(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
-        return self._outputs(chunk)[0]
+        return self._outputs(chunk, hidden=False)[0]
 
     def scores_and_features(self, chunk: Chunk) -> list[tuple]:
         """Per question, (its [K] option scores, what a decision head reads of it: (the final-normed hidden state
         after each option [K, d] float32, each option's mean log-likelihood [K] float64), numpy), from one pass."""
-        scores, hidden = self._outputs(chunk)
+        scores, hidden = self._outputs(chunk, hidden=True)
         out = []
         for s, h, tokens in zip(scores, hidden, chunk.encoded):
             lengths = torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=s.device)
@@ -276,9 +276,9 @@ class PackedScorer:
             out.append((s, (h.detach().float().cpu().numpy(), mean.detach().double().cpu().numpy())))
         return out
 
-    def _outputs(self, chunk: Chunk) -> tuple[list, list]:
-        """(per question its [K] option scores; per question the hidden states at its options' last read-out rows
-        [K, d])."""
+    def _outputs(self, chunk: Chunk, hidden: bool) -> tuple[list, list]:
+        """(per question its [K] option scores; with ``hidden``, per question the hidden states at its options' last
+        read-out rows [K, d], else nothing)."""
         batch, state, x_state, x_packed, state_past = self._trunk(chunk)
         top = range(self.frozen, self.decoder.dims.num_layers)
         if state_past is None:
@@ -289,14 +289,15 @@ class PackedScorer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             h, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))
         target = target.float()  # [R] log-probs of the read-out targets
-        out, hidden = [], []
+        out, states = [], []
         for tokens, readouts in zip(chunk.encoded, batch.option_readouts):
             sums = torch.stack([target[torch.from_numpy(r).to(self.device)].sum() for r in readouts])  # [K]
             if self.readout == "mean":
                 sums = sums / torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=self.device)
             out.append(sums)
-            hidden.append(h[torch.tensor([int(r[-1]) for r in readouts], device=self.device)])
-        return out, hidden
+            if hidden:
+                states.append(h[torch.tensor([int(r[-1]) for r in readouts], device=self.device)])
+        return out, states
 
 
 def _target(row: TuneRow, device) -> torch.Tensor:

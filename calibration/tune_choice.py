@@ -107,19 +107,19 @@ def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool
     return held_out_choice(runs, train, held, (base_train, base_held), resume, readout, heads)
 
 
-def _head_fold(train: list[dict], held: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
-    """A head fitted on ``train`` (rows with features): (``train``, ``held``) as it scores them."""
+def _head_fold(train: list[dict], held: list[dict], seed: int) -> tuple:
+    """A head fitted on ``train`` (rows with features): (the head, ``train`` and ``held`` as it scores them)."""
     model = head_candidate.fit(train, seed)
-    return head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
+    return model, head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
 
 
-def _finish(runs: Runs, chosen: Candidate, base_train: list[dict]) -> object:
-    """The head a chosen head candidate is written with (fitted on every training row; its calibration, where
-    chosen, fitted on them as the head scores them), the initial weights back in place; None for the others."""
-    if not chosen.name.startswith("head"):
+def _finish(runs: Runs, chosen: Candidate, head) -> object:
+    """The head a chosen head candidate is written with (``head()``: the head judged after one held-out split, fitted
+    on every training row after a cross-validated choice), the initial weights back in place; None for the others."""
+    if chosen.name != "head":
         return None
     runs.restore_initial()  # the tuned weights are no part of a head engine
-    return head_candidate.fit(base_train, runs.config.seed)
+    return head()
 
 
 def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str,
@@ -134,12 +134,12 @@ def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bo
     if resume:
         trainer.resume()
     progress = trainer.run()
-    head_sets = [_head_fold(*base, runs.config.seed)] if heads else None
-    found = candidates([(*base, runs.scored(train), runs.scored(held))], readout, head_sets)
+    fold = _head_fold(*base, runs.config.seed) if heads else None
+    found = candidates([(*base, runs.scored(train), runs.scored(held))], readout, [fold[1:]] if heads else None)
     chosen = choose(found, runs.config.write)
     if chosen.name.startswith("base"):
         runs.restore_initial()
-    head = _finish(runs, chosen, base[0])
+    head = _finish(runs, chosen, lambda: fold[0])
     return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen, head)
 
 
@@ -163,12 +163,12 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
         trained += trainer.run().rows_seen
         folds.append((pick(base, f, True), pick(base, f, False), runs.scored(inside), runs.scored(outside)))
         if heads:
-            head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed))
+            head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed)[1:])
     found = candidates(folds, readout, head_sets if heads else None)
     chosen = choose(found, runs.config.write)
     progress = Progress()
     runs.restore_initial()  # the last fold's weights are no candidate's
-    head = _finish(runs, chosen, base)
+    head = _finish(runs, chosen, lambda: head_candidate.fit(base, runs.config.seed))
     if chosen.name.startswith("tuned"):
         runs.log(f"{chosen.name} chosen: the last run trains on all {len(chunks)} chunks")
         trainer = runs.trainer(chunks, [], "checkpoint.pt")
@@ -176,8 +176,7 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
             trainer.resume()
         progress = trainer.run()
     if chosen.name.endswith("+calibrate"):
-        rows = (runs.scored(chunks) if chosen.name.startswith("tuned")
-                else head_candidate.head_rows(head, base) if head is not None else base)
-        chosen = replace(chosen, calibration=calibrated(rows, "head" if head is not None else readout))
+        rows = runs.scored(chunks) if chosen.name.startswith("tuned") else base
+        chosen = replace(chosen, calibration=calibrated(rows, readout))
     return Outcome(progress, found, chosen, time.perf_counter() - started, CV_FOLDS, trained + progress.rows_seen,
                    head)

@@ -149,7 +149,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if chosen.name == "base" or (config.write == "tuned" and chosen.nll >= untuned.nll - TIE):
         message = (f"tuning never improved on the base engine: on the {judged} rows the base engine's NLL, "
                    f"{untuned.nll:.4f}, was not beaten " + ("by tuning it (--write tuned)" if config.write == "tuned"
-                                                            else "by calibrating it or by tuning it"))
+                                                            else "by calibrating it, by a decision head or by tuning "
+                                                                 "it"))
         if not config.keep_base:
             shutil.rmtree(work, ignore_errors=True)
             raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
@@ -162,10 +163,12 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     history = progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
-               "weights": "initial (the base engine's, --keep-base)" if chosen.name == "base" else "tuned"}
+               "weights": {"base": "initial (the base engine's, --keep-base)", "base+calibrate": "initial (the base "
+                           "engine's)", "head": "initial (the base engine's) with a decision head"}.get(chosen.name,
+                                                                                                  "tuned")}
     if held:
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
-    if chosen.name.startswith(("base+", "head")):
+    if chosen.name in ("base+calibrate", "head"):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
                    "tuning": {"metrics": metrics, "steps": progress.step}}
         if outcome.head is not None:
@@ -348,7 +351,6 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
     chosen = summary.get("choice", {}).get("chosen", "tuned")
     what = {"base": "the base engine (--keep-base)", "base+calibrate": "the base engine with a calibration",
             "head": "the base engine with a decision head",
-            "head+calibrate": "the base engine with a decision head and a calibration",
             "tuned": "tuned engine", "tuned+calibrate": "tuned engine (with a calibration)"}[chosen]
     lines.append(f"{what} written to {out}; report in {report_dir}")
     return lines

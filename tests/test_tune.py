@@ -275,7 +275,7 @@ def test_tune_method_head_exports_an_engine_that_answers_with_its_head(tiny_engi
 @pytest.mark.parametrize("notes", [52, 16])  # 104 rows: one held-out split; 32: a cross-validated choice
 def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_engine_dir, tmp_path, notes):
     """Facts a tiny LoRA run cannot learn in one step (lr 1e-6) but a head over the untuned hidden states can, asked
-    of numbered notes: tune chooses the decision head (with or without a calibration), and the engine it writes
+    of numbered notes: tune chooses the decision head, and the engine it writes
     (the base weights, the head in its graph, read-out ``head``) answers the held-out rows as the candidate was
     judged in PyTorch (NLL to 1e-3). Control: the same rows with the head left out (--no-head) write another candidate,
     worse on the same rows."""
@@ -289,10 +289,10 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     choice = summary["choice"]
     by_name = {c["name"]: c["heldout_nll"] for c in choice["candidates"]}
     chosen = choice["chosen"]
-    assert chosen.startswith("head") and by_name[chosen] < by_name["base"] - 0.05, choice
+    assert chosen == "head" and by_name[chosen] < by_name["base"] - 0.05, choice
     engine = Engine.load(out)
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["choice"]["chosen"] == chosen
-    assert (engine.manifest.calibration is not None) == chosen.endswith("+calibrate")
+    assert engine.manifest.calibration is None
     assert engine.manifest.head.training["rows"] == (78 if notes == 52 else 32)
     from onepass.calibration.tune_engine import summary_lines
 
@@ -549,8 +549,8 @@ def _with_features(rows, signal: float, rng):
 
 def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_beside_the_others():
     """A head fitted on rows whose hidden states carry the label (and whose zero-shot scores do not) answers other
-    rows far better than the base; the six candidates come in order, the head's calibration fitted on the head's own
-    scores (read-out ``head``). Control: hidden states that carry nothing give a head no better than the base."""
+    rows far better than the base; the five candidates come in order (the head without a calibrated twin: its temperature
+    is its calibration). Control: hidden states that carry nothing give a head no better than the base."""
     from onepass.calibration import head_candidate
     from onepass.calibration.candidates import candidates, choose
 
@@ -560,10 +560,10 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     model = head_candidate.fit(train)
     head_train, head_held = head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
     found = candidates([(train, held, train, held)], "mean", [(head_train, head_held)])
-    assert [c.name for c in found] == ["base", "base+calibrate", "head", "head+calibrate", "tuned", "tuned+calibrate"]
+    assert [c.name for c in found] == ["base", "base+calibrate", "head", "tuned", "tuned+calibrate"]
     by_name = {c.name: c for c in found}
     assert by_name["head"].accuracy > 0.8 and by_name["head"].nll < by_name["base"].nll - 0.1, found
-    assert choose(found).name.startswith("head") and by_name["head+calibrate"].calibration.readout == "head"
+    assert choose(found).name == "head"
     noise = [_with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels[:60]), 0.0, rng) for _ in range(2)]
     blind = head_candidate.fit(noise[0])
     found = candidates([(*noise, *noise)], "mean", [tuple(head_candidate.head_rows(blind, n) for n in noise)])
