@@ -91,7 +91,7 @@ def masked_share(batch) -> float:
     return 1.0 - float(batch.tree_mask.sum()) / batch.tree_mask.size
 
 
-def profile_lines(profile: dict, flops: dict, n: int, past: int, hidden: float) -> list[str]:
+def profile_lines(profile: dict, n: int, past: int, hidden: float) -> list[str]:
     """The profile's table and what skipping the masked attention could save at most."""
     total = sum(profile.values())
     attention = profile.get("Subgraph", 0.0)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {r['median_ms']:.0f} | {r['gflops_per_s']:.0f} | "
                      f"{r['share_of_pass_gemm_ceiling']:.0%} | {r['share_of_square_gemm_peak']:.0%} |")
     if "openvino_profile_ms" in result:
-        lines += profile_lines(result["openvino_profile_ms"], flops, n, past,
+        lines += profile_lines(result["openvino_profile_ms"], n, past,
                                result["masked_share_of_packed_attention"])
     lines += ["", f"    python benchmarks/roofline.py --engine {args.engine}"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
