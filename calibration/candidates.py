@@ -52,7 +52,8 @@ class Candidate:
 def scored_rows(scorer, chunks: list, encoder, features: bool = False) -> list[dict]:
     """The rows of ``chunks`` scored by ``scorer`` (no gradient), as :func:`onepass.calibration.fit.fit` reads them:
     type, scores, label, option names, question key; ``target``: the label or the teacher's distribution. With
-    ``features``, each row also carries what a decision head reads (``scorer.features``), from the same pass."""
+    ``features``, each row also carries what a decision head reads (``scorer.scores_and_features``) and its state's
+    key, from the same pass."""
     out = []
     with torch.no_grad():
         for chunk in chunks:
@@ -98,12 +99,12 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
     """
     totals: dict[str, list] = {}
     for i, (base_train, base_held, tuned_train, tuned_held) in enumerate(folds):
-        sets = [("base", base_train, base_held), ("tuned", tuned_train, tuned_held)]
+        sets = [("base", base_train, base_held, True), ("tuned", tuned_train, tuned_held, True)]
         if heads is not None:
-            sets.insert(1, ("head", *heads[i]))
-        for name, train, held in sets:
-            fitted = calibrated(train, readout) if name != "head" else None
-            for key, calibration in ((name, None), *(((f"{name}+calibrate", fitted),) if name != "head" else ())):
+            sets.insert(1, ("head", *heads[i], False))  # no calibrated twin (the module's docstring)
+        for name, train, held, calibrates in sets:
+            keyed = [(name, None)] + ([(f"{name}+calibrate", calibrated(train, readout))] if calibrates else [])
+            for key, calibration in keyed:
                 if key != name and calibration is None:
                     totals[key] = None  # a fold without a calibration: no calibrated candidate at all
                 if totals.get(key, []) is None:

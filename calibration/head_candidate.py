@@ -93,8 +93,3 @@ def head_rows(model: hd.HeadModel, rows: list[dict]) -> list[dict]:
             scores = model(hidden.float(), mean.float()).double().tolist()
             out.append({**r, "scores": scores})
     return out
-
-
-def beta(model: hd.HeadModel) -> float:
-    """The weight of the zero-shot mean read-out in the head's score (the manifest's ``head.beta``)."""
-    return float(model.beta.detach())

@@ -163,16 +163,14 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     history = progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
-               "weights": {"base": "initial (the base engine's, --keep-base)", "base+calibrate": "initial (the base "
-                           "engine's)", "head": "initial (the base engine's) with a decision head"}.get(chosen.name,
-                                                                                                  "tuned")}
+               "weights": WEIGHTS_WRITTEN.get(chosen.name, "tuned")}
     if held:
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
     if chosen.name in ("base+calibrate", "head"):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
                    "tuning": {"metrics": metrics, "steps": progress.step}}
         if outcome.head is not None:
-            _write_head_engine(outcome.head, chosen, choice, base, spec, adapters, files, train_rows, out,
+            _write_head_engine(outcome.head, choice, base, spec, adapters, files, train_rows, out,
                                name or f"{base.name}-head")
         else:
             write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
@@ -213,19 +211,21 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     return summary
 
 
-def _write_head_engine(head, chosen, choice: dict, base, spec, adapters, files, rows: int, out: Path,
-                       name: str) -> None:
-    """``out``: the base engine's weights with the chosen decision head exported into the graph (read-out ``head``)
-    and the candidate's calibration, if it has one."""
+WEIGHTS_WRITTEN = {"base": "initial (the base engine's, --keep-base)", "base+calibrate": "initial (the base engine's)",
+                   "head": "initial (the base engine's) with a decision head"}  # the manifest's metrics.weights
+
+
+def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: int, out: Path, name: str) -> None:
+    """``out``: the base engine's weights with the chosen decision head (its temperature folded in) exported into the
+    graph (read-out ``head``; no calibration: the head has no calibrated twin)."""
     from ..export.build import export_engine
     from . import head_candidate
 
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
-            "config": dataclasses.asdict(head_candidate.CONFIG), "temperature": getattr(head, "temperature", 1.0)}
-    head_info = mf.HeadInfo(beta=head_candidate.beta(head), width=head.head.width, training=info)
+            "config": dataclasses.asdict(head_candidate.CONFIG), "temperature": head.temperature}
+    head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
-                  adapters=adapters, head=head.head, head_info=head_info,
-                  finish=lambda m: dataclasses.replace(m, calibration=chosen.calibration))
+                  adapters=adapters, head=head.head, head_info=head_info)
 
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
