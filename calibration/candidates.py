@@ -91,7 +91,8 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
     """Every candidate with its held-out metrics, in ``ORDER``.
 
     ``folds``: (base train rows, base held-out rows, tuned train rows, tuned held-out rows) of one held-out split,
-    or of each fold of a cross-validation (the tuned rows then come from that fold's own run). ``heads``: per fold,
+    or of each fold of a cross-validation (the tuned rows then come from that fold's own run; None where no LoRA run
+    was trained: no tuned candidates). ``heads``: per fold,
     (train rows, held-out rows) as that fold's decision head scores them (None: no head candidates). A candidate's
     metrics are over every fold's held-out rows, a calibrated one's calibration fitted on that fold's training rows; a
     calibrated candidate exists only where every fold could fit one. With one fold a calibrated candidate carries
@@ -99,7 +100,8 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
     """
     totals: dict[str, list] = {}
     for i, (base_train, base_held, tuned_train, tuned_held) in enumerate(folds):
-        sets = [("base", base_train, base_held, True), ("tuned", tuned_train, tuned_held, True)]
+        sets = [("base", base_train, base_held, True)] + ([("tuned", tuned_train, tuned_held, True)]
+                                                          if tuned_held is not None else [])
         if heads is not None:
             sets.insert(1, ("head", *heads[i], False))  # no calibrated twin (the module's docstring)
         for name, train, held, calibrates in sets:

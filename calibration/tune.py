@@ -67,6 +67,9 @@ class TuneConfig:
     keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
     write: str = "best"  # "best": the best held-out candidate (calibration/candidates.py); "tuned": the tuned weights
     head_candidate: bool = True  # a decision head over the untuned engine is a candidate (write="best", method lora)
+    # with a head candidate, fewer rows than this train no LoRA run: at 50 rows it never beat the head on the unseen
+    # states of five data sets and cost 3-4 runs (benchmarks/results/tune_user.md); 0: LoRA always runs
+    lora_min_rows: int = 100
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 
@@ -82,6 +85,8 @@ class TuneConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.lora_min_rows, int) or self.lora_min_rows < 0:
+            raise ValueError(f"lora_min_rows must be an integer >= 0, got {self.lora_min_rows!r}")
         if self.train_blocks is not None and (not isinstance(self.train_blocks, int) or self.train_blocks < 0):
             raise ValueError(f"train_blocks must be >= 0 (0: every block), got {self.train_blocks!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):

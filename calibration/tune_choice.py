@@ -10,7 +10,9 @@ rows (the tuned ones by a last run on every row). The frozen blocks' cache is sh
 
 Beside the untuned and tuned weights, a decision head over the untuned engine's hidden states is a candidate
 (:mod:`.head_candidate`): it is fitted on the same training rows (per fold) from the features of the pass that scores
-the untuned candidates, and judged on the same rows as they are.
+the untuned candidates, and judged on the same rows as they are. With fewer rows than ``TuneConfig.lora_min_rows``
+the head is the only learner (``lora=False``): no LoRA run is trained, and the choice among base, base+calibrate and
+the head takes seconds (50 rows: the LoRA runs took 45-180 s and never beat the head on unseen states).
 """
 
 from __future__ import annotations
@@ -97,14 +99,14 @@ class Runs:
 
 
 def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool, readout: str, seed: int,
-                     heads: bool = True) -> Outcome:
+                     heads: bool = True, lora: bool = True) -> Outcome:
     """The chunks scored by the initial weights (before any step, and any resume), then the runs and the choice:
     cross-validated over whole states where ``cv``, else judged on ``held``; ``heads``: a decision head is a
-    candidate too."""
+    candidate too; ``lora``: the tuned candidates are trained (False: no run, the untuned weights stay in place)."""
     base_train, base_held = runs.scored(train, heads), runs.scored(held, heads)
     if cv:
-        return cross_validated_choice(runs, train, base_train, resume, readout, seed, heads)
-    return held_out_choice(runs, train, held, (base_train, base_held), resume, readout, heads)
+        return cross_validated_choice(runs, train, base_train, resume, readout, seed, heads, lora)
+    return held_out_choice(runs, train, held, (base_train, base_held), resume, readout, heads, lora)
 
 
 def _head_fold(train: list[dict], held: list[dict], seed: int) -> tuple:
@@ -123,19 +125,21 @@ def _finish(runs: Runs, chosen: Candidate, head) -> object:
 
 
 def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str,
-                    heads: bool = True) -> Outcome:
-    """One run on ``train``, early stopping and the choice on ``held``; ``base``: (train, held) rows scored before
+                    heads: bool = True, lora: bool = True) -> Outcome:
+    """One run on ``train`` (none where not ``lora``), early stopping and the choice on ``held``; ``base``: (train, held) rows scored before
     any step. The tuned weights are the snapshot early stopping kept on ``held``, so the tuned candidates' held-out
     NLL is the lowest of a few evaluations on those rows (slightly optimistic); with ``CV_BELOW_ROWS`` rows or more
     the held-out split has the 20 questions or more that keep that small, and a base candidate is preferred on a
     tie."""
     started = time.perf_counter()
-    trainer = runs.trainer(train, held, "checkpoint.pt")
-    if resume:
-        trainer.resume()
-    progress = trainer.run()
+    progress, tuned = Progress(), (None, None)
+    if lora:
+        trainer = runs.trainer(train, held, "checkpoint.pt")
+        if resume:
+            trainer.resume()
+        progress, tuned = trainer.run(), (runs.scored(train), runs.scored(held))
     fold = _head_fold(*base, runs.config.seed) if heads else None
-    found = candidates([(*base, runs.scored(train), runs.scored(held))], readout, [fold[1:]] if heads else None)
+    found = candidates([(*base, *tuned)], readout, [fold[1:]] if heads else None)
     chosen = choose(found, runs.config.write)
     if chosen.name.startswith("base"):
         runs.restore_initial()
@@ -143,10 +147,23 @@ def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bo
     return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen, head)
 
 
+def _tuned_fold(runs: Runs, chunks: list, fold_of: list[int], f: int, resume: bool) -> tuple:
+    """Fold ``f``'s run, trained on the other folds: (its rows of them, its rows of fold ``f``, rows trained)."""
+    inside = [c for c, k in zip(chunks, fold_of) if k != f]
+    outside = [c for c, k in zip(chunks, fold_of) if k == f]
+    runs.log(f"cross-validation run {f + 1} of {CV_FOLDS}: {len(inside)} chunks trained on, {len(outside)} judged")
+    trainer = runs.trainer(inside, [], f"fold{f}.pt")
+    if resume and (runs.work / f"fold{f}.pt").is_file():  # a finished run's checkpoint gives its weights back
+        trainer.resume()
+    trained = trainer.run().rows_seen
+    return runs.scored(inside), runs.scored(outside), trained
+
+
 def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: bool, readout: str,
-                           seed: int, heads: bool = True) -> Outcome:
+                           seed: int, heads: bool = True, lora: bool = True) -> Outcome:
     """``CV_FOLDS`` runs judged on the folds they did not see, then the chosen candidate fitted on every chunk;
-    ``base``: the chunks' rows scored before any step, in chunk order."""
+    ``base``: the chunks' rows scored before any step, in chunk order; ``lora`` False: the folds only split the rows
+    (no run)."""
     started = time.perf_counter()
     fold_of = state_folds(chunks, CV_FOLDS, seed)
     rows_of = np.cumsum([0] + [c.size for c in chunks])
@@ -154,14 +171,9 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
                                     for r in rows[rows_of[i]:rows_of[i + 1]]]
     folds, head_sets, trained = [], [], 0
     for f in range(CV_FOLDS):
-        inside = [c for c, k in zip(chunks, fold_of) if k != f]
-        outside = [c for c, k in zip(chunks, fold_of) if k == f]
-        runs.log(f"cross-validation run {f + 1} of {CV_FOLDS}: {len(inside)} chunks trained on, {len(outside)} judged")
-        trainer = runs.trainer(inside, [], f"fold{f}.pt")
-        if resume and (runs.work / f"fold{f}.pt").is_file():  # a finished run's checkpoint gives its weights back
-            trainer.resume()
-        trained += trainer.run().rows_seen
-        folds.append((pick(base, f, True), pick(base, f, False), runs.scored(inside), runs.scored(outside)))
+        tuned = _tuned_fold(runs, chunks, fold_of, f, resume) if lora else (None, None, 0)
+        trained += tuned[2]
+        folds.append((pick(base, f, True), pick(base, f, False), *tuned[:2]))
         if heads:
             head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed)[1:])
     found = candidates(folds, readout, head_sets if heads else None)

@@ -137,10 +137,13 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
            f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
         + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
     runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
+    heads = config.head_candidate and config.write == "best" and config.method == "lora"
+    lora = not heads or len(rows) >= config.lora_min_rows
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
-        + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
-    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed,
-                               heads=config.head_candidate and config.write == "best" and config.method == "lora")
+        + (f"; their lower {frozen} blocks are kept for every run" if frozen and lora else "")
+        + ("" if lora else f"; no LoRA run: {len(rows)} rows are fewer than --lora-min-rows {config.lora_min_rows}, "
+                           "so the candidates are base, base+calibrate and the decision head"))
+    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed, heads, lora)
     model.eval()
     scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
     progress, found, chosen, judged = outcome.progress, outcome.found, outcome.chosen, outcome.judged
@@ -164,7 +167,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
                "weights": WEIGHTS_WRITTEN.get(chosen.name, "tuned")}
-    if held:
+    if held and history:  # no history: no LoRA run was trained
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
     if chosen.name in ("base+calibrate", "head"):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,

@@ -284,12 +284,15 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
 
     data = _fact_rows(tmp_path, notes=notes, numbered=True)
     config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25)
-    out, report = tmp_path / "tuned", tmp_path / "report"
-    summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lambda *_: None)
+    out, report, lines = tmp_path / "tuned", tmp_path / "report", []
+    summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lines.append)
     choice = summary["choice"]
     by_name = {c["name"]: c["heldout_nll"] for c in choice["candidates"]}
     chosen = choice["chosen"]
     assert chosen == "head" and by_name[chosen] < by_name["base"] - 0.05, choice
+    # fewer rows than --lora-min-rows (100): the head is the only learner, no LoRA run is trained
+    lora_ran = any("cross-validation run" in line for line in lines) or summary["tuning"]["steps"] > 0
+    assert lora_ran == (notes == 52) and ("tuned" in by_name) == (notes == 52), (lines, by_name)
     engine = Engine.load(out)
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["choice"]["chosen"] == chosen
     assert engine.manifest.calibration is None
@@ -307,6 +310,11 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     nll = {c["name"]: c["heldout_nll"] for c in other["candidates"]}
     assert "head" not in nll and nll[other["chosen"]] > by_name[chosen] + 0.05
     assert Engine.load(tmp_path / "no-head").manifest.scoring.readout != "head"
+    assert "tuned" in nll  # without the head LoRA runs whatever the row count
+    if notes == 16:  # control: --lora-min-rows 0 trains the LoRA runs beside the head on the same 32 rows
+        every = tune(tiny_engine_dir, [data], tmp_path / "lora", dataclasses.replace(config, lora_min_rows=0),
+                     log=lambda *_: None)["choice"]
+        assert {c["name"] for c in every["candidates"]} >= {"head", "tuned", "tuned+calibrate"}, every
 
 
 def test_tune_cli_errors_are_one_line_and_write_nothing(tmp_path):
