@@ -7,9 +7,10 @@ OpenVINO's CPU plugin answers each at f32 (the reference) and in bf16 (``openvin
 max and mean |dp| per data set, the bounds' verdict (core.guarantee.BOUNDS), and so which backend the default
 (`auto`) gets on this machine. Then speed side by side: the README ticket's 13 questions warm (state cached) and
 cold, f32 and bf16 interleaved, medians after a warm-up round. With ``--write`` the guarantee is recorded in the
-engine's manifest (as ``onepass guarantee --write`` does). Writes benchmarks/results/bf16_guarantee.{json,md}.
+engine's manifest (as ``onepass guarantee --write`` does). Writes benchmarks/results/bf16_guarantee.{json,md}
+(``--out NAME``: NAME.{json,md}, to keep another CPU's record beside it: the guarantee holds per kind of CPU bf16).
 
-    python benchmarks/bf16_guarantee.py --engine engines/smollm2 [--n 100] [--rounds 9]
+    python benchmarks/bf16_guarantee.py --engine engines/smollm2 [--n 100] [--rounds 9] [--out bf16_guarantee_amx]
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def markdown(result: dict, fast: dict, args) -> str:
     lines += ["", f"bf16 is {ratio:.2f}x fp32 warm and {cold:.2f}x cold here.", "",
               f"    python benchmarks/bf16_guarantee.py --engine {args.engine} --n {result['n']} "
               f"--seed {result['seed']} "
-              f"--rounds {args.rounds}   (--speed-only: the timing again, the guarantee kept)",
+              f"--rounds {args.rounds}" + (f" --out {args.out}" if args.out != "bf16_guarantee" else "")
+              + "   (--speed-only: the timing again, the guarantee kept)",
               ""]
     return "\n".join(lines)
 
@@ -103,9 +105,11 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="record the guarantee in the engine's manifest")
     ap.add_argument("--speed-only", action="store_true",
                     help="time again on a quiet machine, keeping the guarantee of the last run's JSON")
+    ap.add_argument("--out", default="bf16_guarantee", help="results file name in benchmarks/results (no suffix)")
     args = ap.parse_args()
+    json_path, md_path = RESULTS / f"{args.out}.json", RESULTS / f"{args.out}.md"
     if args.speed_only:
-        result = {k: v for k, v in json.loads((RESULTS / "bf16_guarantee.json").read_text()).items() if k != "speed"}
+        result = {k: v for k, v in json.loads(json_path.read_text()).items() if k != "speed"}
     else:
         asked = requests(args.n, args.seed)
         result = measure(args.engine, asked, threads=args.threads,
@@ -117,9 +121,9 @@ def main() -> None:
     if args.write:
         record(args.engine, result["variant"], result["guarantee"])
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bf16_guarantee.json").write_text(json.dumps({**result, "speed": fast}, indent=2) + "\n")
-    (RESULTS / "bf16_guarantee.md").write_text(markdown(result, fast, args))
-    print((RESULTS / "bf16_guarantee.md").read_text())
+    json_path.write_text(json.dumps({**result, "speed": fast}, indent=2) + "\n")
+    md_path.write_text(markdown(result, fast, args))
+    print(md_path.read_text())
 
 
 if __name__ == "__main__":
