@@ -225,7 +225,8 @@ def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: in
     from . import head_candidate
 
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
-            "config": dataclasses.asdict(head_candidate.CONFIG), "temperature": head.temperature}
+            "config": dataclasses.asdict(head_candidate.CONFIG), "seeds": head_candidate.SEEDS,
+            "temperatures": head.temperatures}  # one per seed: the heads averaged into this one
     head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
                   adapters=adapters, head=head.head, head_info=head_info)
