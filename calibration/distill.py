@@ -374,14 +374,18 @@ def _check_inputs(engine, states: list, questions: dict, config: TuneConfig) -> 
 
 
 def _tuned(student_dir: Path, train: Path) -> dict | None:
-    """The tuning metrics of an engine an interrupted run tuned on this very training file, or None."""
+    """The tuning metrics of an engine an interrupted run tuned on this very training file, or None: whichever
+    candidate tune wrote (tuned weights, a decision head, a calibrated base engine) records the data it chose on."""
     try:
         m = mf.load(student_dir, verify=True)
     except OnepassError:
         return None
-    if m.tuning is None or [f["sha256"] for f in m.tuning.data] != [mf.sha256_file(train)]:
-        return None
-    return dict(m.tuning.metrics)
+    written = [(m.tuning.data, m.tuning.metrics) if m.tuning is not None else ([], {}),
+               (m.head.training.get("data", []), {"choice": m.head.training.get("choice")}) if m.head else ([], {}),
+               (m.calibration.source.get("tune", {}).get("data", []), {"choice": m.calibration.source.get("tune")})
+               if m.calibration is not None else ([], {})]
+    want = [mf.sha256_file(train)]
+    return next((dict(metrics) for data, metrics in written if [f["sha256"] for f in data] == want), None)
 
 
 def summary_lines(report: dict, out) -> list[str]:

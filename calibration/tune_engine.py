@@ -176,7 +176,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
             _write_head_engine(outcome.head, choice, base, spec, adapters, files, train_rows, out,
                                name or f"{base.name}-head")
         else:
-            write_calibrated_copy(base_dir, out, chosen.calibration, choice, name or f"{base.name}-calibrated")
+            write_calibrated_copy(base_dir, out, chosen.calibration, {**choice, "data": files},
+                                  name or f"{base.name}-calibrated")
         if report_dir is not None:
             summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g],
                                                   Path(report_dir), choice)
@@ -234,7 +235,7 @@ def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: in
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
     """``out``: the base engine (its weights hard-linked where the file system allows) with ``calibration`` in its
-    manifest, the choice recorded in the calibration's source. What was measured of the base's probabilities (a
+    manifest, the choice (and the data it was made on) recorded in the calibration's source. What was measured of the base's probabilities (a
     distilled engine's gate, a backend's guarantees against fp32) does not hold once they are calibrated: dropped.
     Written beside ``out`` and renamed: all or nothing."""
     tmp = out.with_name(out.name + ".partial")

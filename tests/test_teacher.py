@@ -500,7 +500,8 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
         done = len(_read_labels(labels))
         assert done == 5 and labels.read_bytes().endswith(b"\n")
         second = Counting(client)
-        config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, patience=3)
+        config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, patience=3,
+                               lora_min_rows=0)  # a LoRA student on 24 rows (fewer than 100 train the head only)
         report = distill(tiny_engine_dir, second, str(states), str(questions), tmp_path / "student",
                          target_agreement=0.9, holdout=0.25, config=config, concurrency=2, log=lambda *_: None)
         third = Counting(client)  # one more question later: only it is asked, of every state

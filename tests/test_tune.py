@@ -300,6 +300,11 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     from onepass.calibration.tune_engine import summary_lines
 
     assert summary_lines(summary, out, report)[-1].startswith("the base engine with a decision head")  # as printed
+    from onepass.calibration.distill import _tuned  # distill --resume knows a head student finished on these rows
+
+    assert _tuned(out, data)["choice"]["chosen"] == "head"
+    (tmp_path / "other.jsonl").write_text(data.read_text() + "\n")
+    assert _tuned(out, tmp_path / "other.jsonl") is None  # control: other rows, tuned again
     if notes == 52:  # a held-out split: the report scores the written engine (ONNX Runtime) on the held-out rows
         served = json.loads((report / "report.json").read_text())["after"]["all"]["nll"]
         assert served == pytest.approx(by_name[chosen], abs=1e-3)
