@@ -9,7 +9,8 @@ and it is judged as the others are: on rows it was not fitted on (cross-validate
 Its scores are divided by a temperature chosen on its own out-of-fold scores (:func:`temperature`), so that a head
 that separates the classes is not judged out of the choice for the overconfidence of a fit to a few dozen rows. A
 chosen head is exported into the graph (the engine's read-out becomes ``head``), as ``tune --method head`` does.
-What is fitted is the average of ``SEEDS`` such heads (seeds 0..4), merged into one wider head (:func:`merged`).
+What is fitted is the average of ``SEEDS`` heads (seeds ``--seed`` and the next four), merged into one wider head
+(:func:`merged`), tempered as one.
 """
 
 from __future__ import annotations
@@ -38,18 +39,19 @@ INNER_FOLDS = 3  # folds of whole states over a head's own training rows, for it
 TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(20.0), 61))  # the grid a temperature is chosen from
 
 
-# Heads of SEEDS seeds, each tempered, averaged (merged into one head: :func:`merged`). Measured at 50 rows of five data
-# sets (benchmarks/results/head_seeds.md, 300 unseen states each): mean accuracy 0.692 against one seed's 0.682
-# (Rotten Tomatoes 0.677 against 0.640, tweets as a score 0.643 against 0.623, the others within 0.3 points), mean
-# NLL 0.691 against 0.715; the fits take ~4x as long (seconds).
+# Heads of SEEDS seeds averaged (merged into one head: :func:`merged`), one temperature chosen for the average.
+# Measured at 50 rows of five data sets (benchmarks/results/head_seeds.md, 300 unseen states each, and the
+# cross-validated NLL tune chooses by): see there; the fits take ~5x as long (seconds).
 SEEDS = 5
 
 
 def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
-    """The average of ``seeds`` heads fitted on ``rows`` (their labels: a teacher's distribution counts as its most
-    probable option), each with its scores divided by the temperature its out-of-fold scores on ``rows`` ask for
-    (:func:`temperature`), merged into one head: what the engine computes is what was judged."""
-    return merged([tempered(_train(rows, seed + k), temperature(rows, seed + k)) for k in range(seeds)])
+    """The average of the heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows`` (their labels: a
+    teacher's distribution counts as its most probable option), merged into one head, its scores divided by the
+    temperature the average's out-of-fold scores on ``rows`` ask for (:func:`temperature`): what the engine computes
+    is what was judged."""
+    model = merged([_train(rows, seed + k) for k in range(seeds)])
+    return tempered(model, temperature(rows, seed, seeds))
 
 
 def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
@@ -57,7 +59,6 @@ def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
     their hidden units and averages their output layers, its beta is their mean. Exact: the mean of ``beta_i * z +
     out_i(silu(inner_i(x)))`` is ``mean(beta) * z + (out / n)(silu(stacked inner(x)))``."""
     if len(heads) == 1:
-        heads[0].temperatures = [heads[0].temperature]
         return heads[0]
     first, n = heads[0].head, len(heads)
     if any(h.head.inner is None or not torch.equal(h.head.shift, first.shift) or not torch.equal(h.head.scale, first.scale)
@@ -70,7 +71,6 @@ def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
         model.head.out.weight.copy_(torch.cat([h.head.out.weight for h in heads], dim=1) / n)
         model.head.out.bias.copy_(torch.stack([h.head.out.bias for h in heads]).mean(0))
         model.beta.copy_(torch.stack([h.beta for h in heads]).mean())
-    model.temperatures = [h.temperature for h in heads]  # each head's, folded in before the merge
     return model.eval()
 
 
@@ -79,12 +79,13 @@ def _train(rows: list[dict], seed: int) -> hd.HeadModel:
     return model.eval()
 
 
-def temperature(rows: list[dict], seed: int = 0) -> float:
+def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
     """The temperature of lowest NLL for scores of rows the head was not fitted on. A head fitted to a few dozen rows
     separates them far more surely than it separates others (its scores on its own rows would call for sharpening, on
     others for softening: 50 rows of speeches, NLL 0.92 with accuracy 0.58 where the calibrated base has 0.74 with
-    0.54); so ``INNER_FOLDS`` heads, each fitted on the other folds of whole states, score the rest, and the
-    temperature is chosen on those scores (1 where the rows are too few to fold)."""
+    0.54); so ``INNER_FOLDS`` heads (each the average of ``seeds`` seeds' heads, as :func:`fit` fits it), each fitted
+    on the other folds of whole states, score the rest, and the temperature is chosen on those scores (1 where the
+    rows are too few to fold)."""
     states = sorted({r["state"] for r in rows})
     if len(states) < 2 * INNER_FOLDS:
         return 1.0
@@ -93,7 +94,8 @@ def temperature(rows: list[dict], seed: int = 0) -> float:
     scored = []
     for f in range(INNER_FOLDS):
         inside = [r for r in rows if fold_of[r["state"]] != f]
-        scored += head_rows(_train(inside, seed), [r for r in rows if fold_of[r["state"]] == f])
+        model = merged([_train(inside, seed + k) for k in range(seeds)])
+        scored += head_rows(model, [r for r in rows if fold_of[r["state"]] == f])
     nll = [sum(-_log_softmax(np.asarray(r["scores"]) / t)[r["label"]] for r in scored) for t in TEMPERATURES]
     return float(TEMPERATURES[int(np.argmin(nll))])
 

@@ -125,24 +125,25 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     model, params = _trainable(loaded.model, config)
     model.to(device).train()
     hf = model.base_model.model if config.method == "lora" else model
-    frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks else 0
+    heads = config.head_candidate and config.write == "best" and config.method == "lora"
+    lora = not heads or len(rows) >= config.lora_min_rows  # else the head is the only learner: no run, no frozen cache
+    frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks and lora else 0
     scorer = PackedScorer(PackedDecoder(hf, share=True), base.scoring.readout, device,
                           config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
     work = out.with_name(out.name + ".tune")
     work.mkdir(parents=True, exist_ok=True)
     train_rows = sum(len(g) for g in train_groups)
-    log(f"tuning {base.name} ({config.method}, {len(params)} tensors, "
-        f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows ({len(train_groups)} states); "
+    log((f"choosing for {base.name} among base, base+calibrate and the decision head (no LoRA run: {len(rows)} rows "
+         f"are fewer than --lora-min-rows {config.lora_min_rows}) on {train_rows} rows ({len(train_groups)} states); "
+         if not lora else
+         f"tuning {base.name} ({config.method}, {len(params)} tensors, "
+         f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows ({len(train_groups)} states); ")
         + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if cv else
            f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
         + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
     runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
-    heads = config.head_candidate and config.write == "best" and config.method == "lora"
-    lora = not heads or len(rows) >= config.lora_min_rows
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
-        + (f"; their lower {frozen} blocks are kept for every run" if frozen and lora else "")
-        + ("" if lora else f"; no LoRA run: {len(rows)} rows are fewer than --lora-min-rows {config.lora_min_rows}, "
-                           "so the candidates are base, base+calibrate and the decision head"))
+        + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
     outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed, heads, lora)
     model.eval()
     scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
@@ -156,9 +157,11 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                                                                  "it"))
         if not config.keep_base:
             shutil.rmtree(work, ignore_errors=True)
-            raise NothingLearned(f"{message}, so no engine was written to {out}. Give more labelled rows or steps "
-                                 "(--epochs, --max-steps), try another --lr, or pass --keep-base to write the base "
-                                 "weights anyway")
+            more = ("Give more labelled rows or steps (--epochs, --max-steps), try another --lr" if lora else
+                    f"No LoRA run was trained ({len(rows)} rows, under --lora-min-rows {config.lora_min_rows}): give "
+                    "more labelled rows, or pass --lora-min-rows 0 to train one")
+            raise NothingLearned(f"{message}, so no engine was written to {out}. {more}, or pass --keep-base to write "
+                                 "the base weights anyway")
         log(f"warning: {message}; the engine written " + ("is the tuned one (--keep-base)" if chosen.name == "tuned"
                                                             else "is the base engine's weights (--keep-base)"))
     choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
@@ -226,8 +229,8 @@ def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: in
     from . import head_candidate
 
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
-            "config": dataclasses.asdict(head_candidate.CONFIG), "seeds": head_candidate.SEEDS,
-            "temperatures": head.temperatures}  # one per seed: the heads averaged into this one
+            "config": {k: v for k, v in dataclasses.asdict(head_candidate.CONFIG).items() if k != "seed"},
+            "seeds": head_candidate.SEEDS, "temperature": head.temperature}  # config: of each head averaged
     head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
                   adapters=adapters, head=head.head, head_info=head_info)

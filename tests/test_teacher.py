@@ -56,7 +56,8 @@ def teacher_dir(tiny_engine_dir, tmp_path_factory):
                             for s in STATES for q, label in facts))
     out = tmp / "teacher"
     tune(tiny_engine_dir, [data], out, tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2,
-                                                     holdout=0.25, patience=3), name="teacher", log=lambda *_: None)
+                                                     holdout=0.25, patience=3, lora_min_rows=0),  # a LoRA teacher
+         name="teacher", log=lambda *_: None)
     return out
 
 
