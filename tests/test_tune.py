@@ -635,6 +635,9 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
     base, tuned = Engine.load(tiny_engine_dir), Engine.load(out)
     assert tuned.manifest.files[base.manifest.graph] == base.manifest.files[base.manifest.graph]  # the base's graph
     assert tuned.manifest.calibration.source["tune"]["chosen"] == "base+calibrate"
+    from onepass.calibration.distill import _tuned  # distill --resume knows a calibrated student finished on these rows
+
+    assert _tuned(out, data)["choice"]["chosen"] == "base+calibrate" and _tuned(out, out / "manifest.json") is None
     state = "Note 99: the meeting moved to room 7."
     assert tuned.ask(state, {"q": question})["q"].noul > base.ask(state, {"q": question})["q"].noul + 0.05
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "tuned", "tuned-report"]  # no work folder
