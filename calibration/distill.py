@@ -380,10 +380,14 @@ def _tuned(student_dir: Path, train: Path) -> dict | None:
         m = mf.load(student_dir, verify=True)
     except OnepassError:
         return None
-    written = [(m.tuning.data, m.tuning.metrics) if m.tuning is not None else ([], {}),
-               (m.head.training.get("data", []), {"choice": m.head.training.get("choice")}) if m.head else ([], {}),
-               (m.calibration.source.get("tune", {}).get("data", []), {"choice": m.calibration.source.get("tune")})
-               if m.calibration is not None else ([], {})]
+    written = []  # (the data files a record names, what it measured)
+    if m.tuning is not None:
+        written.append((m.tuning.data, m.tuning.metrics))
+    if m.head is not None:
+        written.append((m.head.training.get("data", []), {"choice": m.head.training.get("choice")}))
+    if m.calibration is not None and "tune" in m.calibration.source:
+        choice = m.calibration.source["tune"]
+        written.append((choice.get("data", []), {"choice": choice}))
     want = [mf.sha256_file(train)]
     return next((dict(metrics) for data, metrics in written if [f["sha256"] for f in data] == want), None)
 

@@ -50,8 +50,7 @@ def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
     teacher's distribution counts as its most probable option), merged into one head, its scores divided by the
     temperature the average's out-of-fold scores on ``rows`` ask for (:func:`temperature`): what the engine computes
     is what was judged."""
-    model = merged([_train(rows, seed + k) for k in range(seeds)])
-    return tempered(model, temperature(rows, seed, seeds))
+    return tempered(_averaged(rows, seed, seeds), temperature(rows, seed, seeds))
 
 
 def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
@@ -61,8 +60,8 @@ def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
     if len(heads) == 1:
         return heads[0]
     first, n = heads[0].head, len(heads)
-    if any(h.head.inner is None or not torch.equal(h.head.shift, first.shift) or not torch.equal(h.head.scale, first.scale)
-           for h in heads):
+    if any(h.head.inner is None or not torch.equal(h.head.shift, first.shift)
+           or not torch.equal(h.head.scale, first.scale) for h in heads):
         raise ValueError("only MLP heads of one standardisation can be merged")
     model = hd.HeadModel(first.hidden_size, first.width * n, first.shift.numpy(), first.scale.numpy())
     with torch.no_grad():
@@ -72,6 +71,11 @@ def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
         model.head.out.bias.copy_(torch.stack([h.head.out.bias for h in heads]).mean(0))
         model.beta.copy_(torch.stack([h.beta for h in heads]).mean())
     return model.eval()
+
+
+def _averaged(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
+    """The heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows``, merged (untempered)."""
+    return merged([_train(rows, seed + k) for k in range(seeds)])
 
 
 def _train(rows: list[dict], seed: int) -> hd.HeadModel:
@@ -94,8 +98,7 @@ def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
     scored = []
     for f in range(INNER_FOLDS):
         inside = [r for r in rows if fold_of[r["state"]] != f]
-        model = merged([_train(inside, seed + k) for k in range(seeds)])
-        scored += head_rows(model, [r for r in rows if fold_of[r["state"]] == f])
+        scored += head_rows(_averaged(inside, seed, seeds), [r for r in rows if fold_of[r["state"]] == f])
     nll = [sum(-_log_softmax(np.asarray(r["scores"]) / t)[r["label"]] for r in scored) for t in TEMPERATURES]
     return float(TEMPERATURES[int(np.argmin(nll))])
 

@@ -126,11 +126,11 @@ def _finish(runs: Runs, chosen: Candidate, head) -> object:
 
 def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bool, readout: str,
                     heads: bool = True, lora: bool = True) -> Outcome:
-    """One run on ``train`` (none where not ``lora``), early stopping and the choice on ``held``; ``base``: (train, held) rows scored before
-    any step. The tuned weights are the snapshot early stopping kept on ``held``, so the tuned candidates' held-out
-    NLL is the lowest of a few evaluations on those rows (slightly optimistic); with ``CV_BELOW_ROWS`` rows or more
-    the held-out split has the 20 questions or more that keep that small, and a base candidate is preferred on a
-    tie."""
+    """One run on ``train`` (none where not ``lora``), early stopping and the choice on ``held``; ``base``: (train,
+    held) rows scored before any step. The tuned weights are the snapshot early stopping kept on ``held``, so the
+    tuned candidates' held-out NLL is the lowest of a few evaluations on those rows (slightly optimistic); with
+    ``CV_BELOW_ROWS`` rows or more the held-out split has the 20 questions or more that keep that small, and a base
+    candidate is preferred on a tie."""
     started = time.perf_counter()
     progress, tuned = Progress(), (None, None)
     if lora:
@@ -171,9 +171,9 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
                                     for r in rows[rows_of[i]:rows_of[i + 1]]]
     folds, head_sets, trained = [], [], 0
     for f in range(CV_FOLDS):
-        tuned = _tuned_fold(runs, chunks, fold_of, f, resume) if lora else (None, None, 0)
-        trained += tuned[2]
-        folds.append((pick(base, f, True), pick(base, f, False), *tuned[:2]))
+        tuned_train, tuned_held, rows = _tuned_fold(runs, chunks, fold_of, f, resume) if lora else (None, None, 0)
+        trained += rows
+        folds.append((pick(base, f, True), pick(base, f, False), tuned_train, tuned_held))
         if heads:
             head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed)[1:])
     found = candidates(folds, readout, head_sets if heads else None)

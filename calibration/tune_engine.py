@@ -133,11 +133,11 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     work = out.with_name(out.name + ".tune")
     work.mkdir(parents=True, exist_ok=True)
     train_rows = sum(len(g) for g in train_groups)
-    log((f"choosing for {base.name} among base, base+calibrate and the decision head (no LoRA run: {len(rows)} rows "
-         f"are fewer than --lora-min-rows {config.lora_min_rows}) on {train_rows} rows ({len(train_groups)} states); "
-         if not lora else
-         f"tuning {base.name} ({config.method}, {len(params)} tensors, "
-         f"{sum(p.numel() for p in params):,} trainable parameters) on {train_rows} rows ({len(train_groups)} states); ")
+    what = (f"tuning {base.name} ({config.method}, {len(params)} tensors, "
+            f"{sum(p.numel() for p in params):,} trainable parameters)" if lora else
+            f"choosing for {base.name} among base, base+calibrate and the decision head (no LoRA run: {len(rows)} rows "
+            f"are fewer than --lora-min-rows {config.lora_min_rows})")
+    log(f"{what} on {train_rows} rows ({len(train_groups)} states); "
         + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if cv else
            f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
         + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
@@ -238,8 +238,9 @@ def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: in
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
     """``out``: the base engine (its weights hard-linked where the file system allows) with ``calibration`` in its
-    manifest, the choice (and the data it was made on) recorded in the calibration's source. What was measured of the base's probabilities (a
-    distilled engine's gate, a backend's guarantees against fp32) does not hold once they are calibrated: dropped.
+    manifest, the choice (and the data it was made on) recorded in the calibration's source. What was measured of the
+    base's probabilities (a distilled engine's gate, a backend's guarantees against fp32) does not hold once they are
+    calibrated: dropped.
     Written beside ``out`` and renamed: all or nothing."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
