@@ -116,8 +116,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     torch.manual_seed(config.seed)
     loaded = load_model(spec, adapters)
     if config.method == "head":
-        summary = _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out,
-                             name, log)
+        summary = _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, held_groups, files,
+                             config, out, name, log)
         if report_dir is not None:
             summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
         return summary
@@ -176,7 +176,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
                    "tuning": {"metrics": metrics, "steps": progress.step}}
         if outcome.head is not None:
-            _write_head_engine(outcome.head, choice, base, spec, adapters, files, train_rows, out,
+            _write_head_engine(outcome.head, choice, base_dir, base, spec, adapters, files, train_rows, out,
                                name or f"{base.name}-head")
         else:
             write_calibrated_copy(base_dir, out, chosen.calibration, {**choice, "data": files},
@@ -198,6 +198,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if config.method == "lora":
         adapter_dir = save(model, work / "adapter", {"base_sha256": loaded.source.get("sha256"),
                                                      "base": tuning.base, "readout": base.scoring.readout,
+                                                     "prompt": dataclasses.asdict(base.prompt),
                                                      "tuning": dataclasses.asdict(tuning)})
         export_adapters.append(adapter_dir)
         extra = {n: adapter_dir / n for n in (WEIGHTS, CONFIG, CARD)}
@@ -222,18 +223,31 @@ WEIGHTS_WRITTEN = {"base": "initial (the base engine's, --keep-base)", "base+cal
                    "head": "initial (the base engine's) with a decision head"}  # the manifest's metrics.weights
 
 
-def _write_head_engine(head, choice: dict, base, spec, adapters, files, rows: int, out: Path, name: str) -> None:
-    """``out``: the base engine's weights with the chosen decision head (its temperature folded in) exported into the
-    graph (read-out ``head``; no calibration: the head has no calibrated twin)."""
-    from ..export.build import export_engine
+def _write_head_engine(head, choice: dict, base_dir: Path, base, spec, adapters, files, rows: int, out: Path,
+                       name: str) -> None:
+    """``out``: the base engine's weights with the chosen decision head (its temperature folded in) in the graph
+    (read-out ``head``; no calibration: the head has no calibrated twin)."""
     from . import head_candidate
 
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
             "config": {k: v for k, v in dataclasses.asdict(head_candidate.CONFIG).items() if k != "seed"},
             "seeds": head_candidate.SEEDS, "temperature": head.temperature}  # config: of each head averaged
     head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
+    write_head_engine(base_dir, base, spec, adapters, out, name, head.head, head_info)
+
+
+def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str, head, head_info) -> None:
+    """``out``: the base engine with ``head`` in its graph: appended to the base's graph where it can be (seconds;
+    ``export.head_graph``), else the decoder exported again with it (about a minute)."""
+    from ..export import head_graph
+
+    if head_graph.can_append(base_dir, base):
+        head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info)
+        return
+    from ..export.build import export_engine
+
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
-                  adapters=adapters, head=head.head, head_info=head_info)
+                  adapters=adapters, head=head, head_info=head_info)
 
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
@@ -273,10 +287,9 @@ def adapter_at(m: mf.Manifest, engine_dir: Path) -> mf.Manifest:
     return dataclasses.replace(m, source={**m.source, "adapters": adapters})
 
 
-def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups, files, config, out, name,
+def _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, held_groups, files, config, out, name,
                log) -> dict:
-    """``method="head"``: the RLCD decision head over the frozen decoder's features, exported into the graph."""
-    from ..export.build import export_engine
+    """``method="head"``: the RLCD decision head over the frozen decoder's features, written into the graph."""
     from ..runtime.backends.torch_decoder import PackedDecoder
     from . import head as hd
     from .head_features import extract
@@ -299,8 +312,7 @@ def _tune_head(loaded, encoder, base, spec, adapters, train_groups, held_groups,
             "config": dataclasses.asdict(head_config), "heldout_nll_before": before,
             "heldout_nll_after": after}
     head_info = mf.HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)
-    export_engine(out, spec, name=name or f"{base.name}-head", limits=base.limits, prompt=base.prompt,
-                  precision=base.precision, adapters=adapters, head=model.head, head_info=head_info)
+    write_head_engine(base_dir, base, spec, adapters, out, name or f"{base.name}-head", model.head, head_info)
     return {"head": info}
 
 

@@ -168,3 +168,50 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     from onepass.runtime.core.selfcheck import check_golden
 
     assert check_golden(engine)["head_score"] <= 1e-3
+
+
+@pytest.mark.slow
+def test_a_head_appended_to_the_base_graph_answers_as_the_head_exported_with_the_decoder(head_engine, tiny_engine_dir,
+                                                                                          tmp_path):
+    """`tune` writes a head engine by appending the head's nodes to its base engine's graph (``export.head_graph``:
+    seconds, the weights file hard-linked) instead of exporting the decoder again. Reference: the same head exported
+    with the decoder (``export_engine``, the fixture). Control: the appended graph with the head's output negated."""
+    import os
+
+    from onepass.export import head_graph
+    from onepass.runtime.backends import factory
+    from onepass.runtime.core.selfcheck import check_golden
+
+    exported, model = head_engine
+    base = Engine.load(tiny_engine_dir).manifest
+    assert head_graph.can_append(tiny_engine_dir, base)
+    for other in (dataclasses.replace(base, precision="fp16"), exported.manifest):  # left to the full export
+        assert not head_graph.can_append(tiny_engine_dir if other is not exported.manifest else exported.root, other)
+    info = exported.manifest.head
+
+    def appended(head_model, name):
+        return Engine.load(head_graph.append_head(tiny_engine_dir, base, tmp_path / name, name=name,
+                                                  head=head_model.head, head_info=info))  # verified: hashes
+    engine = appended(model, "appended")
+    m = engine.manifest
+    assert m.scoring.readout == "head" and m.head == info and m.calibration is None and m.name == "appended"
+    weights = next(n for n in m.files if n.endswith(".data"))
+    assert os.stat(engine.root / weights).st_ino == os.stat(tiny_engine_dir / weights).st_ino  # linked, not copied
+    assert check_golden(engine)["head_score"] <= 1e-3
+    questions = {"team": Choice("Which team?", ["billing", "technical support", "shipping"]),
+                 "refund": Noul("Does the customer ask for a refund?")}
+    state = "Ticket: I was charged twice for one order, please refund."
+
+    def probs(e):
+        got = e.ask(state, questions)
+        return np.array([*got["team"].probabilities.values(), got["refund"].noul])
+    want = probs(exported)
+    np.testing.assert_allclose(probs(engine), want, atol=1e-5)
+    torch_backend = Engine.load(engine.root, backend=factory("torch-cpu"), verify=False)  # rebuilt from its weights map
+    np.testing.assert_allclose(probs(torch_backend), want, atol=1e-4)
+    broken = hd.HeadModel(HIDDEN, 16, model.head.shift.numpy(), model.head.scale.numpy())
+    broken.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        broken.head.out.weight.mul_(-1.0)
+    assert np.abs(probs(appended(broken, "broken")) - want).max() > 1e-2
+    assert Engine.load(tiny_engine_dir).manifest == base  # the base engine is untouched (and verifies)
