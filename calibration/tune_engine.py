@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -242,8 +243,12 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
     from ..export import head_graph
 
     if head_graph.can_append(base_dir, base):
-        head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info)
-        return
+        try:
+            head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info,
+                                   finish=lambda m: adapter_at(m, out))
+            return
+        except Exception as e:  # noqa: BLE001 - a graph this path did not foresee: the full export below still can
+            logging.getLogger(__name__).warning("appending the head to %s's graph failed (%s): exporting the decoder with it", base.name, e)
     from ..export.build import export_engine
 
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,

@@ -48,10 +48,12 @@ def readout_hidden(graph: onnx.GraphProto) -> str | None:
 def can_append(base_dir: Path, base: mf.Manifest) -> bool:
     """Whether a head can be appended to this base engine's graph (else: the full export)."""
     if (base.precision != "fp32" or base.head is not None or base.quantization is not None
-            or not base.source.get("weights")):
+            or not base.source.get("weights") or not base.source.get("dims")):
         return False
     graph = onnx.load(str(Path(base_dir) / base.graph), load_external_data=False).graph
-    return readout_hidden(graph) is not None and contract.HEAD_SCORE not in {o.name for o in graph.output}
+    taken = {name for node in graph.node for name in (*node.input, *node.output)} | {i.name for i in graph.initializer}
+    return (readout_hidden(graph) is not None and contract.HEAD_SCORE not in {o.name for o in graph.output}
+            and not any(name.startswith(("head_", PREFIX)) for name in taken))  # the names appended are free
 
 
 def _head_nodes(head, hidden: str) -> tuple[list, list]:
@@ -80,9 +82,11 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head, head_info: mf.HeadInfo) -> Path:
+def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head, head_info: mf.HeadInfo,
+                finish=None) -> Path:
     """Write ``out``: the base engine with ``head`` (a DecisionHead) appended to its graph, read-out ``head``; written
-    as ``out.partial`` and renamed, nothing left behind on failure. Call only where :func:`can_append` holds."""
+    as ``out.partial`` and renamed, nothing left behind on failure. Call only where :func:`can_append` holds.
+    ``finish``: Manifest -> Manifest before it is written (as ``export_engine``'s)."""
     base_dir, out = Path(base_dir), Path(out)
     model = onnx.load(str(base_dir / base.graph), load_external_data=False)
     hidden = readout_hidden(model.graph)
@@ -96,20 +100,20 @@ def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head
     tmp.mkdir(parents=True)
     try:
         onnx.save(model, str(tmp / base.graph))  # the base's initializers keep pointing at its weights file's name
-        shared = {n for n in base.files if n not in (base.graph, base.golden)}  # the weights file, the tokenizer
+        plans = {p.get("file") for p in base.plans}  # TensorRT plans of the base's graph: not this graph's
+        shared = {n for n in base.files if n not in (base.graph, base.golden, *plans)}  # the weights, the tokenizer
         for file_name in shared:
             _link(base_dir / file_name, tmp / file_name)
         decoder = decoder_from_engine(base_dir, base).attach_head(head).eval()
         write_golden(decoder, PromptEncoder(str(tmp / base.tokenizer), base.prompt), tmp / base.golden)
-        files = {**{n: base.files[n] for n in shared},  # the same bytes the base engine verified
-                 **{n: mf.sha256_file(tmp / n) for n in (base.graph, base.golden)}}
+        files = {n: mf.sha256_file(tmp / n) for n in (*shared, base.graph, base.golden)}  # ~1 s for the weights
         weights = {**base.source["weights"], **{k: k for k in (i.name for i in inits) if k.startswith(PREFIX)}}
         source = {**base.source, "weights": weights, "head_appended_to": {"engine": base.name, "graph": base.files[
             base.graph]}, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         manifest = dataclasses.replace(base, name=name, files=dict(sorted(files.items())), head=head_info,
                                        scoring=mf.Scoring(readout="head"), calibration=None, source=source,
                                        plans=[], gate=None, guarantees={})  # the base's: measured on its graph
-        mf.write(tmp, manifest)
+        mf.write(tmp, finish(manifest) if finish else manifest)
         check_golden(Engine.load(tmp, verify=False, backend="onnxruntime"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

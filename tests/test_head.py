@@ -215,3 +215,29 @@ def test_a_head_appended_to_the_base_graph_answers_as_the_head_exported_with_the
         broken.head.out.weight.mul_(-1.0)
     assert np.abs(probs(appended(broken, "broken")) - want).max() > 1e-2
     assert Engine.load(tiny_engine_dir).manifest == base  # the base engine is untouched (and verifies)
+
+
+@pytest.mark.slow
+def test_a_head_that_cannot_be_appended_is_exported_with_the_decoder(head_engine, tiny_engine_dir, tmp_path,
+                                                                      monkeypatch):
+    """Where appending fails on a graph this path did not foresee, tune's writer exports the decoder with the head
+    instead (the engine still answers with it); nothing is left of the failed attempt."""
+    from onepass.calibration.tune_engine import write_head_engine
+    from onepass.export import head_graph
+    from onepass.export.model_source import engine_source
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("an unforeseen graph")
+
+    monkeypatch.setattr(head_graph, "append_head", fails)
+    exported, model = head_engine
+    base = Engine.load(tiny_engine_dir).manifest
+    out = tmp_path / "written"
+    write_head_engine(tiny_engine_dir, base, *engine_source(base), out, "written", model.head, exported.manifest.head)
+    engine = Engine.load(out)
+    assert engine.manifest.scoring.readout == "head" and "head_appended_to" not in engine.manifest.source
+    q = {"team": Choice("Which team?", ["billing", "technical support", "shipping"])}
+    state = "Ticket: I was charged twice for one order, please refund."
+    got, want = engine.ask(state, q)["team"], exported.ask(state, q)["team"]
+    assert max(abs(got.probabilities[n] - want.probabilities[n]) for n in want.probabilities) < 1e-5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["written"]
