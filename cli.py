@@ -285,7 +285,7 @@ def cmd_export(args) -> int:
     """Compile a model into an engine directory."""
     from .export.build import export_from_options
     export_from_options(args.out, args.model, name=args.name, limits=_limits(args), readout=args.readout,
-                        precision=args.precision, adapter=args.adapter, head=args.head)
+                        precision=args.precision, adapter=args.adapter, head=args.head, prompt=args.prompt)
     return 0
 
 

@@ -7,6 +7,7 @@ import argparse
 from .runtime.backends import AUTO, BACKENDS
 from .runtime.backends.devices import DEVICES
 from .runtime.core.config import EngineConfig
+from .runtime.core.prompt import FORMS
 from .runtime.server.config import ServerConfig, TransportLimits
 
 # every default below is the settings' own (one source: the library and the command agree)
@@ -127,6 +128,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--adapter", default="default", help="LoRA merged into the weights: 'default' (shipped for the "
                                                           "default model), 'none', or a folder from `onepass tune`")
     ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
+    ex.add_argument("--prompt", choices=sorted(FORMS), default=None,
+                    help="how questions are written (default: the form the adapter was trained in; chat without one)")
     ask = sub.add_parser("ask", help="answer questions about a state; prints the TypeSafe response JSON")
     _engine(ask)
     ask.add_argument("--state", help="file with the state text ('-' for stdin); or give state inside --questions")

@@ -78,8 +78,9 @@ def main() -> None:
         from onepass.export.build import export_engine
         from onepass.export.model_source import engine_source
 
-        spec, adapters = engine_source(mf.load(args.engine, verify=False))
-        export_engine(fp16_dir, spec, precision="fp16", adapters=adapters)
+        m = mf.load(args.engine, verify=False)
+        spec, adapters = engine_source(m)
+        export_engine(fp16_dir, spec, precision="fp16", adapters=adapters, prompt=m.prompt)
     base = Engine.load(args.engine, verify=False, threads=2, backend="onnxruntime")  # the reference
     texts = TEXTS + [state_of_tokens(base, 512)]
     enc = base.encode_questions(QUESTIONS)

@@ -190,13 +190,15 @@ def rotten_rows(n: int, rng: random.Random, chars: int = 600) -> list[dict]:
     return out
 
 
-def training_rows(seed: int = 0, scale: float = 1.0, validation: bool = False) -> list[dict]:
+def training_rows(seed: int = 0, scale: float = 1.0, validation: bool = False, bigbench: bool = True) -> list[dict]:
     """The default adapter's training mixture (no held-out data set can appear in it); with ``validation``
-    the :data:`VALIDATION` tasks are left out of it as well (see :func:`validation_rows`)."""
+    the :data:`VALIDATION` tasks are left out of it as well (see :func:`validation_rows`). ``bigbench`` False: without
+    the BIG-bench rows (every other row the same), where the registry no longer serves its sdist."""
     rng = random.Random(seed)
     k = lambda n: max(1, int(n * scale))  # noqa: E731
     rows = (bbc_rows(k(350), rng) + tweet_rows(k(500), rng) + speech_rows(k(120), rng) + lexicon_rows(k(500), rng)
-            + genre_rows(k(150), rng) + bigbench_rows("train" if validation else "train+val", k(25), seed)
+            + genre_rows(k(150), rng)
+            + (bigbench_rows("train" if validation else "train+val", k(25), seed) if bigbench else [])
             + synthetic.rows(k(130), rng, exclude=("compare", "deadline") if validation else ("compare",)))
     leaked = {r["dataset"] for r in rows} & (set(HELD_OUT) | (set(VALIDATION) if validation else set()))
     if leaked:
@@ -205,17 +207,17 @@ def training_rows(seed: int = 0, scale: float = 1.0, validation: bool = False) -
     return rows
 
 
-def heldout_rows(n: int = 150, seed: int = 1) -> list[dict]:
+def heldout_rows(n: int = 150, seed: int = 1, bigbench: bool = True) -> list[dict]:
     """The leave-datasets-out evaluation rows: data sets and tasks the default adapter never saw."""
     rng = random.Random(seed)
-    return (rotten_rows(n, rng) + bigbench_rows("test", max(1, n // 8), seed)
+    return (rotten_rows(n, rng) + (bigbench_rows("test", max(1, n // 8), seed) if bigbench else [])
             + synthetic.rows(n, rng, only=("compare",)))
 
 
-def validation_rows(seed: int = 0, scale: float = 1.0) -> list[dict]:
+def validation_rows(seed: int = 0, scale: float = 1.0, bigbench: bool = True) -> list[dict]:
     """Early-stopping rows from tasks outside the training mixture and outside the held-out claims."""
     k = lambda n: max(1, int(n * scale))  # noqa: E731
-    return bigbench_rows("val", k(25), seed) + synthetic.rows(k(130), random.Random(seed + 7), only=("deadline",))
+    return (bigbench_rows("val", k(25), seed) if bigbench else []) + synthetic.rows(k(130), random.Random(seed + 7), only=("deadline",))
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -233,19 +235,20 @@ def main(argv=None) -> int:
     ap.add_argument("--validation", type=Path, help="also write the validation rows (their tasks leave the mixture)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every source's row count")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bigbench", action="store_true", help="leave the BIG-bench rows out (every other row the same)")
     args = ap.parse_args(argv)
-    rows = training_rows(args.seed, args.scale, validation=args.validation is not None)
+    rows = training_rows(args.seed, args.scale, validation=args.validation is not None, bigbench=not args.no_bigbench)
     write_jsonl(rows, args.out)
     counts: dict = {}
     for r in rows:
         counts[r["dataset"]] = counts.get(r["dataset"], 0) + 1
     print(f"{len(rows)} training rows, {len({r['state'] for r in rows})} states: {counts}", file=sys.stderr)
     if args.validation:
-        val = validation_rows(args.seed, args.scale)
+        val = validation_rows(args.seed, args.scale, bigbench=not args.no_bigbench)
         write_jsonl(val, args.validation)
         print(f"{len(val)} validation rows", file=sys.stderr)
     if args.heldout:
-        held = heldout_rows()
+        held = heldout_rows(bigbench=not args.no_bigbench)
         write_jsonl(held, args.heldout)
         print(f"{len(held)} held-out rows", file=sys.stderr)
     return 0

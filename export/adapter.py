@@ -44,6 +44,18 @@ def card(adapter: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def prompt_of(adapter: Path):
+    """The prompt form the adapter was trained in (its card's ``prompt``; the default ``chat`` form for a card that
+    records none, as every adapter did before the forms were named)."""
+    from ..runtime.core.prompt import PromptTemplate
+
+    recorded = card(adapter).get("prompt")
+    try:
+        return PromptTemplate(**recorded) if recorded is not None else PromptTemplate()
+    except (TypeError, ValueError) as e:
+        raise ModelSourceError(f"{Path(adapter) / CARD}: its prompt is not a prompt template ({e})") from e
+
+
 def provenance(adapter: Path) -> dict:
     """What the manifest records of an adapter: where it was, the sha256 of its weights, its card."""
     return {"path": str(adapter), "sha256": sha256_file(Path(adapter) / WEIGHTS), "card": card(adapter)}

@@ -16,11 +16,11 @@ from ..runtime.backends import contract
 from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import EngineFileError
-from ..runtime.core.prompt import PromptEncoder, PromptTemplate
+from ..runtime.core.prompt import FORMS, PromptEncoder, PromptTemplate
 from ..runtime.core.selfcheck import check_golden
 from ..runtime.backends.engine_weights import match
 from ..runtime.backends.torch_decoder import PackedDecoder, lower_precision
-from .adapter import card, resolve
+from .adapter import card, prompt_of, resolve
 from .golden import write_golden
 from .model_source import load_model
 from .onnx_graph import export_decoder
@@ -56,13 +56,14 @@ def name_dynamic_axes(path: Path, dims, head: bool = False) -> None:
 
 def export_engine(out: str | Path, model: str | None = None, *, name: str | None = None,
                   limits: mf.Limits | dict | None = None, scoring: mf.Scoring | None = None,
-                  prompt: PromptTemplate = PromptTemplate(), head=None, head_info: mf.HeadInfo | None = None,
+                  prompt: PromptTemplate | None = None, head=None, head_info: mf.HeadInfo | None = None,
                   precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
                   extra_files: dict | None = None, finish=None) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
     ``scoring`` None: the read-out the last adapter was trained for (its card's ``readout``), else the
-    default (mean). ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
+    default (mean). ``prompt`` None: the form the last adapter was trained in (its card's ``prompt``), else the
+    default (``chat``). ``head`` (a DecisionHead) with ``head_info`` exports a decision head into the graph and makes
     ``head`` the engine's read-out. ``precision="fp16"`` (or ``"bf16"``) stores the block weights in
     fp16 (bf16) and runs their GEMMs in it; embedding, norms, softmax, residual stream, read-out and
     K/V stay float32. A bf16 engine runs on TensorRT or the PyTorch backend, not ONNX Runtime's CPU.
@@ -85,6 +86,8 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     loaded = load_model(model, adapters)
     if tuning is None and adapters and card(adapters[-1]).get("tuning"):
         tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
+    if prompt is None:
+        prompt = prompt_of(adapters[-1]) if adapters else PromptTemplate()
     if scoring is None:
         trained_for = card(adapters[-1]).get("readout") if adapters else None
         scoring = mf.Scoring(readout=trained_for) if trained_for else mf.Scoring()
@@ -159,9 +162,10 @@ def weight_map(decoder: PackedDecoder, graph: Path) -> dict[str, str]:
 
 def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,
                         readout: str | None = None, precision: str = "fp32", adapter: str = "default",
-                        head: str | None = None) -> Path:
+                        head: str | None = None, prompt: str | None = None) -> Path:
     """`onepass export`: ``limits`` (None values: derived from the model), ``readout`` (None: the adapter's), the
-    ``adapter`` as the command names it ('default', 'none' or a folder) and a trained decision ``head`` (.pt)."""
+    ``adapter`` as the command names it ('default', 'none' or a folder), a trained decision ``head`` (.pt) and the
+    ``prompt`` form by name (``prompt.FORMS``; None: the adapter's)."""
     from .adapter import resolve
 
     head_module = head_info = None
@@ -170,4 +174,5 @@ def export_from_options(out: str, model: str | None = None, *, name: str | None 
 
         head_module, head_info = load_head_info(head)
     return export_engine(out, model, name=name, limits=limits, scoring=mf.Scoring(readout) if readout else None,
-                         head=head_module, head_info=head_info, precision=precision, adapters=resolve(adapter, model))
+                         head=head_module, head_info=head_info, precision=precision, adapters=resolve(adapter, model),
+                         prompt=FORMS[prompt] if prompt else None)

@@ -84,3 +84,35 @@ def test_the_memo_stays_bounded_under_a_stream_of_distinct_names(tokenizer_path,
     long = "word " * 40  # longer than MEMO_MAX_CHARS: never memoised
     enc.question(Noul(long))
     assert long not in enc._untrusted_memo and f" {long}" not in enc._untrusted_memo
+
+
+def test_the_compact_form_asks_the_same_question_in_fewer_tokens(tokenizer_path):
+    """``FORMS["compact"]`` (issue 46): the caller's instructions, option names and descriptions reach the model as in
+    ``chat``; the options scored are the same token ids; no turn is closed and opened, no hint repeated: fewer packed
+    tokens on the README ticket's questions. Control: the chat form's trunk closes the user's turn."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from onepass.runtime.core.questions import from_wire
+    from onepass.runtime.core.tree import pack
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    qs = [from_wire(k, v) for k, v in json.loads((Path(__file__).parent / "data" / "questions.json").read_text()).items()]
+    chat, compact = (PromptEncoder(tokenizer_path, prompt.FORMS[f]) for f in ("chat", "compact"))
+    turns = {tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")}
+    assert prompt.FORMS["chat"] == PromptTemplate()
+    for q in qs + _questions(random.Random(5), 60):
+        a, b = chat.question(q), compact.question(q)
+        assert a.options == b.options
+        text = tok.decode(list(b.trunk), skip_special_tokens=False)
+        assert not turns & set(b.trunk) and text.endswith("\nAnswer:")  # a caller's "<|im_end|>" is plain text
+        assert turns <= set(a.trunk)
+        for part in [chat.instructions(q), *(chat.options(q) if isinstance(q, Choice) else [])]:
+            assert part in text
+    described = Noul("Is it fraud?", {"true": "money taken", "false": "anything else"})
+    assert tok.decode(list(compact.question(described).trunk), skip_special_tokens=False) == (
+        "Question: Is it fraud?\nYes means: money taken.\nNo means: anything else.\nAnswer:")
+    packed = {f: pack([enc.question(q) for q in qs], 100).num_tokens for f, enc in (("chat", chat), ("compact", compact))}
+    assert packed["compact"] < 0.8 * packed["chat"], packed

@@ -180,6 +180,10 @@ def test_default_engine_records_its_adapter_and_tuning(engine):
     assert adapters[0]["sha256"] == sha256_file(DEFAULT_ADAPTER / WEIGHTS)
     # the engine answers with the read-out its adapter was trained through, not the export's fallback
     assert engine.manifest.scoring.readout == card(DEFAULT_ADAPTER)["readout"]
+    # ... and asks in the prompt form it was trained in
+    from onepass.export.adapter import prompt_of
+
+    assert engine.manifest.prompt == prompt_of(DEFAULT_ADAPTER)
 
 
 def _fact_rows(tmp_path, notes: int = 16, numbered: bool = False):
@@ -217,6 +221,7 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
     from onepass.export.adapter import card
 
     assert card(out)["readout"] == m.scoring.readout == Engine.load(engine_dir).manifest.scoring.readout
+    assert card(out)["prompt"] == dataclasses.asdict(m.prompt)  # what a re-export of the adapter writes (prompt_of)
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     chosen = {c["name"]: c["heldout_nll"] for c in summary["choice"]["candidates"]}[summary["choice"]["chosen"]]
     assert report["after"]["all"]["nll"] == pytest.approx(chosen, abs=1e-3)  # served (ONNX) == chosen (PyTorch)

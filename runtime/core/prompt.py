@@ -59,6 +59,19 @@ class PromptTemplate:
                 raise ValueError(f"prompt.{name} must contain {field_}")
 
 
+# Named prompt forms (`onepass export --prompt`). "chat" is the default above. "compact" (issue 46) writes each
+# question inside the user's turn, ending "Answer:" with no turn closed and opened, and no hint that only repeats
+# what the options say ("Answer yes or no.", "Answer in a few words.", "Answer with one option."): 114 fewer packed
+# tokens on the README ticket's 13 questions (421 -> 307). An adapter is trained for one form: its card records it,
+# and export then writes that form (export/adapter.py: ``prompt_of``).
+FORMS = {
+    "chat": PromptTemplate(),
+    "compact": PromptTemplate(question="Question: {instructions}\n{hint}Answer:", noul_hint="", score_hint="",
+                              choice_hint="Options:\n{options}", noul_yes_means="Yes means: {text}.\n",
+                              noul_no_means="No means: {text}.\n"),
+}
+
+
 def render(template: str, **values) -> list[Piece]:
     """Fill ``template``: literal text is trusted; str values are caller text; lists are pieces."""
     pieces: list[Piece] = []
