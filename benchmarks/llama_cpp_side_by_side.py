@@ -22,7 +22,7 @@ not (same architecture and size, so the same work); ``--base-engine`` (an export
 llama.cpp computes what onepass does on the same weights: each option's log-likelihood against onepass's fp32
 (ONNX Runtime), and the options both pick. Writes benchmarks/results/llama_cpp_side_by_side.{json,md}.
 
-    python benchmarks/llama_cpp_side_by_side.py --engine engines/smollm2 [--base-engine DIR] [--rounds 9]
+    python benchmarks/llama_cpp_side_by_side.py --engine engines/smollm2 [--base-engine DIR] [--rounds 9] [--out NAME]
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--engine", default="engines/smollm2")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--base-engine", default=None, help="an export without the adapter: llama.cpp's answers checked")
+    ap.add_argument("--out", default="llama_cpp_side_by_side",
+                    help="results/NAME.{json,md} (another CPU's record kept beside the first)")
     args = ap.parse_args()
 
     engines = {"onepass auto": Engine.load(args.engine, threads=THREADS),
@@ -173,9 +175,9 @@ def main() -> None:
               "llama_cpp": why_not or "llama-cpp-python " + __import__("llama_cpp").__version__,
               "llama_q4_vs_onepass_fp32_same_weights": agreement}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "llama_cpp_side_by_side.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "llama_cpp_side_by_side.md").write_text(markdown(result, args))
-    print((RESULTS / "llama_cpp_side_by_side.md").read_text())
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(result, args))
+    print((RESULTS / f"{args.out}.md").read_text())
 
 
 def markdown(r: dict, args) -> str:
@@ -205,7 +207,8 @@ def markdown(r: dict, args) -> str:
                       f"{check['same_option']} of {r['questions']} questions (mean log-likelihood, no calibration). "
                       "The timed onepass engine carries the shipped adapter, the GGUF does not: the same work."]
     base = f" --base-engine {args.base_engine}" if args.base_engine else ""
-    command = f"python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}"
+    out = "" if args.out == "llama_cpp_side_by_side" else f" --out {args.out}"
+    command = f"python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}{out}"
     lines += ["", f"    {command}", ""]
     return "\n".join(lines)
 

@@ -54,6 +54,18 @@ def work(engine: Engine) -> dict:
             "gflop_total": round(sum(flops.values()) / 1e9, 1)}
 
 
+def training(m) -> dict:
+    """How the engine's adapter was trained, from its manifest: rows, steps, the held-out split's best (the mixture's
+    own held-out states: each adapter's split, not comparable across mixtures)."""
+    t = m.tuning
+    if t is None:
+        return {}
+    best = (t.metrics or {}).get("heldout_best") or {}
+    return {"data": [f"{d.get('path')} ({d.get('rows')} rows)" for d in t.data or []], "rows": t.rows,
+            "steps": t.steps, "best_step": best.get("step"), "heldout_accuracy": best.get("accuracy"),
+            "heldout_nll": best.get("nll"), "heldout_rows": t.holdout_rows}
+
+
 def speed(dirs: dict, rounds: int) -> dict:
     """Warm and cold seconds of the README ticket's 13 questions, the engines interleaved round by round."""
     warm = {name: Engine.load(d, threads=THREADS) for name, d in dirs.items()}
@@ -85,6 +97,10 @@ def markdown(res: dict) -> str:
     lines = [f"# Prompt forms side by side ({res['cpu']}, {THREADS} threads, {res['when']})", "",
              "Each engine answers in the form its adapter was trained in: " + "; ".join(
                  f"**{n}** `{res['engines'][n]['dir']}` ({res['engines'][n]['adapter']})" for n in names) + ".", "",
+             "Training (each adapter's own held-out split of its own mixture, so not comparable across them): " + "; ".join(
+                 f"{n}: {t['rows']} rows from {', '.join(t['data'])}, {t['steps']} steps, best at step {t['best_step']} "
+                 f"(held-out accuracy {t['heldout_accuracy']:.3f}, NLL {t['heldout_nll']:.3f} on {t['heldout_rows']} rows)"
+                 for n in names if (t := res["engines"][n].get("training"))) + ".", "",
              "## Work of one pass: the README's 13 questions over a 511-token state", "",
              "| form | packed tokens | per question | read-outs | GFLOP | block GEMMs | attention | read-out |",
              "|---|---|---|---|---|---|---|---|"]
@@ -110,6 +126,13 @@ def markdown(res: dict) -> str:
     for d in sets:
         a = [res["engines"][n]["accuracy"][d] for n in names]
         lines.append(f"| {d} | {a[0]['rows']} | " + " | ".join(f"{x['accuracy']:.3f} | {x['nll']:.3f}" for x in a) + " |")
+    for n in names[1:]:
+        a, b = res["engines"][base]["accuracy"]["all"], res["engines"][n]["accuracy"]["all"]
+        se = (a["accuracy"] * (1 - a["accuracy"]) / a["rows"]) ** 0.5
+        kept = b["accuracy"] >= a["accuracy"] - se
+        lines += ["", f"**{n} against {base}, all held-out rows: {b['accuracy'] - a['accuracy']:+.3f} accuracy "
+                  f"(one standard error {se:.3f}), NLL {b['nll'] - a['nll']:+.3f}: accuracy "
+                  f"{'kept' if kept else 'not kept'}.**"]
     lines += ["", "One standard error of an accuracy near 0.7 on 150 rows is about 3.7 points.", "",
               "    " + res["command"]]
     return "\n".join(lines) + "\n"
@@ -133,7 +156,7 @@ def main(argv=None) -> int:
             if m.prompt != FORMS[name]:
                 raise SystemExit(f"--{name} {d}: its prompt is not the {name} form ({m.prompt.question!r})")
             adapters = (m.source or {}).get("adapters") or []
-            res["engines"][name] = {"dir": d, "work": work(engine),
+            res["engines"][name] = {"dir": d, "work": work(engine), "training": training(m),
                                     "adapter": f"{len(adapters)} adapter(s), readout {m.scoring.readout}"}
     res["speed"] = speed(dirs, args.rounds)
     for name, d in dirs.items():
