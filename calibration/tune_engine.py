@@ -261,21 +261,13 @@ def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, 
     base's probabilities (a distilled engine's gate, a backend's guarantees against fp32) does not hold once they are
     calibrated: dropped.
     Written beside ``out`` and renamed: all or nothing."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with mf.staged(out) as tmp:
         mf.copy_engine(base_dir, tmp)
         m = mf.load(tmp, verify=False)
         calibration = dataclasses.replace(calibration, source={**calibration.source, "tune": choice})
         mf.write(tmp, dataclasses.replace(adapter_at(m, out), name=name, calibration=calibration, gate=None,
                                           guarantees={}))
         Engine.load(tmp)  # hashes verified, calibration read back
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def adapter_at(m: mf.Manifest, engine_dir: Path) -> mf.Manifest:

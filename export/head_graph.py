@@ -95,10 +95,8 @@ def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head
     model.graph.node.extend(nodes)
     model.graph.output.append(helper.make_tensor_value_info(contract.HEAD_SCORE, onnx.TensorProto.FLOAT,
                                                             [contract.READOUT]))
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with mf.staged(out) as tmp:
+        tmp.mkdir(parents=True)
         onnx.save(model, str(tmp / base.graph))  # the base's initializers keep pointing at its weights file's name
         plans = {p.get("file") for p in base.plans}  # TensorRT plans of the base's graph: not this graph's
         shared = {n for n in base.files if n not in (base.graph, base.golden, *plans)}  # the weights, the tokenizer
@@ -115,10 +113,4 @@ def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head
                                        plans=[], gate=None, guarantees={})  # the base's: measured on its graph
         mf.write(tmp, finish(manifest) if finish else manifest)
         check_golden(Engine.load(tmp, verify=False, backend="onnxruntime"))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return out

@@ -213,6 +213,25 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             )
 
 
+@contextlib.contextmanager
+def staged(out: str | os.PathLike):
+    """A directory to write an engine into that appears at ``out`` whole or not at all: ``out.partial`` is yielded,
+    removed if the block raises, and renamed over ``out`` when it returns."""
+    import shutil
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
 def copy_engine(src: str | os.PathLike, dst: str | os.PathLike, link_above: int = 10 << 20) -> Path:
     """A copy of an engine directory whose files can be changed without touching ``src``.
 
