@@ -61,8 +61,8 @@ class PromptTemplate:
 
 # Named prompt forms (`onepass export --prompt`). "chat" is the default above. "compact" (issue 46) writes each
 # question inside the user's turn, ending "Answer:" with no turn closed and opened, and no hint that only repeats
-# what the options say ("Answer yes or no.", "Answer in a few words.", "Answer with one option."): 114 fewer packed
-# tokens on the README ticket's 13 questions (421 -> 307). An adapter is trained for one form: its card records it,
+# what the options say ("Answer yes or no.", "Answer in a few words.", "Answer with one option."): 147 fewer packed
+# tokens on the README ticket's 13 questions (421 -> 274). An adapter is trained for one form: its card records it,
 # and export then writes that form (export/adapter.py: ``prompt_of``).
 FORMS = {
     "chat": PromptTemplate(),
