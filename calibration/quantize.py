@@ -86,10 +86,8 @@ def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_a
     if set(range(layers)) <= set(keep_blocks):
         raise QuantizationRefused(f"the engine's {layers} blocks would all stay fp32 (kept: {list(keep_blocks)}): "
                                   "nothing to quantize; no engine written")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with mf.staged(out) as tmp:  # a refusal or failure leaves no directory behind
+        tmp.mkdir(parents=True)
         for name in (ref.manifest.tokenizer, ref.manifest.golden):
             shutil.copy(src / name, tmp / name)
         staging = tmp / "fp32"  # a private copy: onnx refuses external data that has other hard links
@@ -113,8 +111,4 @@ def quantize_engine(src: str | Path, out: str | Path, data: str | Path, *, min_a
         record = {"scheme": "onnxruntime dynamic int8, per-channel weights", "fp32_blocks": list(keep_blocks),
                   **measured, "data": str(data)}
         mf.write(tmp, dataclasses.replace(manifest, quantization=record))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        return record
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return record

@@ -95,10 +95,8 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     dims = decoder.dims
     if head is not None:
         scoring = mf.Scoring(readout="head")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with mf.staged(out) as tmp:  # nothing half-written: a failed export leaves no directory behind
+        tmp.mkdir(parents=True)
         step(f"exporting the decoder graph ({dims.num_layers} layers, {dims.hidden_size} hidden) to ONNX; ~1 min")
         export_decoder(decoder, tmp / GRAPH)
         name_dynamic_axes(tmp / GRAPH, (dims.num_layers, dims.num_kv_heads, dims.head_dim), head=head is not None)
@@ -130,12 +128,6 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
             step("checking the ONNX graph against the golden file (ONNX Runtime vs PyTorch fp32)")
             diffs = check_golden(Engine.load(tmp, verify=False, backend="onnxruntime"))
         log.info("golden max differences: %s", diffs)
-    except BaseException:  # nothing half-written: a failed export leaves no directory behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     step(f"engine written to {out}")
     return out
 

@@ -12,8 +12,6 @@ the expected LogSoftmax(MatMul(h, Transpose(embed))) pattern, a lower precision)
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -75,13 +73,6 @@ def _head_nodes(head, hidden: str) -> tuple[list, list]:
     return inits, nodes
 
 
-def _link(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system, or links not allowed: a copy holds the same bytes
-        shutil.copyfile(src, dst)
-
-
 def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head, head_info: mf.HeadInfo,
                 finish=None) -> Path:
     """Write ``out``: the base engine with ``head`` (a DecisionHead) appended to its graph, read-out ``head``; written
@@ -101,7 +92,7 @@ def append_head(base_dir: Path, base: mf.Manifest, out: Path, *, name: str, head
         plans = {p.get("file") for p in base.plans}  # TensorRT plans of the base's graph: not this graph's
         shared = {n for n in base.files if n not in (base.graph, base.golden, *plans)}  # the weights, the tokenizer
         for file_name in shared:
-            _link(base_dir / file_name, tmp / file_name)
+            mf.link_or_copy(base_dir / file_name, tmp / file_name)
         decoder = decoder_from_engine(base_dir, base).attach_head(head).eval()
         write_golden(decoder, PromptEncoder(str(tmp / base.tokenizer), base.prompt), tmp / base.golden)
         files = {n: mf.sha256_file(tmp / n) for n in (*shared, base.graph, base.golden)}  # ~1 s for the weights

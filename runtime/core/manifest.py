@@ -246,14 +246,21 @@ def copy_engine(src: str | os.PathLike, dst: str | os.PathLike, link_above: int 
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.is_file() and f.stat().st_size > link_above:
-            try:
-                os.link(f.resolve(), dst / f.name)
-                continue
-            except OSError:
-                pass
-        if f.is_file():
+            link_or_copy(f, dst / f.name)
+        elif f.is_file():
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``dst`` a hard link to ``src`` (its target, where ``src`` is a symlink), or a copy where the file system
+    refuses links: the same bytes either way."""
+    import shutil
+
+    try:
+        os.link(Path(src).resolve(), dst)
+    except OSError:
+        shutil.copy(src, dst)
 
 
 def write(directory: str | os.PathLike, manifest: Manifest) -> Path:
