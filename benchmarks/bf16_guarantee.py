@@ -21,11 +21,10 @@ import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import QUESTIONS, TICKET  # noqa: E402
+from latency import QUESTIONS, TICKET, interleaved  # noqa: E402
 from readout_eval import rotten  # noqa: E402
 
 from onepass.calibration.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
@@ -52,14 +51,8 @@ def speed(engine_dir: str, rounds: int, threads: int) -> dict:
     """Warm and cold p50/min of the 13 questions, f32 and bf16 interleaved round by round."""
     engines = {name: Engine.load(engine_dir, backend=name, threads=threads) for name in (REFERENCE, BF16)}
     cold = {name: Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0) for name in engines}
-    times: dict = {f"{name} {kind}": [] for name in engines for kind in ("warm", "cold")}
-    for r in range(rounds + 1):
-        for name in engines:
-            for kind, engine in (("warm", engines[name]), ("cold", cold[name])):
-                start = time.perf_counter()
-                engine.ask(TICKET, QUESTIONS)
-                if r:  # round 0 warms up (and fills the warm engines' caches)
-                    times[f"{name} {kind}"].append(time.perf_counter() - start)
+    times = interleaved({f"{name} {kind}": lambda e=group[name]: e.ask(TICKET, QUESTIONS)  # round 0 fills the caches
+                         for name in engines for kind, group in (("warm", engines), ("cold", cold))}, rounds)
     for engine in [*engines.values(), *cold.values()]:
         engine.close()
     return {k: {"p50_s": round(statistics.median(v), 3), "min_s": round(min(v), 3), "max_s": round(max(v), 3)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from pathlib import Path
 
 from onepass import Choice, Engine, Noul, Score
@@ -95,6 +96,21 @@ def timed(fn, iters: int, warmup: int = 1) -> dict:
     for _ in range(warmup):
         fn()
     return _short(closed_loop(lambda: (fn(), None)[1], concurrency=1, requests=iters).summary())  # no stages
+
+
+def interleaved(runs: dict, rounds: int, progress=None) -> dict[str, list[float]]:
+    """Seconds of each of ``runs`` ({name: callable}), called in turn round by round so that the machine's noise hits
+    all alike; round 0 warms up and is not kept. ``progress(r)`` after each round."""
+    times: dict = {name: [] for name in runs}
+    for r in range(rounds + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if r:
+                times[name].append(time.perf_counter() - start)
+        if progress:
+            progress(r)
+    return times
 
 
 def cpu_name() -> str:

@@ -33,13 +33,12 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import QUESTIONS, TICKET  # noqa: E402
+from latency import QUESTIONS, TICKET, interleaved  # noqa: E402
 from roofline import gemm_shapes, pass_flops  # noqa: E402
 
 from onepass.runtime import Engine  # noqa: E402
@@ -101,12 +100,6 @@ class LlamaBranching:
         return out
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="engines/smollm2")
@@ -141,13 +134,7 @@ def main() -> None:
         llama = LlamaBranching(model, state_ids, encoded)
         runs["llama.cpp warm"] = lambda: llama.ask(cold=False)
         runs["llama.cpp cold"] = lambda: llama.ask(cold=True)
-    times: dict = {name: [] for name in runs}
-    for r in range(args.rounds + 1):
-        for name, run in runs.items():
-            t = timed(run)
-            if r:
-                times[name].append(t)
-        print(f"round {r}/{args.rounds}", file=sys.stderr)
+    times = interleaved(runs, args.rounds, progress=lambda r: print(f"round {r}/{args.rounds}", file=sys.stderr))
     med = {k: statistics.median(v) for k, v in times.items()}
     agreement, evaluated = None, None
     if llama is not None:

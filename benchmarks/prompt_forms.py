@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import QUESTIONS, TICKET, state_of_tokens  # noqa: E402
+from latency import QUESTIONS, TICKET, interleaved, state_of_tokens  # noqa: E402
 from roofline import gemm_shapes, pass_flops  # noqa: E402
 
 from onepass.calibration.evaluate import evaluate_engine  # noqa: E402
@@ -70,19 +70,13 @@ def speed(dirs: dict, rounds: int) -> dict:
     """Warm and cold seconds of the README ticket's 13 questions, the engines interleaved round by round."""
     warm = {name: Engine.load(d, threads=THREADS) for name, d in dirs.items()}
     cold = {name: Engine.load(d, threads=THREADS, cache_bytes=0) for name, d in dirs.items()}
-    times: dict = {f"{name} {kind}": [] for name in dirs for kind in ("warm", "cold")}
-    for r in range(rounds + 1):
-        for name in dirs:
-            for kind, engine in (("warm", warm[name]), ("cold", cold[name])):
-                start = time.perf_counter()
-                engine.ask(TICKET, QUESTIONS)
-                if r:  # round 0 warms up (and fills the warm engines' caches)
-                    times[f"{name} {kind}"].append(time.perf_counter() - start)
+    times = interleaved({f"{name} {kind}": lambda e=engines[name]: e.ask(TICKET, QUESTIONS)  # round 0 fills the caches
+                         for name in dirs for kind, engines in (("warm", warm), ("cold", cold))}, rounds)
     backends = {name: f"{warm[name].backend.name} / {cold[name].backend.name}" for name in dirs}
     for engine in [*warm.values(), *cold.values()]:
         engine.close()
-    return {"backend": "; ".join(f"{n}: {b}" for n, b in backends.items()), **{k: {"p50_s": round(statistics.median(v), 3), "min_s": round(min(v), 3)}
-                                   for k, v in times.items()}}
+    return {"backend": "; ".join(f"{n}: {b}" for n, b in backends.items()),
+            **{k: {"p50_s": round(statistics.median(v), 3), "min_s": round(min(v), 3)} for k, v in times.items()}}
 
 
 def accuracy(engine_dir: str, heldout: str) -> dict:
@@ -92,15 +86,19 @@ def accuracy(engine_dir: str, heldout: str) -> dict:
     return {"all": keep(report["all"]), **{name: keep(b) for name, b in report["datasets"].items()}}
 
 
+def _trained(name: str, t: dict) -> str:
+    return (f"{name}: {t['rows']} rows from {', '.join(t['data'])}, {t['steps']} steps, best at step {t['best_step']} "
+            f"(held-out accuracy {t['heldout_accuracy']:.3f}, NLL {t['heldout_nll']:.3f} on {t['heldout_rows']} rows)")
+
+
 def markdown(res: dict) -> str:
     names = list(res["engines"])
     lines = [f"# Prompt forms side by side ({res['cpu']}, {THREADS} threads, {res['when']})", "",
              "Each engine answers in the form its adapter was trained in: " + "; ".join(
                  f"**{n}** `{res['engines'][n]['dir']}` ({res['engines'][n]['adapter']})" for n in names) + ".", "",
-             "Training (each adapter's own held-out split of its own mixture, so not comparable across them): " + "; ".join(
-                 f"{n}: {t['rows']} rows from {', '.join(t['data'])}, {t['steps']} steps, best at step {t['best_step']} "
-                 f"(held-out accuracy {t['heldout_accuracy']:.3f}, NLL {t['heldout_nll']:.3f} on {t['heldout_rows']} rows)"
-                 for n in names if (t := res["engines"][n].get("training"))) + ".", "",
+             "Training (each adapter's own held-out split of its own mixture, so not comparable across them): "
+             + "; ".join(_trained(n, res["engines"][n]["training"]) for n in names if res["engines"][n]["training"])
+             + ".", "",
              "## Work of one pass: the README's 13 questions over a 511-token state", "",
              "| form | packed tokens | per question | read-outs | GFLOP | block GEMMs | attention | read-out |",
              "|---|---|---|---|---|---|---|---|"]
@@ -125,7 +123,8 @@ def markdown(res: dict) -> str:
               "|---|---|" + "---|---|" * len(names)]
     for d in sets:
         a = [res["engines"][n]["accuracy"][d] for n in names]
-        lines.append(f"| {d} | {a[0]['rows']} | " + " | ".join(f"{x['accuracy']:.3f} | {x['nll']:.3f}" for x in a) + " |")
+        cells = " | ".join(f"{x['accuracy']:.3f} | {x['nll']:.3f}" for x in a)
+        lines.append(f"| {d} | {a[0]['rows']} | {cells} |")
     for n in names[1:]:
         a, b = res["engines"][base]["accuracy"]["all"], res["engines"][n]["accuracy"]["all"]
         se = (a["accuracy"] * (1 - a["accuracy"]) / a["rows"]) ** 0.5

@@ -217,7 +217,8 @@ def heldout_rows(n: int = 150, seed: int = 1, bigbench: bool = True) -> list[dic
 def validation_rows(seed: int = 0, scale: float = 1.0, bigbench: bool = True) -> list[dict]:
     """Early-stopping rows from tasks outside the training mixture and outside the held-out claims."""
     k = lambda n: max(1, int(n * scale))  # noqa: E731
-    return (bigbench_rows("val", k(25), seed) if bigbench else []) + synthetic.rows(k(130), random.Random(seed + 7), only=("deadline",))
+    return ((bigbench_rows("val", k(25), seed) if bigbench else [])
+            + synthetic.rows(k(130), random.Random(seed + 7), only=("deadline",)))
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--validation", type=Path, help="also write the validation rows (their tasks leave the mixture)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every source's row count")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-bigbench", action="store_true", help="leave the BIG-bench rows out (every other row the same)")
+    ap.add_argument("--no-bigbench", action="store_true",
+                    help="leave the BIG-bench rows out (every other row the same)")
     args = ap.parse_args(argv)
     rows = training_rows(args.seed, args.scale, validation=args.validation is not None, bigbench=not args.no_bigbench)
     write_jsonl(rows, args.out)

@@ -248,7 +248,8 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
                                    finish=lambda m: adapter_at(m, out))
             return
         except Exception as e:  # noqa: BLE001 - a graph this path did not foresee: the full export below still can
-            logging.getLogger(__name__).warning("appending the head to %s's graph failed (%s): exporting the decoder with it", base.name, e)
+            logging.getLogger(__name__).warning("appending the head to %s's graph failed (%s): exporting the decoder "
+                                                "with it", base.name, e)
     from ..export.build import export_engine
 
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
