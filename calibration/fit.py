@@ -69,8 +69,10 @@ def _cv_nll(scores: np.ndarray, labels: np.ndarray, fit_predict) -> float:
     return total / len(labels)
 
 
-def _question_group(scores: np.ndarray, labels: np.ndarray, names: list, qtype: str) -> GroupCalibration:
-    """A question's own group: temperature + bias per name, or a matrix when it wins by cross-validated NLL."""
+def _question_group(scores: np.ndarray, labels: np.ndarray, names: list, qtype: str,
+                    matrix: bool = True) -> GroupCalibration:
+    """A question's own group: temperature + bias per name, or (``matrix``) a matrix when it wins by cross-validated
+    NLL."""
     fitted = fit_group(scores, labels, with_bias=True)
     n, k = scores.shape
 
@@ -79,7 +81,7 @@ def _question_group(scores: np.ndarray, labels: np.ndarray, names: list, qtype: 
             return g
         return GroupCalibration(g.temperature, (), dict(zip(names, g.bias)), g.rows)
 
-    if n < MATRIX_ROWS_PER_PARAM * (k * k + k):
+    if not matrix or n < MATRIX_ROWS_PER_PARAM * (k * k + k):
         return as_group(fitted)
 
     def simple(train, test):
@@ -112,7 +114,7 @@ def _padded(rows: list) -> np.ndarray:
     return out
 
 
-def _fit_members(key: str, members: list[dict]) -> GroupCalibration:
+def _fit_members(key: str, members: list[dict], matrix: bool = True) -> GroupCalibration:
     labels = np.array([m["label"] for m in members])
     if key.startswith("choice"):  # temperature only, so option counts may differ within the group
         return fit_group(_padded([m["scores"] for m in members]), labels, with_bias=False)
@@ -125,7 +127,7 @@ def _fit_members(key: str, members: list[dict]) -> GroupCalibration:
         order = [[m["names"].index(n) for n in names] for m in members]
         scores = np.array([np.asarray(m["scores"])[o] for m, o in zip(members, order)])
         labels = np.array([o.index(m["label"]) for m, o in zip(members, order)])
-    return _question_group(scores, labels, names, members[0]["type"])
+    return _question_group(scores, labels, names, members[0]["type"], matrix)
 
 
 def _groups(rows: list[dict]) -> dict[str, list[dict]]:
@@ -138,13 +140,14 @@ def _groups(rows: list[dict]) -> dict[str, list[dict]]:
     return by_group
 
 
-def fit(rows: list[dict], readout: str, source: dict | None = None) -> Calibration:
+def fit(rows: list[dict], readout: str, source: dict | None = None, matrix: bool = True) -> Calibration:
     """Rows of {"type", "scores": [K], "label", "qkey", "names"} -> Calibration of every group with enough rows.
 
     Type groups (noul, choice/K, score/K) always; a question's own group when at least
-    MIN_ROWS rows ask exactly that question.
+    MIN_ROWS rows ask exactly that question. ``matrix`` False: temperature and bias only, never a matrix (a decision
+    head's prior, which must fold into a bias: ``calibration/head_candidate.py``).
     """
-    groups = {key: _fit_members(key, members) for key, members in sorted(_groups(rows).items())
+    groups = {key: _fit_members(key, members, matrix) for key, members in sorted(_groups(rows).items())
               if len(members) >= MIN_ROWS}
     return Calibration(groups=groups, readout=readout, source=source or {})
 

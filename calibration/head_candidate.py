@@ -11,19 +11,77 @@ that separates the classes is not judged out of the choice for the overconfidenc
 chosen head is exported into the graph (the engine's read-out becomes ``head``), as ``tune --method head`` does.
 What is fitted is the average of ``SEEDS`` heads (seeds ``--seed`` and the next four), merged into one wider head
 (:func:`merged`), tempered as one.
+
+The head learns a correction of the *calibrated* zero-shot read-out, not of the raw one (:class:`Prior`; issue 44's
+"the untuned read-out as a prior the fit shrinks towards"): the base's option scores with the bias that calibrating
+them on the same rows finds (a temperature and a bias per question, per level or on yes) are the offset its MLP adds
+to. The raw read-out of a base model is often far from the label prior (tweets, 3 options: 0.16 zero-shot, 0.53
+calibrated), and a head of 50 rows spent its capacity undoing that. Measured at 50 rows on five data sets
+(``benchmarks/results/head_prior.md``). The prior's bias folds into the engine exactly: the written head engine
+carries it as a calibration of its ``head`` read-out (:func:`served`).
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from ..runtime.core.readout_calibration import Calibration, GroupCalibration
 from . import head as hd
+from .fit import fit as fit_calibration
 from .head_features import OptionFeatures
 
 # Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/results/head_candidate.md):
 # cross-entropy only, a narrow MLP, strong weight decay and a fixed number of epochs (no rows to stop early on).
 CONFIG = hd.HeadConfig(width=16, rlcd_weight=0.0, lr=1e-3, weight_decay=0.1, epochs=60, batch=64, seed=0)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What a head adds its correction to: per question, ``(z + T_g b_g) / scale``, where z are the options' mean
+    log-likelihoods and ``T_g``, ``b_g`` the temperature and bias of the question's group in ``calibration`` (fitted
+    on the head's own rows, never a matrix: :func:`fit_prior`). ``scale`` is the geometric mean of the temperatures
+    of the rows' groups, so with one group (one question: a user's task) the prior is its calibrated read-out
+    exactly; one scale for every question is what lets the bias fold into a calibration of the engine's ``head``
+    read-out (:func:`served`), whose ``beta`` is one number."""
+
+    calibration: Calibration | None = None
+    scale: float = 1.0
+
+    def apply(self, row: dict, z: np.ndarray) -> np.ndarray:
+        """The prior of one row's options (``z``: their mean log-likelihoods)."""
+        z = np.asarray(z, dtype=np.float64)
+        group, own = self._group(row, z.shape[0])
+        if group is None:
+            return z / self.scale
+        calibrated = group.apply(z, row["names"]) if own else group.apply(z)
+        return calibrated * group.temperature / self.scale  # (z / T + b) T / scale = (z + T b) / scale
+
+    def _group(self, row: dict, k: int) -> tuple:
+        if self.calibration is None:
+            return None, False
+        return self.calibration.group_of(row["type"], k, row.get("qkey"))
+
+
+def fit_prior(rows: list[dict]) -> Prior:
+    """The prior of rows that carry their ``features``: their mean log-likelihoods calibrated on their labels
+    (temperature and bias per group, as tune's base+calibrate candidate, but never a matrix, which could not fold into
+    a bias); no group fitted (fewer than 20 rows of any): the raw read-out."""
+    zero_shot = [{**r, "scores": list(np.asarray(r["features"][1], dtype=np.float64))} for r in rows]
+    calibration = fit_calibration(zero_shot, "mean", matrix=False)
+    if not calibration.groups:
+        return Prior()
+    used = [t for t in (Prior(calibration)._group(r, len(r["scores"]))[0] for r in zero_shot) if t is not None]
+    scale = float(np.exp(np.mean([np.log(g.temperature) for g in used]))) if used else 1.0
+    return Prior(calibration, scale)
+
+
+def with_prior(rows: list[dict], prior: Prior) -> list[dict]:
+    """``rows`` whose features carry ``prior``'s scores in place of the raw mean log-likelihoods."""
+    return [{**r, "features": (r["features"][0], prior.apply(r, r["features"][1]))} for r in rows]
 
 
 def option_features(rows: list[dict]) -> OptionFeatures:
@@ -47,10 +105,40 @@ SEEDS = 5
 
 def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
     """The average of the heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows`` (their labels: a
-    teacher's distribution counts as its most probable option), merged into one head, its scores divided by the
-    temperature the average's out-of-fold scores on ``rows`` ask for (:func:`temperature`): what the engine computes
-    is what was judged."""
-    return tempered(_averaged(rows, seed, seeds), temperature(rows, seed, seeds))
+    teacher's distribution counts as its most probable option) over the prior fitted on them (``model.prior``), merged
+    into one head, its scores divided by the temperature the average's out-of-fold scores on ``rows`` ask for
+    (:func:`temperature`): what the engine computes (:func:`served`) is what was judged."""
+    return tempered(_fitted(rows, seed, seeds), temperature(rows, seed, seeds))
+
+
+def _fitted(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
+    """The prior fitted on ``rows``, and the merged heads of ``seeds`` seeds fitted over it (untempered)."""
+    prior = fit_prior(rows)
+    model = _averaged(with_prior(rows, prior), seed, seeds)
+    model.prior = prior
+    return model
+
+
+def served(model: hd.HeadModel) -> tuple[hd.HeadModel, Calibration | None]:
+    """(the head the engine's graph and manifest hold, the calibration of its ``head`` read-out) that compute what
+    :func:`head_rows` scores with ``model``: ``beta (z + T_g b_g) / s + head(h)`` is ``(beta / s) z + head(h)`` (the
+    engine's read-out) plus ``beta T_g b_g / s`` (a calibration of temperature 1 and that bias, per group)."""
+    prior = getattr(model, "prior", None) or Prior()
+    out = copy.deepcopy(model)
+    out.temperature = getattr(model, "temperature", 1.0)
+    with torch.no_grad():
+        out.beta.div_(prior.scale)
+    if prior.calibration is None:
+        return out, None
+    beta = float(model.beta.detach())
+    groups = {}
+    for key, g in prior.calibration.groups.items():
+        f = beta * g.temperature / prior.scale
+        groups[key] = GroupCalibration(1.0, tuple(f * b for b in g.bias),
+                                       {n: f * b for n, b in g.option_bias.items()}, g.rows)
+    source = {"fitted_on": "the decision head's training rows", "as": "the bias of the prior the head corrects",
+              "scale": prior.scale}
+    return out, Calibration(groups=groups, readout="head", source=source)
 
 
 def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
@@ -98,7 +186,7 @@ def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
     scored = []
     for f in range(INNER_FOLDS):
         inside = [r for r in rows if fold_of[r["state"]] != f]
-        scored += head_rows(_averaged(inside, seed, seeds), [r for r in rows if fold_of[r["state"]] == f])
+        scored += head_rows(_fitted(inside, seed, seeds), [r for r in rows if fold_of[r["state"]] == f])
     nll = [sum(-_log_softmax(np.asarray(r["scores"]) / t)[r["label"]] for r in scored) for t in TEMPERATURES]
     return float(TEMPERATURES[int(np.argmin(nll))])
 
@@ -119,11 +207,14 @@ def _log_softmax(s: np.ndarray) -> np.ndarray:
 
 
 def head_rows(model: hd.HeadModel, rows: list[dict]) -> list[dict]:
-    """``rows`` as the head engine scores them: each row's scores replaced by ``beta * mean + head(h)``."""
+    """``rows`` as the head engine scores them: each row's scores replaced by ``beta * prior + head(h)`` (the prior:
+    ``model.prior``'s, else the raw mean log-likelihoods)."""
+    prior = getattr(model, "prior", None)
     with torch.no_grad():
         out = []
         for r in rows:
-            hidden, mean = (torch.from_numpy(np.asarray(a)) for a in r["features"])
-            scores = model(hidden.float(), mean.float()).double().tolist()
+            hidden, mean = r["features"]
+            mean = prior.apply(r, mean) if prior is not None else np.asarray(mean)
+            scores = model(torch.from_numpy(np.asarray(hidden)).float(), torch.from_numpy(mean).float()).double().tolist()
             out.append({**r, "scores": scores})
     return out

@@ -227,25 +227,30 @@ WEIGHTS_WRITTEN = {"base": "initial (the base engine's, --keep-base)", "base+cal
 def _write_head_engine(head, choice: dict, base_dir: Path, base, spec, adapters, files, rows: int, out: Path,
                        name: str) -> None:
     """``out``: the base engine's weights with the chosen decision head (its temperature folded in) in the graph
-    (read-out ``head``; no calibration: the head has no calibrated twin)."""
+    (read-out ``head``), the bias of the prior it corrects as the calibration of that read-out
+    (``head_candidate.served``; the head has no calibrated twin)."""
     from . import head_candidate
 
+    head, calibration = head_candidate.served(head)
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
             "config": {k: v for k, v in dataclasses.asdict(head_candidate.CONFIG).items() if k != "seed"},
             "seeds": head_candidate.SEEDS, "temperature": head.temperature}  # config: of each head averaged
     head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
-    write_head_engine(base_dir, base, spec, adapters, out, name, head.head, head_info)
+    write_head_engine(base_dir, base, spec, adapters, out, name, head.head, head_info, calibration)
 
 
-def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str, head, head_info) -> None:
-    """``out``: the base engine with ``head`` in its graph: appended to the base's graph where it can be (seconds;
-    ``export.head_graph``), else the decoder exported again with it (about a minute)."""
+def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str, head, head_info,
+                      calibration=None) -> None:
+    """``out``: the base engine with ``head`` in its graph (and ``calibration``, of its ``head`` read-out, in its
+    manifest): appended to the base's graph where it can be (seconds; ``export.head_graph``), else the decoder exported
+    again with it (about a minute)."""
     from ..export import head_graph
 
+    def finish(m):
+        return dataclasses.replace(adapter_at(m, out), calibration=calibration)
     if head_graph.can_append(base_dir, base):
         try:
-            head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info,
-                                   finish=lambda m: adapter_at(m, out))
+            head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info, finish=finish)
             return
         except Exception as e:  # noqa: BLE001 - a graph this path did not foresee: the full export below still can
             logging.getLogger(__name__).warning("appending the head to %s's graph failed (%s): exporting the decoder "
@@ -253,7 +258,7 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
     from ..export.build import export_engine
 
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
-                  adapters=adapters, head=head, head_info=head_info)
+                  adapters=adapters, head=head, head_info=head_info, finish=finish)
 
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:

@@ -86,10 +86,12 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     loaded = load_model(model, adapters)
     if tuning is None and adapters and card(adapters[-1]).get("tuning"):
         tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
+    trained_in = prompt_of(adapters[-1]) if adapters else None
+    trained_for = card(adapters[-1]).get("readout") if adapters else None
+    _warn_unlike_training(adapters, trained_in, prompt, trained_for, scoring)
     if prompt is None:
-        prompt = prompt_of(adapters[-1]) if adapters else PromptTemplate()
+        prompt = trained_in or PromptTemplate()
     if scoring is None:
-        trained_for = card(adapters[-1]).get("readout") if adapters else None
         scoring = mf.Scoring(readout=trained_for) if trained_for else mf.Scoring()
     decoder = lower_precision(PackedDecoder(loaded.model).attach_head(head), precision).eval()
     dims = decoder.dims
@@ -150,6 +152,21 @@ def weight_map(decoder: PackedDecoder, graph: Path) -> dict[str, str]:
                               "transposed): this torch's exporter transformed it; export with the torch this project "
                               "locks (constraints/ci.txt)")
     return found
+
+
+def _warn_unlike_training(adapters, trained_in, prompt, trained_for, scoring) -> None:
+    """A warning where the engine is told to ask in another prompt form, or read out otherwise, than its last adapter
+    was trained in: allowed (a measurement may want it), but the adapter learned the tokens of its own form and read-out,
+    so its answers are then not the ones its training measured."""
+    log = logging.getLogger(__name__)
+    if prompt is not None and trained_in is not None and prompt != trained_in:
+        names = {template: name for name, template in FORMS.items()}
+        log.warning("the adapter %s was trained in the %s prompt form and this engine asks in the %s form: its "
+                    "answers are not those its training measured (leave --prompt out to ask in the adapter's form)",
+                    adapters[-1], names.get(trained_in, "a custom"), names.get(prompt, "a custom"))
+    if scoring is not None and trained_for and scoring.readout not in (trained_for, "head"):
+        log.warning("the adapter %s was trained through the %r read-out and this engine reads out %r (leave "
+                    "--readout out to use the adapter's)", adapters[-1], trained_for, scoring.readout)
 
 
 def export_from_options(out: str, model: str | None = None, *, name: str | None = None, limits: dict | None = None,

@@ -116,3 +116,23 @@ def test_the_compact_form_asks_the_same_question_in_fewer_tokens(tokenizer_path)
         "Question: Is it fraud?\nYes means: money taken.\nNo means: anything else.\nAnswer:")
     packed = {f: pack([enc.question(q) for q in qs], 100).num_tokens for f, enc in (("chat", chat), ("compact", compact))}
     assert packed["compact"] < 0.8 * packed["chat"], packed
+
+
+def test_an_export_that_asks_unlike_its_adapter_says_so(caplog):
+    """Exporting an adapter with another prompt form or read-out than its card records warns, naming both forms;
+    the adapter's own form and read-out (or none given: the export takes the card's) stay silent."""
+    import logging
+
+    from onepass.export.build import _warn_unlike_training
+    from onepass.runtime.core import manifest as mf
+    from onepass.runtime.core.prompt import FORMS
+
+    with caplog.at_level(logging.WARNING, logger="onepass.export.build"):
+        _warn_unlike_training(["adapters/x"], FORMS["chat"], FORMS["chat"], "sum", mf.Scoring("sum"))
+        _warn_unlike_training(["adapters/x"], FORMS["chat"], None, "sum", None)
+        _warn_unlike_training([], None, FORMS["compact"], None, mf.Scoring("mean"))  # no adapter: nothing to contradict
+        assert caplog.records == []
+        _warn_unlike_training(["adapters/x"], FORMS["chat"], FORMS["compact"], "sum", mf.Scoring("mean"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "trained in the chat prompt form" in messages[0] and "the compact form" in messages[0]
+    assert "'sum' read-out" in messages[1] and "reads out 'mean'" in messages[1]

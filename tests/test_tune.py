@@ -300,7 +300,8 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     assert lora_ran == (notes == 52) and ("tuned" in by_name) == (notes == 52), (lines, by_name)
     engine = Engine.load(out)
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["choice"]["chosen"] == chosen
-    assert engine.manifest.calibration is None
+    cal = engine.manifest.calibration  # the bias of the prior the head corrects (head_candidate.served), exact below
+    assert cal.readout == "head" and cal.groups and all(g.temperature == 1.0 for g in cal.groups.values()), cal
     assert engine.manifest.head.training["rows"] == (78 if notes == 52 else 32)
     from onepass.calibration.tune_engine import summary_lines
 
@@ -588,9 +589,14 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     found = candidates([(*noise, *noise)], "mean", [tuple(head_candidate.head_rows(blind, n) for n in noise)])
     by_name = {c.name: c for c in found}
     assert by_name["head"].accuracy < 0.7 and by_name["head"].nll > by_name["base"].nll - 0.05
-    # the temperature comes from scores of rows each inner head did not see: noise asks for softening, and the
-    # temperature is folded into the head exactly (beta and its output layer)
-    assert head_candidate.temperature(noise[0]) > 1.5
+    # the temperature comes from scores of rows each inner head did not see: noise asks for softening (over the raw
+    # read-out, which no calibrated prior has softened already), and it is folded into the head exactly (beta and its
+    # output layer)
+    import unittest.mock
+
+    with unittest.mock.patch.object(head_candidate, "fit_prior", lambda rows: head_candidate.Prior()):
+        assert head_candidate.temperature(noise[0]) > 1.5
+    assert head_candidate.temperature(noise[0]) > 1.0
     import copy
 
     raw = head_candidate._train(noise[0], 0)
@@ -606,6 +612,54 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     np.testing.assert_allclose([r["scores"] for r in head_candidate.head_rows(one, held)], mean, rtol=1e-5, atol=1e-6)
     # control: one seed's head alone is not their mean
     assert np.abs(np.asarray([r["scores"] for r in head_candidate.head_rows(members[0], held)]) - mean).max() > 1e-3
+
+
+def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_exactly():
+    """Zero-shot scores biased against the label prior (the labelled option is usually scored lower) and hidden states
+    that carry a weak signal: the head fitted over the calibrated prior beats the head over the raw read-out on other
+    rows. What the engine computes from the served head and its calibration (beta * mean + head(h), then the
+    calibration of the ``head`` read-out) equals what the candidate was judged with, to float rounding. Control: the
+    served head without that calibration does not."""
+    import unittest.mock
+
+    import torch
+
+    from onepass.calibration import head_candidate as hc
+    from onepass.runtime.core.readout_calibration import Calibration
+
+    rng = np.random.default_rng(3)
+
+    def rows(n):
+        labels = (rng.random(n) < 0.8).astype(int)  # option 1 is the usual answer ...
+        scores = rng.normal(0, 0.3, (n, 2))
+        scores[:, 1] -= 1.0  # ... and the zero-shot read-out prefers option 0
+        return _with_features(_scored(scores, labels), 0.7, rng)
+    train, held = rows(60), rows(400)
+    model = hc.fit(train)
+    assert model.prior.calibration is not None and "noul" in model.prior.calibration.groups
+    with unittest.mock.patch.object(hc, "fit_prior", lambda rows: hc.Prior()):  # the same fit over the raw read-out
+        raw = hc.fit(train)
+    found = candidates_of(held, {"prior": hc.head_rows(model, held), "raw": hc.head_rows(raw, held)})
+    assert found["prior"] < found["raw"] - 0.02, found
+    head, calibration = hc.served(model)
+    assert isinstance(calibration, Calibration) and calibration.readout == "head"
+
+    def engine_scores(r, cal):
+        hidden, mean = r["features"]
+        with torch.no_grad():
+            s = float(head.beta) * np.asarray(mean) + head.head(torch.from_numpy(hidden).float()).double().numpy()
+        return cal.apply(r["type"], s, r["names"], r["qkey"]) if cal is not None else s
+    judged = np.array([r["scores"] for r in hc.head_rows(model, held)])
+    np.testing.assert_allclose([engine_scores(r, calibration) for r in held], judged, atol=1e-5)
+    gap = np.abs(np.array([engine_scores(r, None) for r in held]) - judged).max()
+    assert gap > 0.1, gap  # control: the prior's bias is in the calibration, not in the head
+
+
+def candidates_of(held: list[dict], scored: dict) -> dict:
+    """Mean held-out NLL of each of ``scored`` (name -> the held rows as a fit scores them)."""
+    from onepass.calibration.candidates import heldout_metrics
+
+    return {name: heldout_metrics(rows, None)[0] / len(rows) for name, rows in scored.items()}
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():

@@ -101,11 +101,17 @@ class Calibration:
     def apply(self, question_type: str, scores: np.ndarray, names: list | None = None,
               qkey: str | None = None) -> np.ndarray:
         """Calibrated scores: the question's own group if fitted, else its type group, else unchanged."""
+        group, own = self.group_of(question_type, scores.shape[0], qkey)
+        if group is None:
+            return scores
+        return group.apply(scores, names) if own else group.apply(scores)
+
+    def group_of(self, question_type: str, num_options: int, qkey: str | None = None) -> tuple:
+        """(the group that calibrates a question, whether it is the question's own) or (None, False)."""
         group = self.groups.get(qkey) if qkey else None
         if group is not None:
-            return group.apply(scores, names)
-        group = self.groups.get(group_key(question_type, scores.shape[0]))
-        return scores if group is None else group.apply(scores)
+            return group, True
+        return self.groups.get(group_key(question_type, num_options)), False
 
     def to_dict(self) -> dict:
         """JSON-ready form for the manifest."""
