@@ -85,10 +85,10 @@ def _training(p, named: str, held: str) -> None:
                         "whatever the candidates say")
     p.add_argument("--no-head", dest="head_candidate", action="store_false",
                    help="leave the decision head (over the untuned engine's hidden states) out of the candidates")
-    p.add_argument("--lora-min-rows", type=int, default=100,
+    p.add_argument("--lora-min-rows", type=int, default=300,
                    help="with the head candidate, fewer rows than this train no LoRA run: the candidates are base, "
-                        "base+calibrate and the head, chosen in seconds (at 50 rows LoRA never beat the head on five "
-                        "data sets); 0: always train LoRA (a --task always does)")
+                        "base+calibrate and the head, cross-validated and chosen in seconds (at 50 and 200 rows on "
+                        "five data sets: docs/tune.md); 0: always train LoRA (a --task always does)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
     p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     p.add_argument("--rlcd-weight", type=float, default=None,

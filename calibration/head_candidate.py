@@ -125,6 +125,7 @@ def served(model: hd.HeadModel) -> tuple[hd.HeadModel, Calibration | None]:
     engine's read-out) plus ``beta T_g b_g / s`` (a calibration of temperature 1 and that bias, per group)."""
     prior = getattr(model, "prior", None) or Prior()
     out = copy.deepcopy(model)
+    out.prior = None  # its beta is divided by the prior's scale already: the engine adds no prior
     out.temperature = getattr(model, "temperature", 1.0)
     with torch.no_grad():
         out.beta.div_(prior.scale)

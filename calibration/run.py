@@ -120,6 +120,14 @@ class NothingCalibrated(OnepassError):
     """No group had enough training rows: nothing is written."""
 
 
+def _head_prior(manifest):
+    """The calibration a tuned head engine carries (``head_candidate.served``: the bias of the prior its head corrects,
+    on the raw head scores), or None. Calibrating such an engine again refits each group the new rows have and keeps
+    the others, so no question loses the bias its head was fitted around."""
+    cal = manifest.calibration
+    return cal if cal is not None and cal.readout == "head" == manifest.scoring.readout else None
+
+
 def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, seed: int = 0,
               report_dir: str | Path | None = None, scored: list[dict] | None = None) -> dict:
     """Fit on the training split, report on the held-out split, write the calibration into the manifest.
@@ -141,7 +149,11 @@ def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, se
                                 f"{len(scored)} rows train, --holdout {holdout} hold out): {named}; the manifest is "
                                 "unchanged. Give more labelled rows per question type (or per question)")
     held = [scored[i] for i in test]
-    report = {"before": evaluate(held), "after": evaluate(held, calibration), "calibration": calibration.to_dict(),
+    kept = _head_prior(engine.manifest)
+    if kept is not None:  # a tuned head's prior bias calibrates its raw scores too: refitted where the rows allow
+        calibration = dataclasses.replace(calibration, groups={**kept.groups, **calibration.groups}, source={
+            **calibration.source, "kept_from_tune": sorted(set(kept.groups) - set(calibration.groups))})
+    report = {"before": evaluate(held, kept), "after": evaluate(held, calibration), "calibration": calibration.to_dict(),
               "skipped": skipped, "min_rows": MIN_ROWS}
     mf.write(engine_dir, dataclasses.replace(engine.manifest, calibration=calibration))
     if report_dir:

@@ -68,8 +68,10 @@ class TuneConfig:
     write: str = "best"  # "best": the best held-out candidate (calibration/candidates.py); "tuned": the tuned weights
     head_candidate: bool = True  # a decision head over the untuned engine is a candidate (write="best", method lora)
     # with a head candidate, fewer rows than this train no LoRA run: at 50 rows it never beat the head on the unseen
-    # states of five data sets and cost 3-4 runs (benchmarks/results/tune_user.md); 0: LoRA always runs
-    lora_min_rows: int = 100
+    # states of five data sets and cost 3-4 runs; at 200 the head alone reaches every data set's 200-row figure of
+    # every-block LoRA before issue 44 in seconds, where LoRA took 7-14 minutes (benchmarks/results/tune_user.md);
+    # 0: LoRA always runs
+    lora_min_rows: int = 300
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 

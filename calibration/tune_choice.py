@@ -12,7 +12,8 @@ Beside the untuned and tuned weights, a decision head over the untuned engine's 
 (:mod:`.head_candidate`): it is fitted on the same training rows (per fold) from the features of the pass that scores
 the untuned candidates, and judged on the same rows as they are. With fewer rows than ``TuneConfig.lora_min_rows``
 the head is the only learner (``lora=False``): no LoRA run is trained, and the choice among base, base+calibrate and
-the head takes seconds (50 rows: the LoRA runs took 45-180 s and never beat the head on unseen states).
+the head takes seconds (50 rows: the LoRA runs took 45-180 s and never beat the head on unseen states); it is then
+cross-validated whatever the row count (the head's fits are cheap, and the head written is fitted on every row).
 """
 
 from __future__ import annotations

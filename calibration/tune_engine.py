@@ -99,8 +99,13 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if base.head is not None:
         raise OnepassError("the base engine has a decision head; tune an engine exported without --head")
     encoder = PromptEncoder(str(base_dir / base.tokenizer), base.prompt)
-    # too few rows for one held-out split to choose on (--write tuned chooses nothing: one run on a split)
-    cv = validation is None and len(rows) < CV_BELOW_ROWS and config.write == "best"
+    heads = config.head_candidate and config.write == "best" and config.method == "lora"
+    lora = not heads or len(rows) >= config.lora_min_rows  # else the head is the only learner: no run, no frozen cache
+    # too few rows for one held-out split to choose on, or no LoRA run (the head's fits take seconds, so every row is
+    # judged by a fit that did not see it and the chosen one is fitted on all, where the states are enough to fold);
+    # --write tuned chooses nothing
+    cv = validation is None and config.write == "best" and (
+        len(rows) < CV_BELOW_ROWS or (not lora and len(group_by_state(rows)) >= 2 * CV_FOLDS))
     if cv:
         train_groups, held_groups, val_files = group_by_state(rows), [], []
     else:
@@ -126,8 +131,6 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     model, params = _trainable(loaded.model, config)
     model.to(device).train()
     hf = model.base_model.model if config.method == "lora" else model
-    heads = config.head_candidate and config.write == "best" and config.method == "lora"
-    lora = not heads or len(rows) >= config.lora_min_rows  # else the head is the only learner: no run, no frozen cache
     frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks and lora else 0
     scorer = PackedScorer(PackedDecoder(hf, share=True), base.scoring.readout, device,
                           config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
@@ -142,6 +145,9 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if cv else
            f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
         + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
+    if resume and not lora and any(work.glob("*.pt")):
+        log(f"warning: --resume finds LoRA checkpoints in {work}, but with {len(rows)} rows (under --lora-min-rows "
+            f"{config.lora_min_rows}) no LoRA run is trained; pass --lora-min-rows 0 to continue that run")
     runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
         + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))

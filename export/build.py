@@ -15,7 +15,7 @@ import torch
 from ..runtime.backends import contract
 from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
-from ..runtime.core.errors import EngineFileError
+from ..runtime.core.errors import EngineFileError, ModelSourceError
 from ..runtime.core.prompt import FORMS, PromptEncoder, PromptTemplate
 from ..runtime.core.selfcheck import check_golden
 from ..runtime.backends.engine_weights import match
@@ -86,8 +86,14 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     loaded = load_model(model, adapters)
     if tuning is None and adapters and card(adapters[-1]).get("tuning"):
         tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
-    trained_in = prompt_of(adapters[-1]) if adapters else None
     trained_for = card(adapters[-1]).get("readout") if adapters else None
+    trained_in = None
+    if adapters:
+        try:
+            trained_in = prompt_of(adapters[-1])
+        except ModelSourceError:
+            if prompt is None:  # the form must come from the card; a caller naming one needs no warning from it
+                raise
     _warn_unlike_training(adapters, trained_in, prompt, trained_for, scoring)
     if prompt is None:
         prompt = trained_in or PromptTemplate()

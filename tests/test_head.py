@@ -241,3 +241,32 @@ def test_a_head_that_cannot_be_appended_is_exported_with_the_decoder(head_engine
     got, want = engine.ask(state, q)["team"], exported.ask(state, q)["team"]
     assert max(abs(got.probabilities[n] - want.probabilities[n]) for n in want.probabilities) < 1e-5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["written"]
+
+
+def test_calibrating_a_tuned_head_engine_keeps_the_bias_its_head_was_fitted_around(head_engine, tiny_engine_dir,
+                                                                                  tmp_path):
+    """A head engine tune wrote carries the bias of the prior its head corrects as a calibration of its ``head``
+    read-out (``head_candidate.served``). `onepass calibrate` on it refits the groups its rows have and keeps the
+    others (a yes/no question it has no rows of keeps its bias on yes); its report's "before" is the engine as it
+    answered, with that calibration. Control: a calibration of another read-out is replaced whole, as before."""
+    from onepass.calibration.run import calibrate
+    from onepass.export import head_graph
+    from onepass.runtime.core.readout_calibration import Calibration, GroupCalibration
+
+    exported, model = head_engine
+    base = Engine.load(tiny_engine_dir).manifest
+    prior = Calibration(groups={"noul": GroupCalibration(1.0, (2.5, 0.0), rows=40)}, readout="head")
+    rng = np.random.default_rng(0)
+    scored = [{"type": "choice", "scores": list(rng.normal(0, 1, 3)), "label": int(i % 3), "target": int(i % 3),
+               "names": ["a", "b", "c"], "qkey": "question/abc", "dataset": "d"} for i in range(60)]
+    for readout, kept in (("head", True), ("mean", False)):
+        out = head_graph.append_head(tiny_engine_dir, base, tmp_path / readout, name=readout, head=model.head,
+                                     head_info=exported.manifest.head,
+                                     finish=lambda m, r=readout: dataclasses.replace(
+                                         m, calibration=dataclasses.replace(prior, readout=r)))
+        calibrate(out, tmp_path / "unused.jsonl", scored=scored)
+        after = Engine.load(out).manifest.calibration
+        assert "question/abc" in after.groups and "choice/3-4" in after.groups, after.groups
+        assert ("noul" in after.groups) == kept, (readout, after.groups)
+        if kept:
+            assert after.groups["noul"].bias == (2.5, 0.0) and after.source["kept_from_tune"] == ["noul"]

@@ -288,7 +288,9 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     from onepass.calibration.tune_engine import tune
 
     data = _fact_rows(tmp_path, notes=notes, numbered=True)
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25)
+    # LoRA from 100 rows (the default is 300): 104 rows train a run and are judged on one held-out split
+    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25,
+                           lora_min_rows=100)
     out, report, lines = tmp_path / "tuned", tmp_path / "report", []
     summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lines.append)
     choice = summary["choice"]
@@ -322,11 +324,13 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     assert "head" not in nll and nll[other["chosen"]] > by_name[chosen] + 0.05
     assert Engine.load(tmp_path / "no-head").manifest.scoring.readout != "head"
     assert "tuned" in nll  # without the head LoRA runs whatever the row count
-    # --lora-min-rows moves the line: 0 trains the LoRA runs beside the head on 32 rows, 1000 none on 104 (one split)
+    # --lora-min-rows moves the line: 0 trains the LoRA runs beside the head on 32 rows, 1000 none on 104 (and the
+    # choice among the others is then cross-validated over every row, whatever their number)
     moved = tune(tiny_engine_dir, [data], tmp_path / "moved",
                  dataclasses.replace(config, lora_min_rows=0 if notes == 16 else 1000), log=lambda *_: None)["choice"]
     names = {c["name"] for c in moved["candidates"]}
     assert ("tuned" in names) == (notes == 16) and "head" in names and moved["chosen"] == "head", moved
+    assert moved["judged"].startswith("cross-validated"), moved
 
 
 def test_tune_cli_errors_are_one_line_and_write_nothing(tmp_path):
@@ -653,6 +657,38 @@ def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_ex
     np.testing.assert_allclose([engine_scores(r, calibration) for r in held], judged, atol=1e-5)
     gap = np.abs(np.array([engine_scores(r, None) for r in held]) - judged).max()
     assert gap > 0.1, gap  # control: the prior's bias is in the calibration, not in the head
+    # the served head carries no prior of its own (its beta is divided by the prior's scale already)
+    np.testing.assert_allclose([r["scores"] for r in hc.head_rows(head, held)], [engine_scores(r, None) for r in held],
+                               atol=1e-5)
+
+    # every kind of group at once, each with its own temperature: a yes/no question (bias on yes), a 3-option choice
+    # asked in several option orders (a bias per option name), a 3-level score (a bias per level), and held-out rows
+    # of a question never trained on (its type group applies)
+    def asked(qtype, qkey, n, names=("a", "b", "c"), shift=1.0, spread=0.3):
+        out = []
+        for i in range(n):
+            k = 2 if qtype == "noul" else 3
+            order = list(rng.permutation(k)) if qtype == "choice" else list(range(k))
+            label = int(rng.random() < 0.7)  # the usual answer: the second option
+            scores = rng.normal(0, spread, k)
+            scores[1] -= shift
+            row = {"type": qtype, "scores": [float(scores[j]) for j in order], "label": order.index(label),
+                   "target": order.index(label), "names": [(["yes", "no"] if k == 2 else list(names))[j] for j in order],
+                   "dataset": "d", "qkey": qkey}
+            out.append(_with_features([row], 0.7, rng)[0] | {"state": f"{qkey}{i}"})
+        return out
+    mixed = asked("noul", "question/n", 60, shift=1.0) + asked("choice", "question/c", 60, shift=2.0, spread=1.0) \
+        + asked("score", "question/s", 60, shift=0.5, spread=0.1)
+    held = asked("noul", "question/n", 40) + asked("choice", "question/c", 40) + asked("score", "question/s", 40) \
+        + asked("noul", "question/unseen", 40)
+    model = hc.fit(mixed)
+    groups = model.prior.calibration.groups
+    assert {"noul", "question/n", "question/c", "question/s"} <= set(groups), set(groups)
+    assert len({round(g.temperature, 3) for g in groups.values()}) > 1  # temperatures differ: scale is not each T
+    assert groups["question/c"].option_bias and groups["question/s"].bias and groups["noul"].bias
+    head, calibration = hc.served(model)
+    judged = np.array([s for r in hc.head_rows(model, held) for s in r["scores"]])
+    np.testing.assert_allclose([s for r in held for s in engine_scores(r, calibration)], judged, atol=1e-5)
 
 
 def candidates_of(held: list[dict], scored: dict) -> dict:
