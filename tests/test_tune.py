@@ -550,7 +550,7 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
         with torch.no_grad():
             weight.zero_()
         runs = tc.Runs(None, [weight], tn.TuneConfig(), tmp_path, {}, None, lambda *_: None)
-        runs.scored = lambda chunks: [{} for _ in chunks]
+        runs.scored = lambda chunks, features=False: [{} for _ in chunks]
         if judged == "cross-validated":
             outcome = tc.cross_validated_choice(runs, chunks, [{}] * 6, False, "mean", 0)
         else:
@@ -558,6 +558,40 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
         assert outcome.chosen.name == winner
         assert bool(weight.abs().sum() > 0) == moved, (winner, weight)
         assert outcome.head == ("fitted head" if winner == "head" else None)
+
+
+def test_write_tuned_scores_only_the_held_out_rows(monkeypatch, tmp_path):
+    """``--write tuned`` writes the tuned weights uncalibrated, so the training rows (what the calibrated candidates
+    and the head are fitted on) are never scored: base and tuned are judged on the held-out rows, and no calibrated
+    candidate is offered. Control: ``write="best"`` scores the training rows too, before and after the run."""
+    from types import SimpleNamespace
+
+    from onepass.calibration import tune_choice as tc
+
+    class Run:  # a training run that leaves the weights alone
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            return tn.Progress()
+    monkeypatch.setattr(tc, "Trainer", Run)
+    train, held = ([SimpleNamespace(state_ids=(i,), size=1) for i in range(k)] for k in (30, 10))
+    rng = np.random.default_rng(0)
+    for write, wanted in (("tuned", [10, 10]), ("best", [30, 10, 30, 10])):
+        calls = []
+        runs = tc.Runs(None, [torch.nn.Parameter(torch.zeros(1))], tn.TuneConfig(write=write), tmp_path, {}, None,
+                       lambda *_: None)
+
+        def scored(chunks, features=False, calls=calls):
+            calls.append(len(chunks))
+            labels = np.arange(len(chunks)) % 2
+            return _scored(rng.normal(0, 1, (len(chunks), 2)), labels)
+        runs.scored = scored
+        outcome = tc.train_and_choose(runs, train, held, False, False, "mean", 0, heads=False)
+        assert calls == wanted, (write, calls)
+        names = [c.name for c in outcome.found]
+        assert names == (["base", "tuned"] if write == "tuned" else
+                         ["base", "base+calibrate", "tuned", "tuned+calibrate"]), names
 
 
 def _with_features(rows, signal: float, rng):
