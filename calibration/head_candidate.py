@@ -54,16 +54,16 @@ class Prior:
     def apply(self, row: dict, z: np.ndarray) -> np.ndarray:
         """The prior of one row's options (``z``: their mean log-likelihoods)."""
         z = np.asarray(z, dtype=np.float64)
-        group, own = self._group(row, z.shape[0])
+        group = _group_of(self.calibration, row, z.shape[0]) if self.calibration is not None else None
         if group is None:
             return z / self.scale
-        calibrated = group.apply(z, row["names"]) if own else group.apply(z)
+        calibrated = self.calibration.apply(row["type"], z, row["names"], row.get("qkey"))  # z / T + b
         return calibrated * group.temperature / self.scale  # (z / T + b) T / scale = (z + T b) / scale
 
-    def _group(self, row: dict, k: int) -> tuple:
-        if self.calibration is None:
-            return None, False
-        return self.calibration.group_of(row["type"], k, row.get("qkey"))
+
+def _group_of(calibration: Calibration, row: dict, k: int):
+    """The group of ``calibration`` that calibrates ``row``'s question of ``k`` options (None: none)."""
+    return calibration.group_of(row["type"], k, row.get("qkey"))[0]
 
 
 def fit_prior(rows: list[dict]) -> Prior:
@@ -74,7 +74,7 @@ def fit_prior(rows: list[dict]) -> Prior:
     calibration = fit_calibration(zero_shot, "mean", matrix=False)
     if not calibration.groups:
         return Prior()
-    used = [t for t in (Prior(calibration)._group(r, len(r["scores"]))[0] for r in zero_shot) if t is not None]
+    used = [g for g in (_group_of(calibration, r, len(r["scores"])) for r in zero_shot) if g is not None]
     scale = float(np.exp(np.mean([np.log(g.temperature) for g in used]))) if used else 1.0
     return Prior(calibration, scale)
 

@@ -104,10 +104,11 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     # too few rows for one held-out split to choose on, or no LoRA run (the head's fits take seconds, so every row is
     # judged by a fit that did not see it and the chosen one is fitted on all, where the states are enough to fold);
     # --write tuned chooses nothing
+    states = group_by_state(rows)
     cv = validation is None and config.write == "best" and (
-        len(rows) < CV_BELOW_ROWS or (not lora and len(group_by_state(rows)) >= 2 * CV_FOLDS))
+        len(rows) < CV_BELOW_ROWS or (not lora and len(states) >= 2 * CV_FOLDS))
     if cv:
-        train_groups, held_groups, val_files = group_by_state(rows), [], []
+        train_groups, held_groups, val_files = states, [], []
     else:
         train_groups, held_groups, val_files = _held_out(rows, validation, config)
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
