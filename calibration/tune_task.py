@@ -138,6 +138,7 @@ def _adapter(model, name: str) -> TaskAdapter:
 def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
     """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
     ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
+    from ..export.build import weight_map
     from ..export.onnx_graph import export_task_decoder
     from ..runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
@@ -150,4 +151,5 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     d = graph.dims
     shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
     with torch.no_grad():
-        task_store.write_slots(engine_dir, manifest, want, lambda path: export_task_decoder(graph, shapes, path))
+        task_store.write_slots(engine_dir, manifest, want, lambda path: export_task_decoder(graph, shapes, path),
+                               lambda path: weight_map(graph.decoder, path))

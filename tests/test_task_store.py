@@ -82,7 +82,7 @@ def _asked():
             for task in (*TASKS, None) for qid, q in QUESTIONS.items()}
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "openvino-cpu"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino-cpu", "torch-cpu"])
 def test_an_engine_with_tasks_answers_each_question_as_its_task_alone(tasked, tiny_engine_dir, backend):
     """One request, questions of two tasks and of none, one pass over one prefill: each equals transformers + peft
     asking it alone of its task (1e-4); untasked ones equal the engine without tasks (1e-5). Negative control: the
@@ -164,11 +164,38 @@ def test_decide_asks_a_fields_task_as_named_on_the_field_or_on_its_nested_model(
         assert err.value.field == "fraud"
 
 
-def test_a_backend_without_task_slots_is_refused_by_name(tasked):
+def test_a_backend_without_task_slots_is_refused_by_name(tasked, monkeypatch):
+    """A backend class that runs no task slots (TensorRT's, which this machine cannot import: here the base class
+    under a name of its own) is refused by name before it is built."""
+    from onepass.runtime import backends
     from onepass.runtime.backends.errors import BackendUnavailable
 
-    with pytest.raises(BackendUnavailable, match="does not run tuned tasks"):
-        Engine.load(tasked[0], backend="torch-cpu")
+    monkeypatch.setitem(backends.TABLE, "no-slots", ("onepass.runtime.backends.base", "Backend", {}))
+    with pytest.raises(BackendUnavailable, match="the no-slots backend does not run tuned tasks"):
+        Engine.load(tasked[0], backend="no-slots")
+
+
+def test_the_pytorch_backend_runs_tasks_on_its_reference_decoder_and_refuses_an_unmapped_slot_graph(tasked, tmp_path):
+    """torch-cpu serves an engine with tasks through TaskDecoder, the module its slot graph was exported from (the
+    fused pass has no task slots), its weights read through the map the slot card records; answers checked against
+    transformers + peft in test_an_engine_with_tasks_answers_each_question_as_its_task_alone. A slot graph whose card
+    has no map (written before it did) is refused with what to do; buckets or CUDA graphs asked for are refused."""
+    from onepass.runtime.backends import factory
+    from onepass.runtime.backends.torch_decoder import TaskDecoder
+
+    with Engine.load(tasked[0], backend="torch-cpu") as engine:
+        assert isinstance(engine.backend.decoder, TaskDecoder) and not engine.backend.fused
+        assert engine.backend.tasks.count == len(TASKS)
+    with pytest.raises(ValueError, match="runs on the reference decoder: no buckets or CUDA graphs"):
+        Engine.load(tasked[0], backend=factory("torch-cpu", buckets=True))
+    engine = tmp_path / "engine"
+    shutil.copytree(tasked[0], engine)
+    card = engine / "tasks" / "slots" / "slots.json"
+    card.write_text(json.dumps({k: v for k, v in json.loads(card.read_text()).items() if k != "weights"}))
+    with pytest.raises(EngineFileError, match="exported before the task store mapped its weights.*tune a task again"):
+        Engine.load(engine, backend="torch-cpu")
+    with Engine.load(engine, backend="onnxruntime") as onnx_runtime:  # the ONNX backends need no map
+        assert onnx_runtime.tasks.names == TASKS
 
 
 def test_tasks_are_listed_removed_and_verified_and_the_engines_files_never_change(tasked, tmp_path):

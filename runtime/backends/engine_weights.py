@@ -19,15 +19,16 @@ from onnx import numpy_helper
 from .errors import EngineFileError
 
 
-def initializer_array(root: Path, tensor) -> np.ndarray:
-    """An initializer's values, read from its external-data file by offset and length when it has one.
+def initializer_array(root: Path, tensor, graph_dir: Path | None = None) -> np.ndarray:
+    """An initializer's values, read from its external-data file by offset and length when it has one: the file is
+    named relative to the graph's directory ``graph_dir`` (default ``root``), and must lie inside ``root``.
 
     (onnx's own loader refuses external data with several hard links, which engine copies have.)
     """
     if tensor.data_location != onnx.TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor).copy()
     info = {e.key: e.value for e in tensor.external_data}
-    path = (root / info["location"]).resolve()
+    path = ((graph_dir or root) / info["location"]).resolve()
     if root.resolve() not in path.parents:
         raise EngineFileError(f"initializer {tensor.name} points outside the engine directory: {info['location']}")
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
@@ -74,14 +75,15 @@ def by_name(root: Path, graph_file: str, mapping: dict | None, wanted) -> dict[s
     graph = onnx.load(str(root / graph_file), load_external_data=False)
     inits = {i.name: i for i in graph.graph.initializer}
     if not mapping:
-        return {name: initializer_array(root, i) for name, i in inits.items() if wanted(name)}
+        return {name: initializer_array(root, i, (root / graph_file).parent) for name, i in inits.items()
+                if wanted(name)}
     out = {}
     for name, entry in mapping.items():
         init_name = entry[:-len(TRANSPOSED)] if entry.endswith(TRANSPOSED) else entry
         if init_name not in inits:
             raise EngineFileError(f"{root}: the manifest maps {name} to initializer {init_name}, which the graph lacks; "
                                   "re-export the engine")
-        array = initializer_array(root, inits[init_name])
+        array = initializer_array(root, inits[init_name], (root / graph_file).parent)
         out[name] = np.ascontiguousarray(array.T) if entry.endswith(TRANSPOSED) else array
     return out
 

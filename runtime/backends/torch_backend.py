@@ -24,6 +24,11 @@ device). Passes larger than the workspace's ``workspace_tokens`` rows run eagerl
 stream, fp16/bf16 block GEMMs, fp32 attention): eagerly, no buckets, no graphs. It is what an engine's golden file
 was written with (the bf16 export check uses it) and the "before" of the GPU check.
 
+An engine with tuned tasks (issue 45) is served by its slot graph, whose extra inputs are the tasks' factors and a
+per-token task mask (``contract.TaskFeeds``). The fused pass has no task slots, so such an engine runs on the
+reference decoder wrapped in ``TaskDecoder`` (the module the slot graph was exported from), on CPU or CUDA, with
+the same feeds as ONNX Runtime and OpenVINO.
+
 The backend table imports it only when ``torch-cpu`` or ``torch-cuda`` is asked for, so the rest of the runtime
 never imports torch.
 """
@@ -36,13 +41,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import engine_weights
+from . import contract, engine_weights
 from .base import Backend, StateKV
 from .fused_decoder import FusedDecoder
 from .graphs import CaptureFailed, GraphCache, SlotTable, bucketed, padded
 from .errors import EngineFileError
 from .batch import PackedBatch, bucket, causal, intervals_of_mask
-from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, lower_precision
+from .torch_decoder import PRECISIONS, DecoderDims, PackedDecoder, TaskDecoder, lower_precision
 
 # rows of the persistent workspace (state bucket + packed bucket of a pass that can be captured): at most 4,096 (a
 # 2,048-token state with 2,048 packed tokens, or a 512-token state with 64 questions) and at most WORKSPACE_BYTES:
@@ -80,6 +85,20 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
                               "the PyTorch backend cannot rebuild the decoder from this engine; re-export it, or use "
                               "ONNX Runtime or TensorRT with it")
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
+
+
+def task_input_order(blocks) -> list[str]:
+    """The task factors' input names in TaskDecoder's order: per block, per projection, A then B."""
+    return [f"task_{side}.{block}.{proj}" for block in blocks for proj in contract.PROJECTIONS for side in "ab"]
+
+
+def task_inputs(root: Path, manifest) -> dict:
+    """{name: shape} of the graph's task inputs (``contract.TaskFeeds``; a slot graph's), {} for a graph without."""
+    import onnx
+
+    graph = onnx.load(str(Path(root) / manifest.graph), load_external_data=False).graph
+    return {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input
+            if i.name == contract.TASK_MASK or i.name.startswith(("task_a.", "task_b."))}
 
 
 class Staging:
@@ -140,6 +159,7 @@ class TorchBackend(Backend):
     ``workspace_tokens``; ``capture_after`` is the sighting of a shape at which it is captured."""
 
     graph_devices = ("cuda",)  # where ``_capture_graph`` works (a test stand-in adds "cpu")
+    runs_tasks = True  # a slot graph runs on the reference decoder (TaskDecoder), fed contract.TaskFeeds
 
     def __init__(self, root: Path, manifest, threads: int | None = None, *, name: str | None = None,
                  device: str = "cpu", precision: str | None = None, fused: bool = True, buckets: bool | None = None,
@@ -163,9 +183,21 @@ class TorchBackend(Backend):
             raise ValueError("buckets and CUDA graphs are the fused pass's (fused=True)")
         self.buckets = fused and ((on_cuda if buckets is None else buckets) or self.cuda_graphs)
         self.max_packed = manifest.limits.max_packed_tokens
+        slots = task_inputs(root, manifest)
+        if slots and not manifest.source.get("weights"):
+            raise EngineFileError(f"{root}: its task slot graph was exported before the task store mapped its weights, "
+                                  "which the PyTorch backend rebuilds the decoder through: tune a task again to export "
+                                  "it anew, or use openvino-cpu or onnxruntime")
         reference = decoder_from_engine(Path(root), manifest)
-        if not fused:
-            self.decoder = lower_precision(reference, precision).to(self.device)
+        if slots:  # the fused pass has no task slots: the reference decoder with them, as the slot graph was made
+            if buckets or cuda_graphs:
+                raise ValueError("an engine with tuned tasks runs on the reference decoder: no buckets or CUDA graphs")
+            self.fused = self.cuda_graphs = self.buckets = False
+            self.tasks = contract.TaskFeeds.none(slots)
+            self._factors: tuple = (None, ())  # (the TaskFeeds whose factors are on the device, those tensors)
+        if not self.fused:
+            decoder = lower_precision(reference, precision)
+            self.decoder = (TaskDecoder(decoder, self.tasks.blocks) if slots else decoder).to(self.device)
             self._empty = torch.zeros(self.model.num_kv_heads, 0, self.model.head_dim, device=self.device)
             return
         self._open_fused(reference, workspace_tokens, GraphCache(max_graphs, capture_after=capture_after))
@@ -371,11 +403,23 @@ class TorchBackend(Backend):
 
         past = [value for pair in kv.layers for value in pair]
         with torch.inference_mode(), self.device_span():
-            out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
-                               t(batch.readout_index), t(batch.readout_target))
+            fed = (t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past, t(batch.readout_index),
+                   t(batch.readout_target))
+            out = self.decoder(*fed, *self._task_inputs(batch, kv, t)) if self.tasks is not None else self.decoder(
+                *fed)
         layers = 2 * self.model.num_layers
-        head = self.to_host(out[1 + layers]) if self.decoder.head is not None else None
+        head = self.to_host(out[1 + layers]) if getattr(self.decoder, "head", None) is not None else None
         return self.to_host(out[0]), list(out[1:1 + layers]), head
+
+    def _task_inputs(self, batch: PackedBatch, kv: StateKV, t) -> list:
+        """TaskDecoder's inputs after the contract's: past_length, the pass's task mask, then the tasks' factors in
+        the slot graph's order (moved to the device once per set of tasks fed)."""
+        feeds = contract.batch_inputs(batch, self.tasks)
+        if self._factors[0] is not self.tasks:
+            self._factors = (self.tasks, tuple(t(np.ascontiguousarray(feeds[name]))
+                                               for name in task_input_order(self.tasks.blocks)))
+        past_length = torch.tensor(kv.length, dtype=torch.int64, device=self.device)
+        return [past_length, t(feeds[contract.TASK_MASK]), *self._factors[1]]
 
     def _append(self, kv: StateKV, new) -> StateKV:
         """``kv`` followed by ``new`` (the reference decoder's prefill)."""

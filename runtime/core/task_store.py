@@ -64,6 +64,7 @@ class Tasks:
     blocks: tuple  # the blocks the slot graph has slots on
     graph: str  # the slot graph, relative to the engine directory
     files: dict  # the slot graph's files (relative to the engine directory) -> sha256
+    weights: dict | None = None  # the slot graph's map of reference weight names to its initializers (its card's)
 
 
 def root_of(engine: Path) -> Path:
@@ -148,16 +149,19 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         except (TypeError, ValueError, KeyError) as err:
             raise EngineFileError(f"task {name!r}'s calibration is invalid ({err}): tune it again") from None
     return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
-                 f"{TASKS}/{SLOTS}/{GRAPH}", files)
+                 f"{TASKS}/{SLOTS}/{GRAPH}", files, slots.get("weights"))
 
 
 def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manifest, Tasks | None]:
     """(the manifest the backend reads, the engine's tasks): with tasks, the manifest's graph is their slot graph (which
-    answers untasked questions as the engine's own graph, its task inputs empty), its files added."""
+    answers untasked questions as the engine's own graph, its task inputs empty), its files added, and its map of
+    weights to initializers (which the PyTorch backend rebuilds the decoder through) the slot graph's."""
     tasks = load(engine, manifest, verify)
     if tasks is None:
         return manifest, None
-    return dataclasses.replace(manifest, graph=tasks.graph, files={**manifest.files, **tasks.files}), tasks
+    source = {**manifest.source, "weights": tasks.weights}  # None: a slot graph exported before its card had one
+    return dataclasses.replace(manifest, graph=tasks.graph, files={**manifest.files, **tasks.files},
+                               source=source), tasks
 
 
 def _adapter(path: Path, name: str, card: dict) -> TaskAdapter:
@@ -233,9 +237,10 @@ def slot_blocks(engine: str | os.PathLike) -> tuple:
     return tuple(_json(path)["blocks"]) if path.is_file() else ()
 
 
-def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export) -> None:
+def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, weight_map=None) -> None:
     """Export the slot graph on ``blocks`` with ``export(path)`` (it writes ``path`` and ``path``.data) and put it in
-    place atomically with its card."""
+    place atomically with its card; ``weight_map(path)``: the graph's {reference weight name: initializer}, recorded
+    in the card (as an engine's manifest records its own)."""
     engine = Path(engine)
     tmp = _staging(engine, SLOTS)
     try:
@@ -243,6 +248,8 @@ def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export) -
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
                 "files": files}
+        if weight_map is not None:
+            card["weights"] = weight_map(tmp / GRAPH)
         (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, root_of(engine) / SLOTS)
     except BaseException:

@@ -141,5 +141,5 @@ def no_tasks_on(backend: str):
     """The error for a backend that runs no task slots, asked to serve an engine with tasks."""
     from ..backends.errors import BackendUnavailable
 
-    return BackendUnavailable(f"the {backend} backend does not run tuned tasks (task slots); use openvino-cpu or "
-                              "onnxruntime, or remove the tasks (onepass tasks remove)")
+    return BackendUnavailable(f"the {backend} backend does not run tuned tasks (task slots); use openvino-cpu, "
+                              "onnxruntime or torch-cpu/torch-cuda, or remove the tasks (onepass tasks remove)")
