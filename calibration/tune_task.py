@@ -135,10 +135,22 @@ def _adapter(model, name: str) -> TaskAdapter:
     return TaskAdapter.from_peft(name, state, cfg.lora_alpha / cfg.r)
 
 
+def _weight_map(decoder, path: Path, log) -> dict | None:
+    """The slot graph's weight map (``export.build.weight_map``), or None, said, where a weight matched no
+    initializer: ONNX Runtime and OpenVINO need no map, and the PyTorch backend refuses a slot graph without one."""
+    from ..export.build import weight_map
+
+    try:
+        return weight_map(decoder, path)
+    except OnepassError as err:
+        log(f"the slot graph's weights could not be mapped ({err}): the PyTorch backend will not run this engine's "
+            "tasks; ONNX Runtime and OpenVINO will")
+        return None
+
+
 def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
     """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
     ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
-    from ..export.build import weight_map
     from ..export.onnx_graph import export_task_decoder
     from ..runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
@@ -152,4 +164,4 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
     with torch.no_grad():
         task_store.write_slots(engine_dir, manifest, want, lambda path: export_task_decoder(graph, shapes, path),
-                               lambda path: weight_map(graph.decoder, path))
+                               lambda path: _weight_map(graph.decoder, path, log))

@@ -191,7 +191,11 @@ def test_the_pytorch_backend_runs_tasks_on_its_reference_decoder_and_refuses_an_
     engine = tmp_path / "engine"
     shutil.copytree(tasked[0], engine)
     card = engine / "tasks" / "slots" / "slots.json"
-    card.write_text(json.dumps({k: v for k, v in json.loads(card.read_text()).items() if k != "weights"}))
+    slots = json.loads(card.read_text())
+    card.write_text(json.dumps({**slots, "weights": ["embed"]}))
+    with pytest.raises(EngineFileError, match="slots.json: its weights must map weight names to initializer names"):
+        Engine.load(engine, backend="onnxruntime")
+    card.write_text(json.dumps({k: v for k, v in slots.items() if k != "weights"}))
     with pytest.raises(EngineFileError, match="exported before the task store mapped its weights.*tune a task again"):
         Engine.load(engine, backend="torch-cpu")
     with Engine.load(engine, backend="onnxruntime") as onnx_runtime:  # the ONNX backends need no map

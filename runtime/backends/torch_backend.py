@@ -461,8 +461,9 @@ class TorchBackend(Backend):
         return True
 
     def close(self) -> None:
-        """Drop the graphs and the workspace (device memory goes back to torch's allocator)."""
+        """Drop the graphs and the workspace (device memory goes back to torch's allocator); the tasks' factors."""
         if not self.fused:
+            self._factors = (None, ())
             return
         self.graphs.clear()
         self.slots.forget()

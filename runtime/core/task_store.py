@@ -121,6 +121,11 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         return None
     slots_dir = root_of(engine) / SLOTS
     slots = _json(slots_dir / SLOTS_CARD, ("engine_weights", "blocks", "files"))
+    mapped = slots.get("weights")
+    if mapped is not None and not (isinstance(mapped, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                    for k, v in mapped.items())):
+        raise EngineFileError(f"{slots_dir / SLOTS_CARD}: its weights must map weight names to initializer names; "
+                              "tune a task again to export the slot graph anew")
     weights = engine_weights(manifest)
     if slots.get("engine_weights") != weights:
         raise EngineFileError(f"{slots_dir} was exported from other weights than {engine}'s; tune the tasks again")
@@ -149,7 +154,7 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         except (TypeError, ValueError, KeyError) as err:
             raise EngineFileError(f"task {name!r}'s calibration is invalid ({err}): tune it again") from None
     return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
-                 f"{TASKS}/{SLOTS}/{GRAPH}", files, slots.get("weights"))
+                 f"{TASKS}/{SLOTS}/{GRAPH}", files, mapped)
 
 
 def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manifest, Tasks | None]:
@@ -248,8 +253,9 @@ def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, w
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
                 "files": files}
-        if weight_map is not None:
-            card["weights"] = weight_map(tmp / GRAPH)
+        mapped = weight_map(tmp / GRAPH) if weight_map is not None else None
+        if mapped is not None:
+            card["weights"] = mapped
         (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, root_of(engine) / SLOTS)
     except BaseException:
