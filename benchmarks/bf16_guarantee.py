@@ -88,13 +88,19 @@ def markdown(result: dict, fast: dict, args) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every bf16 benchmark takes: the engine, the requests (N per data set, seed) and the timing."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--engine", default="engines/smollm2")
     ap.add_argument("--n", type=int, default=100, help="questions per data set")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def main() -> None:
+    ap = parser(__doc__)
     ap.add_argument("--write", action="store_true", help="record the guarantee in the engine's manifest")
     ap.add_argument("--speed-only", action="store_true",
                     help="time again on a quiet machine, keeping the guarantee of the last run's JSON")

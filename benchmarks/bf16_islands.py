@@ -19,7 +19,6 @@ Each on the requests of ``bf16_guarantee.py`` (N questions per data set, fixed s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 import openvino as ov
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bf16_guarantee import requests  # noqa: E402
+from bf16_guarantee import parser, requests  # noqa: E402
 from latency import QUESTIONS, TICKET, cpu_name, interleaved  # noqa: E402
 
 from onepass.runtime import Engine  # noqa: E402
@@ -166,13 +165,7 @@ def markdown(result: dict, args) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", default="engines/smollm2")
-    ap.add_argument("--n", type=int, default=100, help="questions per data set")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = parser(__doc__).parse_args()
     if cpu_bf16_kind() is None:
         sys.exit("this CPU has no native bf16 (AMX or AVX512-BF16): OpenVINO would run every variant in f32")
     asked = requests(args.n, args.seed)
