@@ -34,7 +34,7 @@ from latency import QUESTIONS, TICKET, cpu_name, interleaved  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
 from onepass.runtime.backends.openvino_cpu import OpenVinoCpuBackend  # noqa: E402
 from onepass.runtime.core.guarantee import BF16, REFERENCE, cpu_bf16_kind  # noqa: E402
-from onepass.runtime.tools.guarantee import probabilities  # noqa: E402
+from onepass.runtime.tools.guarantee import Closeness, probabilities  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -93,11 +93,12 @@ MARKING = {"bf16 everywhere": lambda model: 0, "bf16 GEMMs": lambda model: keep_
 
 
 def _compiler(mark):
-    """An OpenVinoCpuBackend._compile that marks the graph with ``mark`` before the plugin compiles it."""
+    """An OpenVinoCpuBackend._compile that marks the graph with ``mark`` before the plugin compiles it (the count of
+    nodes marked kept as the backend's ``marked``)."""
     def compile_marked(backend):
         core = ov.Core()
         model = core.read_model(backend.graph_path)
-        mark(model)
+        backend.marked = mark(model)
         return core.compile_model(model, "CPU", backend.config)
     return compile_marked
 
@@ -133,14 +134,11 @@ def answers(engine: Engine, asked: list) -> list[dict]:
 
 def closeness(asked: list, ref: list[dict], got: list[dict]) -> dict:
     """Per data set: questions, argmax agreement, max and mean |dp| of ``got`` against ``ref``."""
-    seen: dict = {}
+    close = Closeness()
     for (dataset, _), want, have in zip(asked, ref, got):
         for qid, p in want.items():
-            dp = float(np.abs(p - have[qid]).max())
-            seen.setdefault(dataset, []).append((int(np.argmax(p) == np.argmax(have[qid])), dp))
-    return {name: {"questions": len(v), "argmax_agreement": round(sum(a for a, _ in v) / len(v), 4),
-                   "max_abs_dp": round(max(d for _, d in v), 4), "mean_abs_dp": round(sum(d for _, d in v) / len(v), 4)}
-            for name, v in sorted(seen.items())}
+            close.add(dataset, p, have[qid])
+    return {name: {k: round(v, 4) for k, v in m.items()} for name, m in close.datasets().items()}
 
 
 def markdown(result: dict, args) -> str:
@@ -173,17 +171,14 @@ def main() -> None:
     ref = answers(reference, asked)
     reference.close()
     result = {"cpu": cpu_name(), "cpu_bf16": cpu_bf16_kind(), "variants": {}}
-    for name, mark in MARKING.items():
+    for name in MARKING:
         engine = load(args.engine, name, args.threads, cache_bytes=0)
         if engine.backend.precision != "bf16":
             sys.exit(f"OpenVINO computes in {engine.backend.precision} here, not bf16")
-        result["variants"][name] = {"marked": None, "ran_bf16": ran_bf16(engine.backend.compiled),
+        result["variants"][name] = {"marked": engine.backend.marked, "ran_bf16": ran_bf16(engine.backend.compiled),
                                     "datasets": closeness(asked, ref, answers(engine, asked))}
         engine.close()
         print(name, json.dumps(result["variants"][name]["datasets"]), file=sys.stderr, flush=True)
-    for name, v in result["variants"].items():  # how many nodes each marking keeps f32 (counted on the graph)
-        v["marked"] = MARKING[name](ov.Core().read_model(str(Path(args.engine) / "decoder.onnx")))
-
     warm = {name: load(args.engine, name, args.threads) for name in MARKING}
     warm["f32"] = load(args.engine, None, args.threads)
     times = interleaved({name: lambda e=e: e.ask(TICKET, QUESTIONS) for name, e in warm.items()}, args.rounds)

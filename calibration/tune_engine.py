@@ -48,12 +48,13 @@ def _trainable(model, config: TuneConfig):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def _held_out(rows: list[TuneRow], validation, config: TuneConfig) -> tuple[list, list, list]:
-    """(train groups, held-out groups, validation files): a seeded state split of ``rows``, or the given files."""
+def _held_out(states: list, validation, config: TuneConfig) -> tuple[list, list, list]:
+    """(train groups, held-out groups, validation files): a seeded split of ``states`` (the rows grouped by state), or
+    the given files."""
     if not validation:
-        return (*split_states(group_by_state(rows), config.holdout, config.seed), [])
+        return (*split_states(states, config.holdout, config.seed), [])
     held_rows, files = load_rows(validation)
-    train, held = group_by_state(rows), group_by_state(held_rows)
+    train, held = states, group_by_state(held_rows)
     shared = {g[0].state for g in train} & {g[0].state for g in held}
     if shared:
         example = next(iter(shared))
@@ -110,7 +111,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if cv:
         train_groups, held_groups, val_files = states, [], []
     else:
-        train_groups, held_groups, val_files = _held_out(rows, validation, config)
+        train_groups, held_groups, val_files = _held_out(states, validation, config)
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
                       sum(len(g) for g in held_groups))
     train, held = (encode_groups(g, encoder, config, base.limits) for g in (train_groups, held_groups))

@@ -81,10 +81,12 @@ def test_split_keeps_every_state_on_one_side_and_is_seeded(tmp_path):
 
 
 def test_validation_files_replace_the_split_and_a_shared_state_is_refused(tmp_path):
+    from onepass.calibration.tune_data import group_by_state
     from onepass.calibration.tune_engine import _held_out
 
     rows, _ = load_rows([_write(tmp_path, [{"state": f"s{i % 10}", "question": NOUL, "label": "yes"}
                                            for i in range(40)])])
+    rows = group_by_state(rows)  # what tune hands _held_out: the rows grouped by state once
     val = _write(tmp_path, [{"state": f"v{i}", "question": TEAM, "label": "red"} for i in range(3)], "val.jsonl")
     train, held, files = _held_out(rows, [val], tn.TuneConfig(holdout=0.3))
     assert sum(len(g) for g in train) == 40  # every data row is trained on: nothing split off

@@ -91,6 +91,12 @@ def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[Tenso
 TASK_MASK, TASK_RANK = "task_mask", "task_rank"
 
 
+def task_factor_names(task_blocks) -> list[str]:
+    """The task factors' input names in the slot graph's (``TaskDecoder``'s) order: per block, per projection, A then
+    B (what follows ``task_mask``)."""
+    return [f"task_{side}.{block}.{proj}" for block in task_blocks for proj in PROJECTIONS for side in "ab"]
+
+
 def task_input_specs(task_blocks, shapes: dict) -> list[TensorSpec]:
     """The inputs a task-slot graph takes after the contract's: ``task_mask`` [N, K], then per task block and
     projection ``task_a.{block}.{proj}`` [in, K] and ``task_b.{block}.{proj}`` [K, out] (``shapes``: projection ->

@@ -74,16 +74,16 @@ def by_name(root: Path, graph_file: str, mapping: dict | None, wanted) -> dict[s
     for an engine exported before it, by initializer name for the initializers ``wanted(name)`` accepts."""
     graph = onnx.load(str(root / graph_file), load_external_data=False)
     inits = {i.name: i for i in graph.graph.initializer}
+    graph_dir = (root / graph_file).parent  # external data is named relative to the graph (a slot graph's subdirectory)
     if not mapping:
-        return {name: initializer_array(root, i, (root / graph_file).parent) for name, i in inits.items()
-                if wanted(name)}
+        return {name: initializer_array(root, i, graph_dir) for name, i in inits.items() if wanted(name)}
     out = {}
     for name, entry in mapping.items():
         init_name = entry[:-len(TRANSPOSED)] if entry.endswith(TRANSPOSED) else entry
         if init_name not in inits:
             raise EngineFileError(f"{root}: the manifest maps {name} to initializer {init_name}, which the graph lacks; "
                                   "re-export the engine")
-        array = initializer_array(root, inits[init_name], (root / graph_file).parent)
+        array = initializer_array(root, inits[init_name], graph_dir)
         out[name] = np.ascontiguousarray(array.T) if entry.endswith(TRANSPOSED) else array
     return out
 

@@ -87,11 +87,6 @@ def decoder_from_engine(root: Path, manifest) -> PackedDecoder:
     return PackedDecoder.from_state_dict(DecoderDims(**dims), state).eval()
 
 
-def task_input_order(blocks) -> list[str]:
-    """The task factors' input names in TaskDecoder's order: per block, per projection, A then B."""
-    return [f"task_{side}.{block}.{proj}" for block in blocks for proj in contract.PROJECTIONS for side in "ab"]
-
-
 def task_inputs(root: Path, manifest) -> dict:
     """{name: shape} of the graph's task inputs (``contract.TaskFeeds``; a slot graph's), {} for a graph without."""
     import onnx
@@ -403,10 +398,9 @@ class TorchBackend(Backend):
 
         past = [value for pair in kv.layers for value in pair]
         with torch.inference_mode(), self.device_span():
-            fed = (t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past, t(batch.readout_index),
-                   t(batch.readout_target))
-            out = self.decoder(*fed, *self._task_inputs(batch, kv, t)) if self.tasks is not None else self.decoder(
-                *fed)
+            tasks = self._task_inputs(batch, kv, t) if self.tasks is not None else ()
+            out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
+                               t(batch.readout_index), t(batch.readout_target), *tasks)
         layers = 2 * self.model.num_layers
         head = self.to_host(out[1 + layers]) if getattr(self.decoder, "head", None) is not None else None
         return self.to_host(out[0]), list(out[1:1 + layers]), head
@@ -414,12 +408,12 @@ class TorchBackend(Backend):
     def _task_inputs(self, batch: PackedBatch, kv: StateKV, t) -> list:
         """TaskDecoder's inputs after the contract's: past_length, the pass's task mask, then the tasks' factors in
         the slot graph's order (moved to the device once per set of tasks fed)."""
-        feeds = contract.batch_inputs(batch, self.tasks)
         if self._factors[0] is not self.tasks:
-            self._factors = (self.tasks, tuple(t(np.ascontiguousarray(feeds[name]))
-                                               for name in task_input_order(self.tasks.blocks)))
+            self._factors = (self.tasks, tuple(t(np.ascontiguousarray(self.tasks.factors[name]))
+                                               for name in contract.task_factor_names(self.tasks.blocks)))
+        mask = self.tasks.inputs(batch.token_task, batch.num_tokens)[contract.TASK_MASK]
         past_length = torch.tensor(kv.length, dtype=torch.int64, device=self.device)
-        return [past_length, t(feeds[contract.TASK_MASK]), *self._factors[1]]
+        return [past_length, t(mask), *self._factors[1]]
 
     def _append(self, kv: StateKV, new) -> StateKV:
         """``kv`` followed by ``new`` (the reference decoder's prefill)."""

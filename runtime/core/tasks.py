@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.contract import PROJECTIONS, TASK_MASK, TaskFeeds, projection_shapes  # noqa: F401 - projection_shapes: re-exported
+from ..backends.contract import (PROJECTIONS, TASK_MASK, TaskFeeds, projection_shapes,  # noqa: F401 - re-exported
+                                 task_factor_names)
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -72,8 +73,7 @@ class TaskStack:
 
     def feeds(self) -> TaskFeeds:
         """What a backend feeds the task-slot graph: the factors by input name, and each slot's task."""
-        names = [f"task_{side}.{block}.{proj}" for block in self.blocks for proj in PROJECTIONS for side in "ab"]
-        return TaskFeeds(dict(zip(names, self.inputs)), self.slot_task(), len(self.slots))
+        return TaskFeeds(dict(zip(task_factor_names(self.blocks), self.inputs)), self.slot_task(), len(self.slots))
 
     def mask(self, token_task: Sequence[int]) -> np.ndarray:
         """[N, K] float32: 1 on the slots of each token's task (-1: none, a row of zeros)."""

@@ -61,6 +61,28 @@ def probabilities(answer) -> np.ndarray:
     return np.array(list(answer.probabilities.values()), dtype=np.float64)
 
 
+class Closeness:
+    """Per data set, how close a variant's answers are to the reference's: questions, argmax agreement, max and mean
+    ``|dp|`` (the largest change of any of a question's answer probabilities)."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def add(self, dataset: str, p: np.ndarray, q: np.ndarray) -> None:
+        """One question: ``p`` the reference's probabilities, ``q`` the variant's."""
+        acc = self.seen.setdefault(dataset, {"questions": 0, "agree": 0, "max": 0.0, "sum": 0.0})
+        dp = float(np.abs(p - q).max())
+        acc["questions"] += 1
+        acc["agree"] += int(np.argmax(p) == np.argmax(q))
+        acc["max"], acc["sum"] = max(acc["max"], dp), acc["sum"] + dp
+
+    def datasets(self) -> dict:
+        """{data set: questions, argmax_agreement, max_abs_dp, mean_abs_dp}, raw (judged as measured)."""
+        return {name: {"questions": a["questions"], "argmax_agreement": a["agree"] / a["questions"],
+                       "max_abs_dp": a["max"], "mean_abs_dp": a["sum"] / a["questions"]}
+                for name, a in sorted(self.seen.items())}
+
+
 def measure(engine_dir, requests: list, variant: str = BF16, reference: str = REFERENCE,
             threads: int | None = None, progress=None) -> dict:
     """The guarantee of ``variant`` against ``reference`` on ``requests`` (:func:`read_requests`), per data set:
@@ -68,28 +90,21 @@ def measure(engine_dir, requests: list, variant: str = BF16, reference: str = RE
     engines = [Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0) for name in (reference, variant)]
     computed_in = getattr(engines[1].backend, "precision", None)  # OpenVINO's precision in force (f32 where no bf16)
     measured_on = fingerprint(engines[0].manifest)
-    seen: dict = {}
+    close = Closeness()
     try:
         for i, (dataset, (state, questions)) in enumerate(requests):
             try:
                 ref, var = (engine.ask(state, questions) for engine in engines)
             except InvalidRequest as err:
                 raise InvalidRequest(f"request {i + 1} ({dataset}): {err}", "requests") from None
-            acc = seen.setdefault(dataset, {"questions": 0, "agree": 0, "max": 0.0, "sum": 0.0})
             for qid in questions:
-                p, q = probabilities(ref[qid]), probabilities(var[qid])
-                dp = float(np.abs(p - q).max())
-                acc["questions"] += 1
-                acc["agree"] += int(np.argmax(p) == np.argmax(q))
-                acc["max"], acc["sum"] = max(acc["max"], dp), acc["sum"] + dp
+                close.add(dataset, probabilities(ref[qid]), probabilities(var[qid]))
             if progress is not None:
                 progress(i + 1, len(requests))
     finally:
         for engine in engines:
             engine.close()
-    datasets = {name: {"questions": a["questions"], "argmax_agreement": a["agree"] / a["questions"],
-                       "max_abs_dp": a["max"], "mean_abs_dp": a["sum"] / a["questions"]}  # raw: judged as measured
-                for name, a in sorted(seen.items())}
+    datasets = close.datasets()
     cpu = cpu_bf16_kind()
     guarantee = {"reference": reference, "cpu": cpu, "cpu_model": cpu_model(), "computed_in": computed_in,
                  "runtime": _runtime_version(), "engine": measured_on, "bounds": dict(BOUNDS),
