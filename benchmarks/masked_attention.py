@@ -73,13 +73,15 @@ def layout(batch) -> dict:
     n = tree.shape[0]
     members, questions = np.zeros(n, np.int64), []
     for options in batch.option_readouts:
-        tokens = tree[batch.readout_index[np.concatenate(options)]].any(0)  # the question's tokens: read-outs' ancestors
+        # the question's tokens: its read-outs' ancestors
+        tokens = tree[batch.readout_index[np.concatenate(options)]].any(0)
         members += tokens
         questions.append(np.flatnonzero(tokens))
     shared = members > 1
     global_index = np.flatnonzero(shared)
     items = [q[~shared[q]] for q in questions]
-    items = [q for q in items if len(q)] + [np.array([t]) for t in global_index]  # a shared token: a slot, no block part
+    # a shared token takes a slot of its own and sees nothing through its block
+    items = [q for q in items if len(q)] + [np.array([t]) for t in global_index]
     size = -(-max(8, max(len(q) for q in items)) // 8) * 8
     bins: list[list] = []
     for item in sorted(items, key=len, reverse=True):  # first fit, largest first
@@ -309,7 +311,8 @@ def main(argv=None) -> int:
         print(f"exported {form} in {time.time() - t:.0f} s", flush=True)
     graphs = {(name, be): Graph(path, be) for be in ("openvino-cpu", "onnxruntime") for name, path in paths.items()}
     feed_of = {name: dense_feed if name == "dense" else skip_feed for name in paths}
-    onnx_diff = {f"{name} on {be}": float(np.abs(g(feed_of[name]) - reference).max()) for (name, be), g in graphs.items()}
+    onnx_diff = {f"{name} on {be}": float(np.abs(g(feed_of[name]) - reference).max())
+                 for (name, be), g in graphs.items()}
     print("ONNX, max |d log-prob| against PyTorch dense:", onnx_diff, flush=True)
     wrong = {k: v for k, v in {**torch_diff, **onnx_diff}.items() if (v > TOLERANCE) != k.startswith("negative")}
     if wrong:
