@@ -654,6 +654,22 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     assert np.abs(np.asarray([r["scores"] for r in head_candidate.head_rows(members[0], held)]) - mean).max() > 1e-3
 
 
+def test_a_heads_temperature_matches_a_teachers_confidence_not_its_argmax():
+    """Rows of `onepass distill` carry the teacher's distribution: the head is fitted to its most probable options,
+    and its temperature is chosen by the cross-entropy against the distribution (what tune judges candidates by), so
+    an unsure teacher (0.6 / 0.4) asks for a much softer head than its argmax labels do. Control: integer targets
+    choose exactly what the labels alone choose."""
+    from onepass.calibration import head_candidate
+
+    rng = np.random.default_rng(4)
+    labels = np.arange(60) % 2
+    rows = _with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels), 3.0, rng)
+    sure = head_candidate.temperature(rows)
+    assert head_candidate.temperature([{**r, "target": int(r["label"])} for r in rows]) == sure
+    unsure = [{**r, "target": (0.6, 0.4) if r["label"] == 0 else (0.4, 0.6)} for r in rows]
+    assert head_candidate.temperature(unsure) > 2 * sure, (head_candidate.temperature(unsure), sure)
+
+
 def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_exactly():
     """Zero-shot scores biased against the label prior (the labelled option is usually scored lower) and hidden states
     that carry a weak signal: the head fitted over the calibrated prior beats the head over the raw read-out on other
