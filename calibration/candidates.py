@@ -74,11 +74,15 @@ def heldout_metrics(rows: list[dict], calibration: Calibration | None) -> tuple[
     for r in rows:
         s = np.asarray(r["scores"], dtype=np.float64)
         p = softmax(calibration.apply(r["type"], s, r["names"], r["qkey"]) if calibration else s)
-        logp = np.log(np.clip(p, 1e-300, None))
-        target = r["target"]
-        nll -= logp[target] if isinstance(target, int) else float(np.dot(target, logp))
+        nll += target_nll(np.log(np.clip(p, 1e-300, None)), r["target"])
         hits += int(np.argmax(p) == r["label"])
     return nll, hits
+
+
+def target_nll(logp: np.ndarray, target) -> float:
+    """-log p of a label index, or the cross-entropy of ``logp`` against a teacher's distribution: the loss every
+    candidate is judged by (and a head's temperature chosen by)."""
+    return -float(logp[int(target)]) if np.ndim(target) == 0 else -float(np.dot(np.asarray(target), logp))
 
 
 def calibrated(train: list[dict], readout: str) -> Calibration | None:

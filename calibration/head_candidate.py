@@ -31,6 +31,7 @@ import torch
 
 from ..runtime.core.readout_calibration import Calibration, GroupCalibration
 from . import head as hd
+from .candidates import target_nll
 from .fit import fit as fit_calibration
 from .head_features import OptionFeatures
 
@@ -173,8 +174,8 @@ def _train(rows: list[dict], seed: int) -> hd.HeadModel:
 
 
 def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
-    """The temperature of lowest NLL (cross-entropy, for a teacher's distributions) for scores of rows the head was
-    not fitted on. A head fitted to a few dozen rows
+    """The temperature of lowest NLL (cross-entropy, for a teacher's distributions: ``candidates.target_nll``, what
+    the candidates are judged by) for scores of rows the head was not fitted on. A head fitted to a few dozen rows
     separates them far more surely than it separates others (its scores on its own rows would call for sharpening, on
     others for softening: 50 rows of speeches, NLL 0.92 with accuracy 0.58 where the calibrated base has 0.74 with
     0.54); so ``INNER_FOLDS`` heads (each the average of ``seeds`` seeds' heads, as :func:`fit` fits it), each fitted
@@ -189,16 +190,11 @@ def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
     for f in range(INNER_FOLDS):
         inside = [r for r in rows if fold_of[r["state"]] != f]
         scored += head_rows(_fitted(inside, seed, seeds), [r for r in rows if fold_of[r["state"]] == f])
-    nll = [sum(_loss(np.asarray(r["scores"]) / t, r.get("target", r["label"])) for r in scored) for t in TEMPERATURES]
+    # a head fitted to a teacher's most probable options is as sure as hard labels make it: its temperature must
+    # match the teacher's own confidence (the rows' distributions, from `onepass distill`), not those labels'
+    nll = [sum(target_nll(_log_softmax(np.asarray(r["scores"]) / t), r.get("target", r["label"])) for r in scored)
+           for t in TEMPERATURES]
     return float(TEMPERATURES[int(np.argmin(nll))])
-
-
-def _loss(scores: np.ndarray, target) -> float:
-    """-log p(label), or the cross-entropy against a teacher's distribution (a row of `onepass distill`): what tune
-    judges the candidates by (``candidates.heldout_metrics``). A head fitted to a teacher's most probable options is
-    as sure as hard labels make it; its temperature must match the teacher's own confidence, not those labels'."""
-    logp = _log_softmax(scores)
-    return -float(logp[int(target)]) if np.ndim(target) == 0 else -float(np.dot(np.asarray(target), logp))
 
 
 def tempered(model: hd.HeadModel, t: float) -> hd.HeadModel:
