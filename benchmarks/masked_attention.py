@@ -54,6 +54,7 @@ from torch.export import Dim  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, cpu_name, interleaved, state_of_tokens  # noqa: E402
+from roofline import op_kind_ms  # noqa: E402
 
 from onepass import Engine  # noqa: E402
 from onepass.runtime.backends import contract  # noqa: E402
@@ -201,13 +202,12 @@ class SkippingDecoder(nn.Module):
 
 def export(module: SkippingDecoder, inputs: list, path: Path) -> None:
     """``module`` to ONNX with every axis the layout or the pass sizes dynamic."""
-    names = ["input_ids", "position_ids", *LAYOUT]
-    layers = module.decoder.dims.num_layers
+    past = contract.io_names(module.decoder.dims, ())[0]
     n, s, p, b, size, r = (Dim.DYNAMIC,) * 6
     shapes = [{0: n}, {0: n}, {0: n, 1: p}, {0: p}, {0: b, 1: size}, {0: n}, {0: n, 1: size}]
-    dynamic = (*shapes, (*({1: s} for _ in range(2 * layers)), {0: r}, {0: r}, {}))
-    names += [f"past_{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
-    names += [contract.READOUT_INDEX, contract.READOUT_TARGET, contract.PAST_LENGTH]
+    dynamic = (*shapes, (*({1: s} for _ in past), {0: r}, {0: r}, {}))
+    names = ["input_ids", "position_ids", *LAYOUT, *past, contract.READOUT_INDEX, contract.READOUT_TARGET,
+             contract.PAST_LENGTH]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, tuple(inputs), dynamo=True,
@@ -217,13 +217,13 @@ def export(module: SkippingDecoder, inputs: list, path: Path) -> None:
 
 
 class Graph:
-    """One ONNX graph on one backend, fed by name: OpenVINO f32 or ONNX Runtime, both as the engine's backends
-    configure them (2 threads, latency hint / every graph optimisation)."""
+    """One ONNX graph on one backend, fed by name: OpenVINO compiled with ``config`` (the engine's OpenVINO backend's:
+    f32, latency hint, 2 threads), or ONNX Runtime with every graph optimisation and 2 threads (its CPU arena on,
+    which the engine's backend turns off to return memory; the same for every graph timed)."""
 
-    def __init__(self, path: Path, backend: str, profile: bool = False):
+    def __init__(self, path: Path, backend: str, config: dict, profile: bool = False):
         if backend == "openvino-cpu":
-            config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-                      "INFERENCE_NUM_THREADS": THREADS, **({"PERF_COUNT": "YES"} if profile else {})}
+            config = {**config, **({"PERF_COUNT": "YES"} if profile else {})}
             core = ov.Core()
             compiled = core.compile_model(core.read_model(str(path)), "CPU", config)
             self.names = [i.get_any_name() for i in compiled.inputs]
@@ -242,16 +242,13 @@ class Graph:
 
     def op_ms(self) -> dict:
         """OpenVINO's per-operation-kind milliseconds of the last pass (PERF_COUNT)."""
-        sums: dict = {}
-        for op in self.request.profiling_info:
-            sums[op.node_type] = sums.get(op.node_type, 0.0) + op.real_time.total_seconds() * 1e3
-        return sums
+        return op_kind_ms(self.request.profiling_info)
 
 
-def feeds(batch, kv: list, past: int, lay: dict) -> tuple[dict, dict]:
-    """(the dense graph's feed, the skipping graphs' feed)."""
-    names = [f"past_{kind}.{i}" for i in range(len(kv) // 2) for kind in ("key", "value")]
-    common = {**dict(zip(names, kv)), contract.PAST_LENGTH: np.asarray(past, np.int64)}
+def feeds(batch, kv: dict, past: int, lay: dict) -> tuple[dict, dict]:
+    """(the dense graph's feed, the skipping graphs' feed) of ``batch`` over the state ``kv`` (the past K/V by input
+    name, in the contract's order) of which ``past`` rows are the state."""
+    common = {**kv, contract.PAST_LENGTH: np.asarray(past, np.int64)}
     dense = {**contract.batch_inputs(batch), **common}
     skipping = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **lay, **common,
                 contract.READOUT_INDEX: batch.readout_index, contract.READOUT_TARGET: batch.readout_target}
@@ -259,9 +256,9 @@ def feeds(batch, kv: list, past: int, lay: dict) -> tuple[dict, dict]:
 
 
 def ordered(feed: dict, head: list) -> list:
-    """``feed``'s arrays in a graph's input order: ``head``, the past K/V by layer, the read-outs, ``past_length``."""
-    past = sorted((k for k in feed if k.startswith(("past_key.", "past_value."))),
-                  key=lambda k: (int(k.split(".")[1]), k.startswith("past_value.")))
+    """``feed``'s arrays in a graph's input order: ``head``, the past K/V (in the feed's order, the contract's: see
+    :func:`feeds`), the read-outs, ``past_length``."""
+    past = [k for k in feed if k.startswith("past_") and k != contract.PAST_LENGTH]
     keys = [*head, *past, contract.READOUT_INDEX, contract.READOUT_TARGET, contract.PAST_LENGTH]
     return [torch.from_numpy(np.asarray(feed[k])) for k in keys]
 
@@ -291,7 +288,7 @@ def main(argv=None) -> int:
     engine = Engine.load(args.engine, threads=THREADS, backend="openvino-cpu")
     state = engine.state(state_of_tokens(engine, args.state_tokens))
     batch = engine.pack(state, engine.encode_questions(QUESTIONS))
-    kv = [np.asarray(a) for pair in state.kv.layers for a in pair]
+    kv = dict(zip(engine.backend.past_names, (np.asarray(a) for pair in state.kv.layers for a in pair)))
     lay = layout(batch)
     dense_feed, skip_feed = feeds(batch, kv, state.kv.length, lay)
     decoder = decoder_from_engine(engine.root, engine.manifest)
@@ -309,7 +306,9 @@ def main(argv=None) -> int:
         paths[form] = work / f"{form.replace(' ', '_')}.onnx"
         export(module, ordered(skip_feed, ["input_ids", "position_ids", *LAYOUT]), paths[form])
         print(f"exported {form} in {time.time() - t:.0f} s", flush=True)
-    graphs = {(name, be): Graph(path, be) for be in ("openvino-cpu", "onnxruntime") for name, path in paths.items()}
+    config = engine.backend.config
+    graphs = {(name, be): Graph(path, be, config) for be in ("openvino-cpu", "onnxruntime")
+              for name, path in paths.items()}
     feed_of = {name: dense_feed if name == "dense" else skip_feed for name in paths}
     onnx_diff = {f"{name} on {be}": float(np.abs(g(feed_of[name]) - reference).max())
                  for (name, be), g in graphs.items()}
@@ -322,7 +321,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     profile = {}
     for name, path in paths.items():  # OpenVINO's own counters, a second compile with them on
-        g = Graph(path, "openvino-cpu", profile=True)
+        g = Graph(path, "openvino-cpu", config, profile=True)
         g(feed_of[name])
         per = [(g(feed_of[name]), g.op_ms())[1] for _ in range(3)]
         profile[name] = {k: statistics.median(p.get(k, 0.0) for p in per) for k in per[0]}

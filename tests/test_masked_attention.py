@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import masked_attention as ma  # noqa: E402
 
 from onepass import Engine  # noqa: E402
+from onepass.runtime.backends import contract  # noqa: E402
 from onepass.runtime.backends.batch import pad_batch  # noqa: E402
 from onepass.runtime.backends.torch_backend import decoder_from_engine  # noqa: E402
 from onepass.runtime.core.tree import QuestionTokens, pack  # noqa: E402
@@ -59,9 +60,11 @@ def decoder(tiny_engine_dir):
     return decoder_from_engine(engine.root, engine.manifest)
 
 
-def _kv(decoder) -> list:
+def _kv(decoder) -> dict:
+    """A random state of ``PAST`` rows: the past K/V by the contract's input names."""
     d, rng = decoder.dims, np.random.default_rng(5)
-    return [rng.standard_normal((d.num_kv_heads, PAST, d.head_dim)).astype(np.float32) for _ in range(2 * d.num_layers)]
+    return {name: rng.standard_normal((d.num_kv_heads, PAST, d.head_dim)).astype(np.float32)
+            for name in contract.io_names(d, ())[0]}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
