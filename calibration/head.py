@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from ..runtime.backends.torch_decoder import DecisionHead
+from .candidates import target_nll
 from .head_features import OptionFeatures
-from .rlcd import rlcd_loss
+from .rlcd import cross_entropy, rlcd_loss
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,25 @@ def probabilities(model, feats: OptionFeatures) -> list[np.ndarray]:
     return [torch.softmax(s.double(), 0).numpy() for s in scores]
 
 
+def question_target(feats: OptionFeatures, i: int) -> torch.Tensor:
+    """Question ``i``'s target: its label (0-d), or where the features carry a teacher's distributions, question i's
+    (all the teacher said, not only its most probable option)."""
+    if feats.soft is None:
+        return torch.tensor(int(feats.label[i]))
+    return torch.from_numpy(feats.soft[int(feats.offsets[i]):int(feats.offsets[i + 1])]).float()
+
+
+def targets_of(feats: OptionFeatures) -> str:
+    """What a head fitted on ``feats`` learns from, in words (the manifest's ``head.training.targets``)."""
+    return "labels" if feats.soft is None else "the teacher's distributions"
+
+
+def heldout_nll(probs: list[np.ndarray], feats: OptionFeatures) -> float:
+    """Mean NLL of the labels, or cross-entropy against the teacher's distributions where ``feats`` carry them."""
+    return float(np.mean([target_nll(np.log(np.clip(p, 1e-12, None)), question_target(feats, i).numpy())
+                          for i, p in enumerate(probs)]))
+
+
 def mean_nll(probs: list[np.ndarray], labels: np.ndarray) -> float:
     """Mean negative log-likelihood of the labels."""
     return float(-np.mean([np.log(max(p[y], 1e-12)) for p, y in zip(probs, labels)]))
@@ -73,7 +93,8 @@ def mean_nll(probs: list[np.ndarray], labels: np.ndarray) -> float:
 
 def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig = HeadConfig(), log=None,
           on_epoch=None) -> tuple:
-    """Fit a HeadModel; early stopping on validation NLL (``val=None``: exactly ``config.epochs``).
+    """Fit a HeadModel on the labels, or on the teacher's distributions where ``train`` carries them (``soft``);
+    early stopping on validation NLL (``val=None``: exactly ``config.epochs``).
 
     Returns (model, history of validation NLL per epoch).
     """
@@ -84,7 +105,7 @@ def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig 
     model = HeadModel(train.hidden.shape[1], config.width, shift, scale)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     hidden, zero_shot = torch.from_numpy(train.hidden), torch.from_numpy(train.mean_logprob()).float()
-    labels = torch.from_numpy(train.label)
+    targets = [question_target(train, i) for i in range(train.num_questions)]
     best, best_state, bad, history = float("inf"), None, 0, []
     order = np.arange(train.num_questions)
     rng = np.random.default_rng(config.seed)
@@ -94,11 +115,10 @@ def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig 
         for start in range(0, len(order), config.batch):
             idx = order[start:start + config.batch]
             scores = _question_scores(model, train, hidden, zero_shot, idx)  # this minibatch's questions only
-            ce = torch.stack([torch.nn.functional.cross_entropy(s[None], labels[i][None])
-                              for s, i in zip(scores, idx)]).mean()
+            ce = torch.stack([cross_entropy(s, targets[i]) for s, i in zip(scores, idx)]).mean()
             loss = ce
             if config.rlcd_weight:
-                rl = torch.stack([rlcd_loss(s, labels[i], config.group, config.sigma, generator=gen)
+                rl = torch.stack([rlcd_loss(s, targets[i], config.group, config.sigma, generator=gen)
                                   for s, i in zip(scores, idx)]).mean()
                 loss = ce + config.rlcd_weight * rl
             opt.zero_grad()
@@ -109,7 +129,7 @@ def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig 
             on_epoch(model)
         if val is None:
             continue
-        v = mean_nll(probabilities(model, val), val.label)
+        v = heldout_nll(probabilities(model, val), val)
         history.append({"epoch": epoch, "val_nll": v})
         if log:
             log(f"  epoch {epoch:2d} val NLL {v:.4f}")

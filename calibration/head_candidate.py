@@ -24,6 +24,7 @@ carries it as a calibration of its ``head`` read-out (:func:`served`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ from ..runtime.core.readout_calibration import Calibration, GroupCalibration
 from . import head as hd
 from .candidates import target_nll
 from .fit import fit as fit_calibration
-from .head_features import OptionFeatures
+from .head_features import OptionFeatures, distribution
 
 # Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/results/head_candidate.md):
 # cross-entropy only, a narrow MLP, strong weight decay and a fixed number of epochs (no rows to stop early on).
@@ -86,13 +87,22 @@ def with_prior(rows: list[dict], prior: Prior) -> list[dict]:
 
 
 def option_features(rows: list[dict]) -> OptionFeatures:
-    """The head's training view of scored rows that carry their ``features`` (:func:`candidates.scored_rows`)."""
+    """The head's training view of scored rows that carry their ``features`` (:func:`candidates.scored_rows`); where
+    any row's ``target`` is a teacher's distribution, the targets are the distributions (a label: one-hot)."""
     hidden = np.concatenate([r["features"][0] for r in rows]).astype(np.float32)
     mean = np.concatenate([r["features"][1] for r in rows]).astype(np.float64)
     sizes = [len(r["features"][1]) for r in rows]
+    soft = None
+    if _distributions(rows):
+        soft = np.concatenate([distribution(r.get("target", r["label"]), k) for r, k in zip(rows, sizes)])
     return OptionFeatures(hidden, mean, np.ones_like(mean), np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                          np.array([r["label"] for r in rows], dtype=np.int64), np.array(["tune"] * len(rows)))
+                          np.array([r["label"] for r in rows], dtype=np.int64), np.array(["tune"] * len(rows)), soft)
 
+
+# Fitted to a teacher's distributions (`onepass distill`), a head trains longer: the distribution is a target it
+# cannot overfit as it does a few dozen labels, and 200 epochs agreed more with the teacher than 60 on 300 unseen
+# states of each of the four distillation tasks (+1.0 to +2.0 points; benchmarks/results/distill_heads.md).
+DISTRIBUTION_EPOCHS = 200
 
 INNER_FOLDS = 3  # folds of whole states over a head's own training rows, for its temperature
 TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(20.0), 61))  # the grid a temperature is chosen from
@@ -105,10 +115,11 @@ SEEDS = 5
 
 
 def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
-    """The average of the heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows`` (their labels: a
-    teacher's distribution counts as its most probable option) over the prior fitted on them (``model.prior``), merged
-    into one head, its scores divided by the temperature the average's out-of-fold scores on ``rows`` ask for
-    (:func:`temperature`): what the engine computes (:func:`served`) is what was judged."""
+    """The average of the heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows`` (their labels, or the
+    teacher's distributions where the rows carry them: :func:`option_features`, :func:`config_for`) over the prior
+    fitted on them (``model.prior``), merged into one head (``model.config``: what each was trained with), its scores
+    divided by the temperature the average's out-of-fold scores on ``rows`` ask for (:func:`temperature`): what the
+    engine computes (:func:`served`) is what was judged."""
     return tempered(_fitted(rows, seed, seeds), temperature(rows, seed, seeds))
 
 
@@ -116,7 +127,8 @@ def _fitted(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
     """The prior fitted on ``rows``, and the merged heads of ``seeds`` seeds fitted over it (untempered)."""
     prior = fit_prior(rows)
     model = _averaged(with_prior(rows, prior), seed, seeds)
-    model.prior = prior
+    model.prior, model.config = prior, config_for(rows)
+    model.targets = hd.targets_of(option_features(rows))
     return model
 
 
@@ -169,8 +181,19 @@ def _averaged(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
 
 
 def _train(rows: list[dict], seed: int) -> hd.HeadModel:
-    model, _ = hd.train(option_features(rows), None, hd.HeadConfig(**{**CONFIG.__dict__, "seed": seed}))
+    model, _ = hd.train(option_features(rows), None, dataclasses.replace(config_for(rows), seed=seed))
     return model.eval()
+
+
+def config_for(rows: list[dict]) -> hd.HeadConfig:
+    """What each head fitted on ``rows`` trains with: ``CONFIG``, for ``DISTRIBUTION_EPOCHS`` epochs where the rows
+    carry a teacher's distributions."""
+    return dataclasses.replace(CONFIG, epochs=DISTRIBUTION_EPOCHS) if _distributions(rows) else CONFIG
+
+
+def _distributions(rows: list[dict]) -> bool:
+    """Whether any of ``rows`` carries a teacher's distribution as its target (not a label index)."""
+    return any(np.ndim(r.get("target", r["label"])) for r in rows)
 
 
 def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
@@ -190,8 +213,8 @@ def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
     for f in range(INNER_FOLDS):
         inside = [r for r in rows if fold_of[r["state"]] != f]
         scored += head_rows(_fitted(inside, seed, seeds), [r for r in rows if fold_of[r["state"]] == f])
-    # a head fitted to a teacher's most probable options is as sure as hard labels make it: its temperature must
-    # match the teacher's own confidence (the rows' distributions, from `onepass distill`), not those labels'
+    # judged against the teacher's distributions where the rows carry them (`onepass distill`), which the heads are
+    # fitted to as well: the temperature must match the teacher's own confidence, not its argmax's
     nll = [sum(target_nll(_log_softmax(np.asarray(r["scores"]) / t), r.get("target", r["label"])) for r in scored)
            for t in TEMPERATURES]
     return float(TEMPERATURES[int(np.argmin(nll))])

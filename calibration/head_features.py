@@ -29,6 +29,7 @@ class OptionFeatures:
     offsets: np.ndarray  # [Q+1]
     label: np.ndarray  # [Q] index of the correct option
     task: np.ndarray  # [Q] task names
+    soft: np.ndarray | None = None  # [O] a teacher's probability of each option (None: the labels are the targets)
 
     @property
     def num_questions(self) -> int:
@@ -51,16 +52,30 @@ class OptionFeatures:
         rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in keep]) if len(keep) else []
         sizes = np.diff(self.offsets)[keep]
         return OptionFeatures(self.hidden[rows], self.logprob[rows], self.length[rows],
-                              np.concatenate([[0], np.cumsum(sizes)]), self.label[keep], self.task[keep])
+                              np.concatenate([[0], np.cumsum(sizes)]), self.label[keep], self.task[keep],
+                              None if self.soft is None else self.soft[rows])
 
     def save(self, path) -> None:
         np.savez_compressed(path, hidden=self.hidden, logprob=self.logprob, length=self.length,
-                            offsets=self.offsets, label=self.label, task=self.task)
+                            offsets=self.offsets, label=self.label, task=self.task,
+                            **({} if self.soft is None else {"soft": self.soft}))
 
     @classmethod
     def load(cls, path) -> "OptionFeatures":
         z = np.load(path, allow_pickle=False)
-        return cls(z["hidden"], z["logprob"], z["length"], z["offsets"], z["label"], z["task"])
+        return cls(z["hidden"], z["logprob"], z["length"], z["offsets"], z["label"], z["task"],
+                   z["soft"] if "soft" in z else None)
+
+
+def distribution(target, k: int) -> np.ndarray:
+    """A target as a [k] distribution: a teacher's as it is, a label index one-hot."""
+    if np.ndim(target):
+        if len(target) != k:
+            raise ValueError(f"a teacher's distribution over {len(target)} options for a question of {k}")
+        return np.asarray(target, dtype=np.float64)
+    out = np.zeros(k)
+    out[int(target)] = 1.0
+    return out
 
 
 def last_readouts(batch, question: int = 0) -> list[int]:
@@ -83,7 +98,7 @@ def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures
     """Run every example through ``decoder`` (a PackedDecoder) and keep the option features."""
     dims = decoder.dims
     empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim) for _ in range(2 * dims.num_layers)]
-    hidden, logprob, length, sizes, label, task = [], [], [], [], [], []
+    hidden, logprob, length, sizes, label, task, soft = [], [], [], [], [], [], []
     t0 = time.perf_counter()
     for i, ex in enumerate(examples):
         batch, options, h, target = example_pass(decoder, encoder, ex, empty)
@@ -94,9 +109,11 @@ def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures
         sizes.append(len(options))
         label.append(ex.label)
         task.append(ex.task)
+        soft.append(distribution(getattr(ex, "target", ex.label), len(options)))  # tune rows may carry a teacher's
         if progress and (i + 1) % 100 == 0:
             rate = (i + 1) / (time.perf_counter() - t0)
             print(f"  features {i + 1}/{len(examples)} ({rate:.1f}/s)", file=sys.stderr, flush=True)
     return OptionFeatures(np.concatenate(hidden).astype(np.float32), np.concatenate(logprob).astype(np.float64),
                           np.concatenate(length).astype(np.float64), np.concatenate([[0], np.cumsum(sizes)]),
-                          np.array(label, dtype=np.int64), np.array(task, dtype=str))
+                          np.array(label, dtype=np.int64), np.array(task, dtype=str),
+                          np.concatenate(soft) if any(np.ndim(getattr(ex, "target", 0)) for ex in examples) else None)

@@ -28,6 +28,13 @@ def ranked_probability_score(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((p.cumsum(-1) - onehot.cumsum(-1)) ** 2)[..., :-1].sum(-1) / max(k - 1, 1)
 
 
+def cross_entropy(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The term beside RLCD: -log p of the label (``target`` a 0-d index) or the cross-entropy against a [K] teacher
+    distribution, for one question's [K] scores."""
+    logp = torch.log_softmax(scores, -1)
+    return -logp[target] if target.dim() == 0 else -(target.to(logp.dtype) * logp).sum()
+
+
 def rlcd_reward(p: torch.Tensor, y: torch.Tensor, ordinal: bool) -> torch.Tensor:
     """log p_y + spherical score (- RPS for ordinal questions)."""
     reward = torch.log(p.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)) + spherical_score(p, y)

@@ -31,7 +31,7 @@ from ..runtime.core.prompt import PromptEncoder
 from ..runtime.core.questions import Score
 from ..runtime.core.tree import pack
 from ..runtime.backends.batch import causal
-from .rlcd import rlcd_loss
+from .rlcd import cross_entropy, rlcd_loss
 from .tune_data import TuneRow
 
 class NothingLearned(OnepassError):
@@ -316,9 +316,7 @@ def _target(row: TuneRow, device) -> torch.Tensor:
 def question_loss(scores: torch.Tensor, row: TuneRow, config: TuneConfig, generator) -> torch.Tensor:
     """Cross-entropy (label or teacher distribution) plus the weighted RLCD term for one question."""
     target = _target(row, scores.device)
-    logp = torch.log_softmax(scores, -1)
-    ce = -logp[target] if target.dim() == 0 else -(target * logp).sum()
-    loss = config.ce_weight * ce
+    loss = config.ce_weight * cross_entropy(scores, target)
     if config.rlcd_weight:
         loss = loss + config.rlcd_weight * rlcd_loss(scores.cpu(), target.cpu(), config.group, config.sigma,
                                                      ordinal=isinstance(row.question, Score),
@@ -332,10 +330,8 @@ def evaluate(scorer: PackedScorer, chunks: list[Chunk]) -> dict:
     with torch.no_grad():
         for chunk in chunks:
             for s, row in zip(scorer.scores(chunk), chunk.rows):
-                logp = torch.log_softmax(s.double(), -1).cpu()
-                target = _target(row, "cpu")
-                nll += float(-logp[target] if target.dim() == 0 else -(target.double() * logp).sum())
-                hits += int(int(logp.argmax()) == row.label)
+                nll += float(cross_entropy(s.double().cpu(), _target(row, "cpu")))
+                hits += int(int(s.argmax()) == row.label)
                 n += 1
     return {"nll": nll / n, "accuracy": hits / n, "questions": n}
 

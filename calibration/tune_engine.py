@@ -241,8 +241,9 @@ def _write_head_engine(head, choice: dict, base_dir: Path, base, spec, adapters,
 
     head, calibration = head_candidate.served(head)
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
-            "config": {k: v for k, v in dataclasses.asdict(head_candidate.CONFIG).items() if k != "seed"},
-            "seeds": head_candidate.SEEDS, "temperature": head.temperature}  # config: of each head averaged
+            "config": {k: v for k, v in dataclasses.asdict(head.config).items() if k != "seed"},
+            "seeds": head_candidate.SEEDS, "temperature": head.temperature,  # config: of each head averaged
+            "targets": head.targets}
     head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
     write_head_engine(base_dir, base, spec, adapters, out, name, head.head, head_info, calibration)
 
@@ -310,7 +311,7 @@ def _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, he
     feats_train, feats_held = extract(decoder, encoder, train, False), extract(decoder, encoder, held, False)
     head_config = hd.HeadConfig(width=16, rlcd_weight=config.rlcd_weight, lr=1e-3, seed=config.seed)
     model, history = hd.train(feats_train, feats_held, head_config, log=log)
-    before = hd.mean_nll(feats_held.zero_shot_probabilities(), feats_held.label)
+    before = hd.heldout_nll(feats_held.zero_shot_probabilities(), feats_held)
     after = min((h["val_nll"] for h in history), default=before)
     if after >= before - 1e-4:
         message = (f"the decision head never improved on the zero-shot read-out: held-out NLL {before:.4f} before, "
@@ -320,7 +321,8 @@ def _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, he
                                  "--keep-base to write it anyway")
         log(f"warning: {message} (--keep-base)")
     info = {"method": "tune --method head", "data": files, "rows": len(train), "holdout_rows": len(held),
-            "config": dataclasses.asdict(head_config), "heldout_nll_before": before,
+            "config": dataclasses.asdict(head_config), "targets": hd.targets_of(feats_train),
+            "heldout_nll_before": before,
             "heldout_nll_after": after}
     head_info = mf.HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)
     write_head_engine(base_dir, base, spec, adapters, out, name or f"{base.name}-head", model.head, head_info)

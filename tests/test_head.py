@@ -147,6 +147,16 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
                            Choice("Which answer is correct?", ["hardware", "software"]), 1)]
     feats = extract(PackedDecoder(hf_model).eval(), engine.encoder, examples, progress=False)
     want = hd.probabilities(model, feats)
+    # tune rows carrying a teacher's distribution (`onepass distill`, `tune --method head`) give the head that
+    # distribution as its target; labelled examples give none (the labels are the targets)
+    from onepass.calibration.tune_data import TuneRow
+
+    taught = extract(PackedDecoder(hf_model).eval(), engine.encoder,
+                     [TuneRow(ex.state, ex.question, tuple(map(float, p)), "t") for ex, p in zip(examples, want)],
+                     progress=False)
+    assert feats.soft is None and hd.targets_of(taught) == "the teacher's distributions"
+    np.testing.assert_allclose(taught.soft, np.concatenate(want))
+    assert list(taught.label) == [int(np.argmax(p)) for p in want]
     for ex, p in zip(examples, want):
         got = engine.ask(ex.state, {"q": ex.question})["q"]
         np.testing.assert_allclose([got.probabilities[n] for n in ex.question.criteria], p, atol=1e-4)

@@ -655,19 +655,65 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
 
 
 def test_a_heads_temperature_matches_a_teachers_confidence_not_its_argmax():
-    """Rows of `onepass distill` carry the teacher's distribution: the head is fitted to its most probable options,
-    and its temperature is chosen by the cross-entropy against the distribution (what tune judges candidates by), so
-    an unsure teacher (0.6 / 0.4) asks for a much softer head than its argmax labels do. Control: integer targets
-    choose exactly what the labels alone choose."""
+    """Rows of `onepass distill` carry the teacher's distribution: the head's temperature is chosen by the
+    cross-entropy against it (what tune judges candidates by), so with heads fitted to the same argmax labels, an
+    unsure teacher (0.6 / 0.4) asks for a much softer head than sure labels do (the heads are fitted to the
+    distributions too, which the next test proves; here they are fitted to the labels, to isolate the temperature).
+    Control: one-hot distributions choose exactly what their label indices choose."""
+    import unittest.mock
+
     from onepass.calibration import head_candidate
 
     rng = np.random.default_rng(4)
     labels = np.arange(60) % 2
     rows = _with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels), 3.0, rng)
-    sure = head_candidate.temperature(rows)
-    assert head_candidate.temperature([{**r, "target": int(r["label"])} for r in rows]) == sure
+    one_hot = [{**r, "target": (1.0, 0.0) if r["label"] == 0 else (0.0, 1.0)} for r in rows]
     unsure = [{**r, "target": (0.6, 0.4) if r["label"] == 0 else (0.4, 0.6)} for r in rows]
-    assert head_candidate.temperature(unsure) > 2 * sure, (head_candidate.temperature(unsure), sure)
+    with unittest.mock.patch.object(head_candidate, "_distributions", lambda rows: False):  # fitted to the labels
+        sure = head_candidate.temperature(rows)
+        assert head_candidate.temperature(one_hot) == sure
+        assert head_candidate.temperature(unsure) > 2 * sure, (head_candidate.temperature(unsure), sure)
+
+
+def test_a_student_head_learns_the_teachers_distribution_not_only_its_most_probable_option():
+    """`onepass distill`'s rows carry the teacher's distribution: a head fitted on it (240 rows, 3 options, a teacher
+    whose scores are a function of the options' hidden states) matches the teacher on 400 other rows better than the
+    head fitted on its most probable options for as many epochs: lower cross-entropy against its distribution, more
+    argmaxes agreed. Control: one-hot distributions fit the same head as the label indices they spell (the soft loss
+    is the labels' cross-entropy where the teacher is sure)."""
+    import unittest.mock
+
+    from onepass.calibration import head_candidate as hc
+    from onepass.calibration.candidates import target_nll
+
+    rng = np.random.default_rng(1)
+
+    def rows(n):
+        out = []
+        for i in range(n):
+            hidden = rng.normal(0, 1, (3, 16)).astype(np.float32)
+            logits = 2.0 * hidden[:, 0] + 1.0 * hidden[:, 1]
+            p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            out.append({**_scored([rng.normal(0, 0.1, 3)], [int(np.argmax(p))], "choice")[0], "target": tuple(p),
+                        "features": (hidden, rng.normal(0, 0.1, 3)), "state": i})
+        return out
+
+    def against_teacher(model, rows):
+        scored = hc.head_rows(model, rows)
+        agree = np.mean([np.argmax(r["scores"]) == np.argmax(r["target"]) for r in scored])
+        return agree, np.mean([target_nll(hc._log_softmax(np.asarray(r["scores"])), r["target"]) for r in scored])
+
+    train, test = rows(240), rows(400)
+    argmax_rows = [{**r, "target": r["label"]} for r in train]
+    one_hot = [{**r, "target": tuple(float(k == r["label"]) for k in range(3))} for r in train]
+    with unittest.mock.patch.object(hc, "DISTRIBUTION_EPOCHS", hc.CONFIG.epochs):  # the loss is all that differs
+        soft, hard, spelt = (hc.fit(r, seeds=1) for r in (train, argmax_rows, one_hot))
+    assert (soft.targets, hard.targets, spelt.targets) == ("the teacher's distributions", "labels",
+                                                           "the teacher's distributions")
+    (soft_agree, soft_ce), (hard_agree, hard_ce) = against_teacher(soft, test), against_teacher(hard, test)
+    assert soft_ce < hard_ce - 0.05 and soft_agree > hard_agree, (soft_agree, soft_ce, hard_agree, hard_ce)
+    np.testing.assert_allclose([r["scores"] for r in hc.head_rows(spelt, test)],
+                               [r["scores"] for r in hc.head_rows(hard, test)], rtol=1e-4, atol=1e-4)
 
 
 def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_exactly():
