@@ -100,7 +100,7 @@ def option_features(rows: list[dict]) -> OptionFeatures:
 
 
 # Fitted to a teacher's distributions (`onepass distill`), a head trains longer: the distribution is a target it
-# cannot overfit as it does a few dozen labels, and 200 epochs agreed more with the teacher than 60 on 300 unseen
+# cannot overfit as it does a few hundred labels, and 200 epochs agreed more with the teacher than 60 on 300 unseen
 # states of each of the four distillation tasks (+1.0 to +2.0 points; benchmarks/results/distill_heads.md).
 DISTRIBUTION_EPOCHS = 200
 
