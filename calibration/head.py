@@ -86,11 +86,6 @@ def heldout_nll(probs: list[np.ndarray], feats: OptionFeatures) -> float:
                           for i, p in enumerate(probs)]))
 
 
-def mean_nll(probs: list[np.ndarray], labels: np.ndarray) -> float:
-    """Mean negative log-likelihood of the labels."""
-    return float(-np.mean([np.log(max(p[y], 1e-12)) for p, y in zip(probs, labels)]))
-
-
 def train(train: OptionFeatures, val: OptionFeatures | None, config: HeadConfig = HeadConfig(), log=None,
           on_epoch=None) -> tuple:
     """Fit a HeadModel on the labels, or on the teacher's distributions where ``train`` carries them (``soft``);
@@ -163,7 +158,7 @@ def cross_validate(feats: OptionFeatures, config: HeadConfig, folds: int = 5, se
 
         def record(m, va=va, curve=curve, acc=acc):
             probs = probabilities(m, va)
-            curve.append(mean_nll(probs, va.label))
+            curve.append(heldout_nll(probs, va))
             acc.append(float(np.mean([p.argmax() == y for p, y in zip(probs, va.label)])))
         model, _ = train(tr, None, fold_cfg, on_epoch=record)
         curves.append(curve)

@@ -126,9 +126,9 @@ def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
 def _fitted(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
     """The prior fitted on ``rows``, and the merged heads of ``seeds`` seeds fitted over it (untempered)."""
     prior = fit_prior(rows)
-    model = _averaged(with_prior(rows, prior), seed, seeds)
-    model.prior, model.config = prior, config_for(rows)
-    model.targets = hd.targets_of(option_features(rows))
+    features, config = option_features(with_prior(rows, prior)), config_for(rows)  # once for every seed
+    model = merged([_train(features, config, seed + k) for k in range(seeds)])
+    model.prior, model.config, model.targets = prior, config, hd.targets_of(features)
     return model
 
 
@@ -175,13 +175,9 @@ def merged(heads: list[hd.HeadModel]) -> hd.HeadModel:
     return model.eval()
 
 
-def _averaged(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
-    """The heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows``, merged (untempered)."""
-    return merged([_train(rows, seed + k) for k in range(seeds)])
-
-
-def _train(rows: list[dict], seed: int) -> hd.HeadModel:
-    model, _ = hd.train(option_features(rows), None, dataclasses.replace(config_for(rows), seed=seed))
+def _train(features: OptionFeatures, config: hd.HeadConfig, seed: int) -> hd.HeadModel:
+    """One head fitted on ``features`` with ``config`` and ``seed`` (untempered)."""
+    model, _ = hd.train(features, None, dataclasses.replace(config, seed=seed))
     return model.eval()
 
 

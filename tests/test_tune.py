@@ -639,13 +639,13 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     assert head_candidate.temperature(noise[0]) > 1.0
     import copy
 
-    raw = head_candidate._train(noise[0], 0)
+    raw = head_candidate._train(head_candidate.option_features(noise[0]), head_candidate.CONFIG, 0)
     halved = head_candidate.tempered(copy.deepcopy(raw), 2.0)
     np.testing.assert_allclose([r["scores"] for r in head_candidate.head_rows(halved, noise[1])],
                                [np.asarray(r["scores"]) / 2 for r in head_candidate.head_rows(raw, noise[1])],
                                rtol=1e-6, atol=1e-7)
     # the heads of several seeds are merged into one that scores their mean exactly (what the engine computes)
-    members = [head_candidate._train(train, s) for s in range(3)]
+    members = [head_candidate._train(head_candidate.option_features(train), head_candidate.CONFIG, s) for s in range(3)]
     mean = np.mean([[r["scores"] for r in head_candidate.head_rows(m, held)] for m in members], axis=0)
     one = head_candidate.merged(members)
     assert one.head.width == 3 * members[0].head.width
