@@ -25,7 +25,7 @@ import numpy as np
 
 from ..runtime.core.errors import OnepassError
 from . import head_candidate
-from .candidates import Candidate, calibrated, candidates, choose, scored_rows
+from .candidates import Candidate, calibrated, candidates, choose, kept_within_noise, scored_rows
 from .tune import Progress, Trainer
 
 CV_BELOW_ROWS = 100  # fewer rows than this: a cross-validated choice instead of one held-out split
@@ -52,8 +52,10 @@ class Outcome:
 
     def candidates_line(self) -> str:
         """The candidates' NLL and accuracy and the one chosen, in one line (what tune logs)."""
+        note = kept_within_noise(self.found, self.chosen)
         return (f"{self.judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}"
-                                                           for c in self.found) + f" -> {self.chosen.name}")
+                                                           for c in self.found) + f" -> {self.chosen.name}"
+                + (f" ({note})" if note else ""))
 
 
 def check_cv_states(groups: list, instead: str = "") -> None:

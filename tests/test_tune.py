@@ -506,6 +506,80 @@ def test_tune_keeps_the_candidate_with_the_lowest_heldout_nll_and_ties_go_to_the
     flat = np.zeros((80, 2))  # nothing to learn or calibrate, a tuned engine that guesses: the base stays best
     assert choose(candidates([(*rows(flat), *rows(rng.normal(0, 2.0, (80, 2))))], "mean")).name == "base"
     assert choose(found, "tuned").name == "tuned"  # --write tuned (make train-default): the tuned weights regardless
+    assert all(len(c.losses) == 20 and np.isclose(np.mean(c.losses), c.nll) for c in found)  # per held-out row
+
+
+def test_the_head_is_kept_unless_an_untuned_candidate_is_clearly_better_on_the_same_rows():
+    """The head replaces base + calibrate when their held-out NLLs differ by less than the noise of the difference
+    (``HEAD_Z`` standard errors of the per-row difference, paired), even where base + calibrate's is a little lower.
+    Controls: the same mean difference measured without noise (every row a little worse) is clear, and base +
+    calibrate stays; so does the zero-shot base where it is the clearly better one; a tuned candidate must still beat
+    every earlier one (base + calibrate too, not only the head) by ``TIE``; rows of one state count as one sample."""
+    from onepass.calibration.candidates import HEAD_Z, TIE, Candidate, choose, clearly_better, kept_within_noise
+
+    rng = np.random.default_rng(0)
+    cal = rng.exponential(0.7, 50)
+
+    def pair(head_losses, base=None, states=()):
+        head_losses = np.asarray(head_losses)
+        d = head_losses - cal
+        base = np.full(50, 1.0) if base is None else base
+        return ([Candidate("base", None, base.mean(), 0.5, tuple(base), states),
+                 Candidate("base+calibrate", None, cal.mean(), 0.5, tuple(cal), states),
+                 Candidate("head", None, head_losses.mean(), 0.6, tuple(head_losses), states)],
+                d.mean() / (d.std(ddof=1) / np.sqrt(len(d))))
+
+    noisy, z = pair(cal + 0.03 + rng.normal(0, 0.3, 50))
+    assert noisy[2].nll > noisy[1].nll + TIE and 0 < z < HEAD_Z, z  # base + calibrate lower, within the noise
+    assert choose(noisy).name == "head" and not clearly_better(noisy[1], noisy[2])
+    assert f"base+calibrate's NLL is lower by {noisy[2].nll - noisy[1].nll:.4f}, {z:.2f} standard errors" in \
+        kept_within_noise(noisy, noisy[2])  # what tune's log and report say
+    steady, z = pair(cal + noisy[2].nll - noisy[1].nll + rng.normal(0, 0.005, 50))  # the same mean, every row
+    assert z > HEAD_Z and choose(steady).name == "base+calibrate", z
+    assert kept_within_noise(steady, steady[1]) == ""
+    exact, _ = pair(cal + 0.01)  # no spread at all: any difference beyond the tie is clear
+    assert choose(exact).name == "base+calibrate"
+    tiny, _ = pair(cal + TIE / 2 + rng.normal(0, 1e-5, 50))  # many standard errors, but within the tie
+    assert choose(tiny).name == "head" and "within the tie" in kept_within_noise(tiny, tiny[2])
+    zero_shot, _ = pair(cal + 0.03 + rng.normal(0, 0.3, 50), base=cal - 0.2)  # the base clearly better than both
+    assert choose(zero_shot).name == "base"
+    # a tuned candidate must beat base + calibrate by TIE, not only the head kept above it
+    assert choose(noisy + [Candidate("tuned", None, noisy[1].nll - 2 * TIE, 0.6)]).name == "tuned"
+    assert choose(noisy + [Candidate("tuned", None, noisy[2].nll - 2 * TIE, 0.6)]).name == "head"
+    # ten states of five rows each, the difference shared within a state: ten samples, not fifty
+    shared = np.repeat(rng.normal(0, 0.3, 10), 5)
+    rows, z_rows = pair(cal + 0.1 + shared)
+    grouped, _ = pair(cal + 0.1 + shared, states=tuple(np.repeat(np.arange(10), 5)))
+    assert z_rows > HEAD_Z and choose(rows).name == "base+calibrate", z_rows  # counted as 50 rows: "clear"
+    assert choose(grouped).name == "head"  # as 10 states: within the noise
+
+
+def test_the_candidates_per_row_losses_line_up_across_folds():
+    """Cross-validated candidates carry one loss per held-out row in the same order for every candidate (the fold
+    order), so a paired difference compares a row with itself. The head's rows here lose exactly a known amount
+    per row against the base's."""
+    from onepass.calibration.candidates import candidates
+
+    rng = np.random.default_rng(1)
+    folds, heads, expected = [], [], []
+    for f in range(3):
+        labels = rng.integers(0, 2, 12)
+        train, held = (_scored(rng.normal(0, 1, (12, 2)), labels) for _ in range(2))
+        held = [{**r, "state": (f, i)} for i, r in enumerate(held)]
+        shift = rng.uniform(0, 2, 12)
+        worse = [{**r, "scores": [v - shift[i] if k == r["label"] else v for k, v in enumerate(r["scores"])]}
+                 for i, r in enumerate(held)]  # the label's logit lowered
+        folds.append((train, held, None, None))
+        heads.append((train, worse))
+        expected += [(r, w) for r, w in zip(held, worse)]
+    by = {c.name: c for c in candidates(folds, "mean", heads)}
+    from onepass.calibration.candidates import row_losses
+
+    base_losses = [row_losses([r], None)[0][0] for r, _ in expected]
+    head_losses = [row_losses([w], None)[0][0] for _, w in expected]
+    assert np.allclose(by["base"].losses, base_losses) and np.allclose(by["head"].losses, head_losses)
+    assert np.all(np.asarray(by["head"].losses) > np.asarray(by["base"].losses))  # row by row
+    assert by["head"].states == tuple((f, i) for f in range(3) for i in range(12))
 
 
 def test_cross_validation_folds_keep_each_state_whole_and_none_is_empty():
