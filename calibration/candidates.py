@@ -172,7 +172,7 @@ def _paired(a: Candidate, b: Candidate) -> tuple[float, float]:
     """(mean per-row loss of ``b`` minus ``a``'s, its standard error): both judged on the same rows in the same
     order; the rows of one state are summed before their spread is taken (they are not independent)."""
     d = np.asarray(b.losses) - np.asarray(a.losses)
-    keys = a.states if len(a.states) == len(d) and None not in a.states else range(len(d))
+    keys = a.states if a.states == b.states and len(a.states) == len(d) and None not in a.states else range(len(d))
     index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     per_state = np.bincount([index[k] for k in keys], weights=d - d.mean())
     n = len(per_state)
@@ -182,11 +182,12 @@ def _paired(a: Candidate, b: Candidate) -> tuple[float, float]:
 
 def clearly_better(a: Candidate, b: Candidate) -> bool:
     """Whether ``a``'s held-out NLL is lower than ``b``'s by more than ``TIE`` and by more than ``HEAD_Z`` standard
-    errors of the difference (:func:`_paired`; without per-row losses on the same rows, by ``TIE`` alone)."""
+    errors of the difference (:func:`_paired`; without per-row losses on the same rows, or with one state, by ``TIE``
+    alone)."""
     if len(a.losses) != len(b.losses) or len(a.losses) < 2:
         return a.nll < b.nll - TIE
     mean, se = _paired(a, b)
-    return mean > max(TIE, HEAD_Z * se)
+    return mean > max(TIE, HEAD_Z * se) if np.isfinite(se) else a.nll < b.nll - TIE  # one state: no spread to judge
 
 
 def kept_within_noise(found: list[Candidate], chosen: Candidate) -> str:
@@ -199,7 +200,7 @@ def kept_within_noise(found: list[Candidate], chosen: Candidate) -> str:
     if len(c.losses) != len(chosen.losses) or len(c.losses) < 2:
         return f"the head kept: {c.name}'s NLL is lower by {chosen.nll - c.nll:.4f}, within the tie of {TIE:g}"
     mean, se = _paired(c, chosen)
-    if mean <= TIE:
+    if mean <= TIE or not np.isfinite(se):
         return f"the head kept: {c.name}'s NLL is lower by {mean:.4f}, within the tie of {TIE:g}"
     return (f"the head kept: {c.name}'s NLL is lower by {mean:.4f}, {mean / se:.2f} standard errors of the per-row "
             f"difference (more than {HEAD_Z:g} replaces the head)")

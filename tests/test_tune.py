@@ -579,7 +579,7 @@ def test_the_candidates_per_row_losses_line_up_across_folds():
     head_losses = [row_losses([w], None)[0][0] for _, w in expected]
     assert np.allclose(by["base"].losses, base_losses) and np.allclose(by["head"].losses, head_losses)
     assert np.all(np.asarray(by["head"].losses) > np.asarray(by["base"].losses))  # row by row
-    assert by["head"].states == tuple((f, i) for f in range(3) for i in range(12))
+    assert by["head"].states == by["base"].states == tuple((f, i) for f in range(3) for i in range(12))
 
 
 def test_cross_validation_folds_keep_each_state_whole_and_none_is_empty():
