@@ -155,14 +155,14 @@ def choose(found: list[Candidate], write: str = "best") -> Candidate:
         return next(c for c in found if c.name == "tuned")
     best = found[0]
     for i, c in enumerate(found[1:], 1):
-        if _replaces(c, best, found[:i]):
+        if _replaces(c, found[:i]):
             best = c
     return best
 
 
-def _replaces(c: Candidate, best: Candidate, earlier: list[Candidate]) -> bool:
-    """Whether ``c`` replaces ``best``, the choice among ``earlier``: the head unless an untuned candidate is clearly
-    better, any other by a lower NLL than every earlier one's, by more than ``TIE``."""
+def _replaces(c: Candidate, earlier: list[Candidate]) -> bool:
+    """Whether ``c`` replaces the choice among ``earlier``: the head unless an untuned candidate is clearly better,
+    any other by a lower NLL than every earlier one's, by more than ``TIE``."""
     if c.name == "head":
         return not any(clearly_better(u, c) for u in earlier if u.name in UNTUNED)
     return c.nll < min(u.nll for u in earlier) - TIE
