@@ -35,7 +35,7 @@ import tune_eval as te  # noqa: E402
 import numpy as np  # noqa: E402
 
 from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import RULE, candidates, choose  # noqa: E402
+from onepass.calibration.candidates import RULE  # noqa: E402
 from onepass.calibration.mixture import write_jsonl  # noqa: E402
 from onepass.calibration.tune_data import load_rows  # noqa: E402
 
@@ -109,22 +109,6 @@ def _augmented(rows: list[dict], variants: dict[int, list[dict]]) -> list[dict]:
     return rows + [v for r in rows for v in variants[int(r["state"][2:])]]
 
 
-def _choice(train: list[dict], variants, folds: int, seed: int) -> tuple[dict, dict]:
-    """tune's cross-validated choice where the head of each fold is fitted on its rows and their other orders."""
-    from onepass.calibration.tune_choice import state_folds
-
-    fold_of = state_folds([hcf._Chunk(r["state"]) for r in train], folds, seed)
-    sets, heads = [], []
-    for f in range(folds):
-        inside = [r for r, k in zip(train, fold_of) if k != f]
-        outside = [r for r, k in zip(train, fold_of) if k == f]
-        sets.append((inside, outside, None, None))
-        model = hc.fit(_augmented(inside, variants), seed)
-        heads.append((hc.head_rows(model, inside), hc.head_rows(model, outside)))
-    found = candidates(sets, "mean", heads)
-    return {"now": choose(found).name}, {c.name: {"nll": c.nll, "accuracy": c.accuracy} for c in found}
-
-
 def write_md(results: dict) -> None:
     """benchmarks/results/head_augment.md from ``results``."""
     lines = [f"# The head fitted with its rows' options in other orders, 50 rows ({results['machine']['when']})", "",
@@ -169,8 +153,8 @@ def main(argv=None) -> int:
                 started = time.perf_counter()
                 judged = hs._judged(hc.head_rows(hc.fit(rows, seed), test))
                 seconds = time.perf_counter() - started
-                chosen, found = (hcf._choice(train, args.folds, seed) if fit == "head"
-                                 else _choice(train, variants, args.folds, seed))
+                chosen, found = hcf._choice(train, args.folds, seed, (lambda inside: inside) if fit == "head"
+                                            else (lambda inside: _augmented(inside, variants)))
                 chosen = chosen["now"]
                 draw["fits"][fit] = {"test": judged, "seconds": seconds, "chosen": chosen, "candidates": found,
                                      "chosen_test": judged if chosen == "head" else

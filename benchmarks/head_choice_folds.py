@@ -33,7 +33,7 @@ import tune_eval as te  # noqa: E402
 import numpy as np  # noqa: E402
 
 from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import HEAD_Z, RULE, TIE, _paired, candidates, choose  # noqa: E402
+from onepass.calibration.candidates import HEAD_Z, RULE, TIE, candidates, choose, paired_difference  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 POOL = 250  # training rows the draws are sampled from
@@ -58,9 +58,10 @@ def lowest_nll(found: list) -> str:
     return best.name
 
 
-def _choice(train: list[dict], folds: int, seed: int) -> tuple[dict, dict]:
+def _choice(train: list[dict], folds: int, seed: int, head_rows=lambda inside: inside) -> tuple[dict, dict]:
     """tune's cross-validated choice over ``folds`` folds of whole states: (the candidate each rule chooses, every
-    candidate's cross-validated NLL and accuracy, and the paired standard error of head - base+calibrate)."""
+    candidate's cross-validated NLL and accuracy, and the paired standard error of head - base+calibrate); each
+    fold's head is fitted on ``head_rows`` of its training rows (``head_augment``: with their other option orders)."""
     from onepass.calibration.tune_choice import state_folds
 
     fold_of = state_folds([_Chunk(r["state"]) for r in train], folds, seed)
@@ -69,11 +70,12 @@ def _choice(train: list[dict], folds: int, seed: int) -> tuple[dict, dict]:
         inside = [r for r, k in zip(train, fold_of) if k != f]
         outside = [r for r, k in zip(train, fold_of) if k == f]
         sets.append((inside, outside, None, None))
-        model = hc.fit(inside, seed)
+        model = hc.fit(head_rows(inside), seed)
         heads.append((hc.head_rows(model, inside), hc.head_rows(model, outside)))
     found = candidates(sets, "mean", heads)
     by = {c.name: c for c in found}
-    mean, se = _paired(by["head"], by["base+calibrate"]) if "base+calibrate" in by else (float("nan"), float("nan"))
+    mean, se = (paired_difference(by["head"], by["base+calibrate"]) if "base+calibrate" in by
+                else (float("nan"), float("nan")))
     return ({"lowest NLL": lowest_nll(found), "now": choose(found).name},
             {**{c.name: {"nll": c.nll, "accuracy": c.accuracy} for c in found},
              "difference": {"mean": -mean, "se": se}})  # head - (base + calibrate)
@@ -112,8 +114,8 @@ def write_md(results: dict) -> None:
              f"({results['machine']['when']})", "",
              f"`benchmarks/head_choice_folds.py`: per data set, {results['draws']} draws of {ROWS} training rows "
              f"(from a pool of {POOL}, seeds 0..{results['draws'] - 1}), each judged on the same 300 test rows of "
-             "other states. For each fold count, tune's own cross-validated choice among base, base + calibrate and the "
-             "decision head, by each rule (lowest NLL: a dearer candidate must win by more than 1e-3, the rule "
+             "other states. For each fold count, tune's own cross-validated choice among base, base + calibrate and "
+             "the decision head, by each rule (lowest NLL: a dearer candidate must win by more than 1e-3, the rule "
              f"before; now: the head kept unless an untuned candidate is lower by more than {HEAD_Z:g} standard errors "
              "of the per-row difference), then the chosen fit, fitted on the 50 rows, on the test rows. Mean over "
              f"the draws; head chosen and below calibrate: draws of {results['draws']}; choice s: the choice's head "

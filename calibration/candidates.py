@@ -168,9 +168,13 @@ def _replaces(c: Candidate, earlier: list[Candidate]) -> bool:
     return c.nll < min(u.nll for u in earlier) - TIE
 
 
-def _paired(a: Candidate, b: Candidate) -> tuple[float, float]:
-    """(mean per-row loss of ``b`` minus ``a``'s, its standard error): both judged on the same rows in the same
-    order; the rows of one state are summed before their spread is taken (they are not independent)."""
+def paired_difference(a: Candidate, b: Candidate) -> tuple[float, float]:
+    """(how much lower ``a``'s held-out NLL is than ``b``'s, the standard error of that): the mean per-row loss of
+    ``b`` minus ``a``'s, both judged on the same rows in the same order, the rows of one state summed before their
+    spread is taken (they are not independent); the error is infinite where it cannot be taken (no per-row losses on
+    the same rows, or one state), and only the tie then judges."""
+    if len(a.losses) != len(b.losses) or len(a.losses) < 2:
+        return b.nll - a.nll, np.inf
     d = np.asarray(b.losses) - np.asarray(a.losses)
     keys = a.states if a.states == b.states and len(a.states) == len(d) and None not in a.states else range(len(d))
     index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
@@ -182,12 +186,9 @@ def _paired(a: Candidate, b: Candidate) -> tuple[float, float]:
 
 def clearly_better(a: Candidate, b: Candidate) -> bool:
     """Whether ``a``'s held-out NLL is lower than ``b``'s by more than ``TIE`` and by more than ``HEAD_Z`` standard
-    errors of the difference (:func:`_paired`; without per-row losses on the same rows, or with one state, by ``TIE``
-    alone)."""
-    if len(a.losses) != len(b.losses) or len(a.losses) < 2:
-        return a.nll < b.nll - TIE
-    mean, se = _paired(a, b)
-    return mean > max(TIE, HEAD_Z * se) if np.isfinite(se) else a.nll < b.nll - TIE  # one state: no spread to judge
+    errors of the difference (:func:`paired_difference`; where no error can be taken, by ``TIE`` alone)."""
+    mean, se = paired_difference(a, b)
+    return mean > TIE and (mean > HEAD_Z * se or not np.isfinite(se))
 
 
 def kept_within_noise(found: list[Candidate], chosen: Candidate) -> str:
@@ -197,9 +198,7 @@ def kept_within_noise(found: list[Candidate], chosen: Candidate) -> str:
     if chosen.name != "head" or not lower:
         return ""
     c = min(lower, key=lambda c: c.nll)
-    if len(c.losses) != len(chosen.losses) or len(c.losses) < 2:
-        return f"the head kept: {c.name}'s NLL is lower by {chosen.nll - c.nll:.4f}, within the tie of {TIE:g}"
-    mean, se = _paired(c, chosen)
+    mean, se = paired_difference(c, chosen)
     if mean <= TIE or not np.isfinite(se):
         return f"the head kept: {c.name}'s NLL is lower by {mean:.4f}, within the tie of {TIE:g}"
     return (f"the head kept: {c.name}'s NLL is lower by {mean:.4f}, {mean / se:.2f} standard errors of the per-row "

@@ -50,12 +50,16 @@ class Outcome:
         """How the candidates were judged, as the reports say it."""
         return f"cross-validated ({self.folds} folds)" if self.folds else "held-out"
 
+    @property
+    def why(self) -> str:
+        """Why a head was chosen over an untuned candidate of lower NLL ("" where it was not)."""
+        return kept_within_noise(self.found, self.chosen)
+
     def candidates_line(self) -> str:
         """The candidates' NLL and accuracy and the one chosen, in one line (what tune logs)."""
-        note = kept_within_noise(self.found, self.chosen)
         return (f"{self.judged} candidates: " + "; ".join(f"{c.name} NLL {c.nll:.4f} accuracy {c.accuracy:.3f}"
                                                            for c in self.found) + f" -> {self.chosen.name}"
-                + (f" ({note})" if note else ""))
+                + (f" ({self.why})" if self.why else ""))
 
 
 def check_cv_states(groups: list, instead: str = "") -> None:

@@ -24,7 +24,7 @@ from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
-from .candidates import RULE, TIE, kept_within_noise
+from .candidates import RULE, TIE
 from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
@@ -174,7 +174,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         log(f"warning: {message}; the engine written " + ("is the tuned one (--keep-base)" if chosen.name == "tuned"
                                                             else "is the base engine's weights (--keep-base)"))
     choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
-              "rule": RULE, **({"why": why} if (why := kept_within_noise(found, chosen)) else {})}
+              "rule": RULE, **({"why": outcome.why} if outcome.why else {})}
     history = progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
