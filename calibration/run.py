@@ -163,21 +163,26 @@ def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, se
     return report
 
 
-def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
-    """Every row predicted by a calibration fitted without it (seeded K folds): per-dataset metrics on all rows."""
+def cross_fitted_probabilities(scored: list[dict], folds: int = 5, seed: int = 0) -> list[np.ndarray]:
+    """Every row's probabilities [K] under a calibration fitted without it (seeded K folds; K may vary by row)."""
     order = np.random.default_rng(seed).permutation(len(scored))
     cal_of = {}
     for f in range(folds):
         held = set(order[f::folds].tolist())
         cal = fit([r for i, r in enumerate(scored) if i not in held], "mean")
         cal_of.update({i: cal for i in held})
+    return [probabilities([r], cal_of[i])[0][0] for i, r in enumerate(scored)]
+
+
+def cross_fitted(scored: list[dict], folds: int = 5, seed: int = 0) -> dict:
+    """Every row predicted by a calibration fitted without it (seeded K folds): per-dataset metrics on all rows."""
+    every = cross_fitted_probabilities(scored, folds, seed)
     out = {}
     for name in sorted({r["dataset"] for r in scored}):
         idx = [i for i, r in enumerate(scored) if r["dataset"] == name]
-        rows = [probabilities([scored[i]], cal_of[i])[0][0] for i in idx]  # [K] each; K may vary within a set
-        probs = np.zeros((len(rows), max(len(p) for p in rows)))
-        for j, p in enumerate(rows):
-            probs[j, :len(p)] = p
+        probs = np.zeros((len(idx), max(len(every[i]) for i in idx)))
+        for j, i in enumerate(idx):
+            probs[j, :len(every[i])] = every[i]
         labels = np.array([scored[i]["label"] for i in idx])
         out[name] = {"rows": len(idx), **metrics.summary(probs, labels), "ece_floor": metrics.ece_floor(probs)}
     return out
