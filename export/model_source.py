@@ -104,9 +104,10 @@ def load_model(spec: str | os.PathLike | None = None, adapters=()) -> LoadedMode
     LoRA ``adapters`` (folders, see :mod:`onepass.export.adapter`) merged into it in order."""
     loaded = _load_base(spec)
     if adapters:
-        from .adapter import merge, provenance
+        from .adapter import check_stack, merge, provenance
 
-        for adapter in adapters:
+        for i, adapter in enumerate(adapters):
+            check_stack(adapter, adapters[:i])
             loaded.model = merge(loaded.model, adapter, loaded.source.get("sha256")).eval()
         loaded.source["adapters"] = [provenance(a) for a in adapters]
     return loaded

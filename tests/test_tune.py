@@ -188,6 +188,56 @@ def test_default_engine_records_its_adapter_and_tuning(engine):
     assert engine.manifest.prompt == prompt_of(DEFAULT_ADAPTER)
 
 
+def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_path):
+    """An adapter tuned from an engine that already carried adapters (the default engine carries the shipped one) is
+    a correction of those weights: its card names them by sha256, `onepass export --adapter` merges them first, and
+    a stack of other adapters is refused."""
+    from onepass.export.adapter import CARD, CONFIG, DEFAULT_ADAPTER, WEIGHTS, card, check_stack, resolve
+    from onepass.runtime.core.errors import ModelSourceError
+    from onepass.runtime.core.manifest import sha256_file
+
+    def adapter(name: str, weights: bytes, on=(), recorded_path=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / WEIGHTS).write_bytes(weights)
+        (folder / CONFIG).write_text("{}")
+        tuning = {"adapters": [{"path": recorded_path or str(a), "sha256": sha256_file(a / WEIGHTS)} for a in on]}
+        (folder / CARD).write_text(json.dumps({"tuning": tuning}))
+        return folder
+
+    first, other = adapter("first", b"first"), adapter("other", b"other")
+    second = adapter("second", b"second", on=[first])
+    assert resolve(str(second), None) == [first, second] and resolve(str(first), None) == [first]
+    check_stack(first, [])
+    check_stack(second, [first])
+    for below in ([], [other], [first, other], [other, first]):
+        with pytest.raises(ModelSourceError, match="was trained on top of"):
+            check_stack(second, below)
+    with pytest.raises(ModelSourceError, match="no adapter"):
+        check_stack(first, [other])
+    # tuned from the default engine elsewhere: the shipped adapter is found where this installation keeps it
+    tuned = adapter("tuned", b"tuned", on=[DEFAULT_ADAPTER], recorded_path="/elsewhere/adapters/smollm2")
+    assert resolve(str(tuned), None) == [DEFAULT_ADAPTER, tuned]
+    (first / WEIGHTS).write_bytes(b"changed")  # the adapter below is not the one trained on any more
+    with pytest.raises(ModelSourceError, match="not there or has changed"):
+        resolve(str(second), None)
+    # the shipped compact-form adapter (issue 46) goes on top of the default one, asks in the compact form and reads
+    # out as the default does; alone, or for another model, it is refused
+    from onepass.export.adapter import COMPACT_ADAPTER, prompt_of
+    from onepass.runtime.core.prompt import FORMS
+
+    stack = resolve("default-compact", None)
+    assert stack == [DEFAULT_ADAPTER, COMPACT_ADAPTER]
+    for i, shipped in enumerate(stack):
+        check_stack(shipped, stack[:i])
+    assert prompt_of(COMPACT_ADAPTER) == FORMS["compact"] and prompt_of(DEFAULT_ADAPTER) == FORMS["chat"]
+    assert card(COMPACT_ADAPTER)["readout"] == card(DEFAULT_ADAPTER)["readout"]
+    with pytest.raises(ModelSourceError):
+        check_stack(COMPACT_ADAPTER, [])
+    with pytest.raises(ModelSourceError, match="default model only"):
+        resolve("default-compact", "some-model.gguf")
+
+
 def _fact_rows(tmp_path, notes: int = 16, numbered: bool = False):
     """Two yes/no facts whose answers never change, asked about unrelated notes: what a random tiny model can
     learn in a few steps and carry over to notes it was not trained on. ``numbered``: each question names its note,
