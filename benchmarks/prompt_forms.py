@@ -47,6 +47,7 @@ from tune_eval import user_rows  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from onepass.calibration.candidates import clustered_mean  # noqa: E402
 from onepass.calibration.mixture import write_jsonl  # noqa: E402
 from onepass.calibration.run import cross_fitted_probabilities, load_rows, probabilities, score_rows  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
@@ -96,7 +97,8 @@ def speed(dirs: dict, rounds: int) -> dict:
 
 
 def test_rows(heldout: str, datasets, seed: int, mixture: str | None) -> tuple[list[dict], dict]:
-    """The held-out rows and each data set's test rows, and per data set how many test states the mixture holds."""
+    """The held-out rows and each data set's test rows, and per data set how many of its rows ask about a state of
+    the mixture."""
     rows = [json.loads(line) for line in Path(heldout).read_text().splitlines() if line.strip()]
     for name in datasets:
         rows += user_rows(name, 0, seed)[1]
@@ -140,7 +142,9 @@ def metrics_of(probs: list, labels: np.ndarray) -> dict:
 
 def accuracy(dirs: dict, rows: list[dict]) -> dict:
     """Per engine and data set: served and cross-fitted metrics, agreement with the first engine; over all rows, the
-    paired difference of correct answers against the first engine (mean and standard error)."""
+    paired difference of correct answers against the first engine (mean and standard error, the rows about one state
+    taken together: several data sets ask about the same reviews and tweets)."""
+    states = [r["state"] for r in rows]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
         write_jsonl(rows, path)
@@ -162,9 +166,8 @@ def accuracy(dirs: dict, rows: list[dict]) -> dict:
                           "agrees": round(float((guess[name][sel] == guess[first][sel]).mean()), 3)}
         paired = {}
         for kind in ("served", "calibrated"):
-            diff = correct[name][kind].astype(float) - correct[first][kind]
-            paired[kind] = {"difference": round(float(diff.mean()), 4),
-                            "se": round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 4)}
+            mean, se = clustered_mean(correct[name][kind].astype(float) - correct[first][kind], states)
+            paired[kind] = {"difference": round(mean, 4), "se": round(se, 4)}
         out[name] = {"datasets": per_set, "paired": paired, "rows": len(labels)}
     return out
 
@@ -219,7 +222,8 @@ def accuracy_markdown(res: dict) -> list[str]:
     lines = ["", f"## Accuracy: `{res['heldout']}` (never trained on) and the test rows of "
              f"{', '.join(res['datasets'])}", "",
              "As served: accuracy (balanced accuracy, AUC of two-option margins). Majority: always the most frequent "
-             "label. In mixture: test states that are also states of the training mixture (`--mixture`).", "",
+             "label. In mixture: rows whose state is a state of `--mixture` (the compact adapter's training mixture).",
+             "",
              "| data set | rows | in mixture | majority | " + " | ".join(names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
     for d in sets:
@@ -236,7 +240,7 @@ def accuracy_markdown(res: dict) -> list[str]:
                            for n in names)
         lines.append(f"| {d} | {cells} |")
     lines += ["", f"Against {first}, over all {acc[first]['rows']} rows (paired: the share of rows answered correctly "
-              "minus the chat engine's, one standard error):", ""]
+              f"minus the {first} engine's; one standard error, the rows about one state taken together):", ""]
     for n in names[1:]:
         p = acc[n]["paired"]
         kept = {k: p[k]["difference"] >= -KEPT_Z * p[k]["se"] for k in ("served", "calibrated")}

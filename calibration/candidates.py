@@ -177,10 +177,17 @@ def paired_difference(a: Candidate, b: Candidate) -> tuple[float, float]:
         return b.nll - a.nll, np.inf
     d = np.asarray(b.losses) - np.asarray(a.losses)
     keys = a.states if a.states == b.states and len(a.states) == len(d) and None not in a.states else range(len(d))
+    return clustered_mean(d, keys)
+
+
+def clustered_mean(d: np.ndarray, keys) -> tuple[float, float]:
+    """(mean of per-row values ``d``, its standard error with the rows of one key summed before their spread is
+    taken: a cluster-robust error, since rows about one state are not independent); infinite with one key."""
+    d = np.asarray(d, dtype=np.float64)
     index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    per_state = np.bincount([index[k] for k in keys], weights=d - d.mean())
-    n = len(per_state)
-    se = float(np.sqrt(n / (n - 1) * np.sum(per_state ** 2))) / len(d) if n > 1 else np.inf
+    per_key = np.bincount([index[k] for k in keys], weights=d - d.mean())
+    n = len(per_key)
+    se = float(np.sqrt(n / (n - 1) * np.sum(per_key ** 2))) / len(d) if n > 1 else np.inf
     return float(d.mean()), se
 
 

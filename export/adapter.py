@@ -39,7 +39,7 @@ def resolve(spec: str | None, model_spec) -> list[Path]:
     if spec == "default-compact" and model_spec is not None:
         raise ModelSourceError("--adapter default-compact is trained for the default model only; give --adapter none "
                                "or a folder from `onepass tune` with --model")
-    path = COMPACT_ADAPTER if spec == "default-compact" else Path(spec)
+    path = COMPACT_ADAPTER if spec == "default-compact" else Path(spec).resolve()  # recorded: found from any folder
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "
                                "`onepass tune`, 'default' or 'none'")
@@ -48,12 +48,14 @@ def resolve(spec: str | None, model_spec) -> list[Path]:
 
 def trained_on(adapter: Path) -> list[Path]:
     """The adapters ``adapter`` was trained on top of (its card's ``tuning.adapters``: an engine tuned from the
-    default engine carries the shipped adapter), in merge order: the shipped one where this installation keeps it,
-    any other at its recorded path, each matched by the sha256 of its weights."""
+    default engine carries the shipped adapter), in merge order, each matched by the sha256 of its weights: a shipped
+    one where this installation keeps it (the recorded path may be another installation's), any other at its
+    recorded path."""
+    shipped = sorted(p for p in ADAPTERS.iterdir() if (p / WEIGHTS).is_file())
     below = []
     for recorded in (card(adapter).get("tuning") or {}).get("adapters") or []:
         want = recorded.get("sha256")
-        found = [p for p in (DEFAULT_ADAPTER, Path(recorded.get("path") or adapter / "missing"))
+        found = [p for p in (*shipped, Path(recorded.get("path") or adapter / "missing"))
                  if (p / WEIGHTS).is_file() and sha256_file(p / WEIGHTS) == want]
         if not found:
             raise ModelSourceError(f"adapter {adapter} was trained on top of the adapter {recorded.get('path')} "
@@ -91,7 +93,8 @@ def check_stack(adapter: Path, below) -> None:
         under = lambda shas: ", ".join(str(s)[:12] + "..." for s in shas) or "no adapter"  # noqa: E731
         raise ModelSourceError(f"adapter {adapter} was trained on top of {under(wanted)} and would be merged on top "
                                f"of {under(merged)}; merge the adapters it was trained on first (`onepass export "
-                               "--adapter` finds them from its card)")
+                               "--adapter` finds them from its card; an engine exported before 2026-12-06 with "
+                               "`--adapter DIR` merged DIR alone: export it again)")
 
 
 def provenance(adapter: Path) -> dict:

@@ -232,10 +232,52 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
         check_stack(shipped, stack[:i])
     assert prompt_of(COMPACT_ADAPTER) == FORMS["compact"] and prompt_of(DEFAULT_ADAPTER) == FORMS["chat"]
     assert card(COMPACT_ADAPTER)["readout"] == card(DEFAULT_ADAPTER)["readout"]
-    with pytest.raises(ModelSourceError):
+    with pytest.raises(ModelSourceError, match="was trained on top of"):
         check_stack(COMPACT_ADAPTER, [])
     with pytest.raises(ModelSourceError, match="default model only"):
         resolve("default-compact", "some-model.gguf")
+    # tuned from a compact engine on another installation: both shipped adapters are found here, in order
+    on_compact = adapter("on-compact", b"on compact", on=stack, recorded_path="/elsewhere/adapters/x")
+    assert resolve(str(on_compact), None) == [DEFAULT_ADAPTER, COMPACT_ADAPTER, on_compact]
+
+
+def test_a_relative_adapter_folder_is_recorded_where_it_is(tmp_path, monkeypatch):
+    """`--adapter ./mine` is resolved before it is recorded: an adapter tuned on top of it finds it from any
+    directory."""
+    from onepass.export.adapter import CARD, CONFIG, WEIGHTS, provenance, resolve
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / WEIGHTS).write_bytes(b"mine")
+    (mine / CONFIG).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    [found] = resolve("mine", None)
+    assert found == mine and found.is_absolute()
+    on_mine = tmp_path / "sub" / "on-mine"
+    on_mine.mkdir(parents=True)
+    (on_mine / WEIGHTS).write_bytes(b"on mine")
+    (on_mine / CONFIG).write_text("{}")
+    (on_mine / CARD).write_text(json.dumps({"tuning": {"adapters": [
+        {k: provenance(found)[k] for k in ("path", "sha256")}]}}))
+    monkeypatch.chdir(tmp_path / "sub")
+    assert resolve("on-mine", None) == [mine, on_mine]
+
+
+def test_load_model_refuses_an_adapter_without_the_adapters_it_was_trained_on(tiny_llama_dir, tmp_path):
+    """The guard sits where adapters are merged, for every caller (export, tune, re-export), not only the CLI's."""
+    from onepass.export.adapter import CARD, WEIGHTS
+    from onepass.export.model_source import load_model
+    from onepass.runtime.core.errors import ModelSourceError
+    from onepass.runtime.core.manifest import sha256_file
+
+    below, top = tmp_path / "below", tmp_path / "top"
+    for folder in (below, top):
+        folder.mkdir()
+        (folder / WEIGHTS).write_bytes(folder.name.encode())
+    (top / CARD).write_text(json.dumps({"tuning": {"adapters": [{"path": str(below),
+                                                                  "sha256": sha256_file(below / WEIGHTS)}]}}))
+    with pytest.raises(ModelSourceError, match="was trained on top of"):
+        load_model(tiny_llama_dir, [top])
 
 
 def _fact_rows(tmp_path, notes: int = 16, numbered: bool = False):
