@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET, interleaved, state_of_tokens  # noqa: E402
 from roofline import gemm_shapes, pass_flops  # noqa: E402
-from tune_eval import user_rows  # noqa: E402
+from tune_eval import _auc, user_rows  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -115,17 +115,10 @@ def answers(engine_dir: str, path: Path) -> dict:
         scored = score_rows(engine, load_rows(path))
         cal = engine.manifest.calibration
         cal = cal if cal is not None and cal.readout == engine.manifest.scoring.readout else None
-    served = [p[:k] for p, k in zip(*probabilities(scored, cal)[::2])]
+    probs, _, counts = probabilities(scored, cal)
+    served = [p[:k] for p, k in zip(probs, counts)]
     return {"served": served, "calibrated": cross_fitted_probabilities(scored),
             "labels": [r["label"] for r in scored], "datasets": [r["dataset"] for r in scored]}
-
-
-def _auc(margin: np.ndarray, positive: np.ndarray) -> float | None:
-    """P(a positive row's margin > a negative row's), ties counted half (Mann-Whitney)."""
-    pos, neg = margin[positive], margin[~positive]
-    if not len(pos) or not len(neg):
-        return None
-    return float(((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg)))
 
 
 def metrics_of(probs: list, labels: np.ndarray) -> dict:

@@ -53,16 +53,21 @@ def trained_on(adapter: Path) -> list[Path]:
     recorded path."""
     shipped = sorted(p for p in ADAPTERS.iterdir() if (p / WEIGHTS).is_file())
     below = []
-    for recorded in (card(adapter).get("tuning") or {}).get("adapters") or []:
+    for recorded in _recorded_below(adapter):
         want = recorded.get("sha256")
-        found = [p for p in (*shipped, Path(recorded.get("path") or adapter / "missing"))
-                 if (p / WEIGHTS).is_file() and sha256_file(p / WEIGHTS) == want]
+        at = [Path(recorded["path"])] if recorded.get("path") else []
+        found = [p for p in (*shipped, *at) if (p / WEIGHTS).is_file() and sha256_file(p / WEIGHTS) == want]
         if not found:
             raise ModelSourceError(f"adapter {adapter} was trained on top of the adapter {recorded.get('path')} "
                                    f"(weights sha256 {str(want)[:12]}...), which is not there or has changed; export "
                                    "with that adapter restored, or use the engine `onepass tune` wrote")
         below.append(found[0])
     return below
+
+
+def _recorded_below(adapter: Path) -> list[dict]:
+    """The adapters (path, sha256) its card says ``adapter`` was trained on top of, in merge order."""
+    return (card(adapter).get("tuning") or {}).get("adapters") or []
 
 
 def card(adapter: Path) -> dict:
@@ -87,7 +92,7 @@ def check_stack(adapter: Path, below) -> None:
     """Refuse to merge ``adapter`` on top of other adapters (``below``, in merge order) than those it was trained on
     top of (its card's ``tuning.adapters``, by the sha256 of their weights): its weights are a correction of those
     weights, and merged onto others it answers what no run measured."""
-    wanted = [a.get("sha256") for a in (card(adapter).get("tuning") or {}).get("adapters") or []]
+    wanted = [a.get("sha256") for a in _recorded_below(adapter)]
     merged = [sha256_file(Path(a) / WEIGHTS) for a in below]
     if wanted != merged:
         under = lambda shas: ", ".join(str(s)[:12] + "..." for s in shas) or "no adapter"  # noqa: E731
