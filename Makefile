@@ -96,15 +96,17 @@ TRAIN_BASE ?= engines/smollm2-base-sum
 $(TRAIN_BASE)/manifest.json: | $(BIN)/.installed
 	$(BIN)/onepass export --out $(TRAIN_BASE) --adapter none --readout sum
 
+# What both shipped adapters are trained with (train-default, train-default-compact), and the files installed
+DEFAULT_RECIPE := --rank 8 --train-blocks all --epochs 2 --patience 3 --holdout 0.08 --batch-questions 16 --lr 1e-4 \
+	--write tuned --name smollm2-135m-instruct
+ADAPTER_FILES := adapter_model.safetensors adapter_config.json onepass_adapter.json
+
 train-default: $(BIN)/.evaldata $(TRAIN_BASE)/manifest.json
 	mkdir -p build
 	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl
-	$(BIN)/onepass tune --engine $(TRAIN_BASE) --data build/mixture.jsonl --out build/default-tuned --rank 8 \
-		--train-blocks all --epochs 2 --max-steps 300 --max-minutes 58 --eval-every 50 --patience 3 --holdout 0.08 \
-		--batch-questions 16 --lr 1e-4 --write tuned --name smollm2-135m-instruct \
-		--report benchmarks/results/default_adapter
-	cp build/default-tuned/adapter_model.safetensors build/default-tuned/adapter_config.json \
-		build/default-tuned/onepass_adapter.json $(ADAPTER_DIR)/
+	$(BIN)/onepass tune --engine $(TRAIN_BASE) --data build/mixture.jsonl --out build/default-tuned $(DEFAULT_RECIPE) \
+		--max-steps 300 --max-minutes 58 --eval-every 50 --report benchmarks/results/default_adapter
+	cp $(addprefix build/default-tuned/,$(ADAPTER_FILES)) $(ADAPTER_DIR)/
 
 # The opt-in compact-form adapter (`--adapter default-compact`, issue 46; never run by CI): the default adapter
 # continued in the compact prompt form on the mixture (without BIG-bench, which the registry no longer serves),
@@ -119,12 +121,9 @@ $(COMPACT_BASE)/manifest.json: | $(BIN)/.installed
 train-default-compact: $(BIN)/.evaldata $(COMPACT_BASE)/manifest.json
 	mkdir -p build
 	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl --heldout build/heldout.jsonl --no-bigbench
-	$(BIN)/onepass tune --engine $(COMPACT_BASE) --data build/mixture.jsonl --out build/compact-tuned --rank 8 \
-		--train-blocks all --epochs 2 --max-steps 150 --max-minutes 40 --eval-every 25 --patience 3 --holdout 0.08 \
-		--batch-questions 16 --lr 1e-4 --write tuned --name smollm2-135m-instruct \
-		--report benchmarks/results/default_adapter_compact_continued
-	cp build/compact-tuned/adapter_model.safetensors build/compact-tuned/adapter_config.json \
-		build/compact-tuned/onepass_adapter.json $(COMPACT_ADAPTER_DIR)/
+	$(BIN)/onepass tune --engine $(COMPACT_BASE) --data build/mixture.jsonl --out build/compact-tuned $(DEFAULT_RECIPE) \
+		--max-steps 150 --max-minutes 40 --eval-every 25 --report benchmarks/results/default_adapter_compact_continued
+	cp $(addprefix build/compact-tuned/,$(ADAPTER_FILES)) $(COMPACT_ADAPTER_DIR)/
 
 # Base vs the tuned default engine on held-out data sets; `onepass tune` on users' rows (BBC, RT, tweets).
 tune-eval: $(BIN)/.evaldata $(BASE_ENGINE)/manifest.json $(ENGINE)/manifest.json

@@ -142,12 +142,10 @@ def accuracy(dirs: dict, rows: list[dict]) -> dict:
         path = Path(tmp) / "rows.jsonl"
         write_jsonl(rows, path)
         got = {name: answers(d, path) for name, d in dirs.items()}
-    base = next(iter(got.values()))
-    labels, sets = np.array(base["labels"]), np.array(base["datasets"])
-    correct = {name: {kind: np.array([int(np.argmax(p)) for p in g[kind]]) == labels
-                      for kind in ("served", "calibrated")} for name, g in got.items()}
-    guess = {name: np.array([int(np.argmax(p)) for p in g["served"]]) for name, g in got.items()}
     first = next(iter(got))
+    labels, sets = np.array(got[first]["labels"]), np.array(got[first]["datasets"])
+    guess = {name: {kind: np.array([int(np.argmax(p)) for p in g[kind]]) for kind in ("served", "calibrated")}
+             for name, g in got.items()}
     out = {}
     for name, g in got.items():
         per_set = {}
@@ -156,10 +154,12 @@ def accuracy(dirs: dict, rows: list[dict]) -> dict:
             per_set[d] = {"rows": len(sel), "majority": round(float(np.bincount(labels[sel]).max() / len(sel)), 3),
                           "served": metrics_of([g["served"][i] for i in sel], labels[sel]),
                           "calibrated": metrics_of([g["calibrated"][i] for i in sel], labels[sel]),
-                          "agrees": round(float((guess[name][sel] == guess[first][sel]).mean()), 3)}
+                          "agrees": round(float((guess[name]["served"][sel] == guess[first]["served"][sel]).mean()),
+                                          3)}
         paired = {}
         for kind in ("served", "calibrated"):
-            mean, se = clustered_mean(correct[name][kind].astype(float) - correct[first][kind], states)
+            right = {n: (guess[n][kind] == labels).astype(float) for n in (name, first)}
+            mean, se = clustered_mean(right[name] - right[first], states)
             paired[kind] = {"difference": round(mean, 4), "se": round(se, 4)}
         out[name] = {"datasets": per_set, "paired": paired, "rows": len(labels)}
     return out
