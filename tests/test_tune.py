@@ -1036,3 +1036,61 @@ def test_train_blocks_flag_takes_a_count_or_all():
     for bad in ("0", "-2", "some"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number of blocks or 'all'"):
             _blocks(bad)
+
+
+def test_teacher_targets_blend_the_engines_answer_asked_alone_with_the_label(tiny_engine_dir, tmp_path):
+    """`python -m onepass.calibration.teacher_targets`: each row's target is weight x the teacher's served answer
+    (the questions about one state are asked in one pass; the reference asks each row alone) + (1 - weight) x the
+    label's one-hot; crossed rows ask each state a question of another data set, with the teacher's answer alone.
+    Negative control: the same question about another state gets another answer, which the comparison would catch."""
+    from onepass import Engine
+    from onepass.calibration.run import label_index
+    from onepass.calibration.teacher_targets import crossed_rows, teach
+    from onepass.calibration.tune_data import load_rows as load_tune_rows
+    from onepass.runtime.core.questions import from_wire
+    from onepass.runtime.tools.teacher import answer_distribution, option_keys
+
+    rows = [{"dataset": "rain", "state": f"Note {i}: it rained {i} times.", "question": NOUL, "label": "yes"}
+            for i in range(3)]
+    rows += [{"dataset": "team", "state": "Note 0: it rained 0 times.", "question": TEAM, "label": "blue"},
+             {"dataset": "loud", "state": "The band played.", "question": LEVEL, "label": 2}]
+    crossed = crossed_rows(rows, 1, seed=0)
+    assert crossed == crossed_rows(rows, 1, seed=0)  # seeded
+    assert len(crossed) == 4 and all("label" not in r for r in crossed)  # 4 states, each lacking a data set
+    for r in crossed:
+        own = {x["dataset"] for x in rows if x["state"] == r["state"]}
+        assert r["dataset"].endswith("@crossed") and r["dataset"].split("@")[0] not in own
+    engine = Engine.load(tiny_engine_dir)
+    taught = teach(engine, rows + crossed, 0.25, log=lambda *_: None)
+
+    def alone(r):
+        q = from_wire("question", r["question"])
+        return q, answer_distribution(q, engine.ask(r["state"], {"q": q})["q"])
+
+    for r, t in zip(rows + crossed, taught):
+        q, p = alone(r)
+        got = np.array([t["probabilities"][k] for k in option_keys(q)])
+        want = p if "label" not in r else 0.25 * p + 0.75 * np.eye(len(p))[label_index(q, r["label"])]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+        assert {k: v for k, v in t.items() if k != "probabilities"} == r  # the row itself unchanged
+    other = alone({"state": "A long note about the weather in spring.", "question": NOUL})[1]
+    assert np.abs(other - alone(rows[0])[1]).max() > 1e-3  # the control: another state's answer differs
+    path = _write(tmp_path, taught, "taught.jsonl")
+    parsed, _ = load_tune_rows([path])  # what tune trains on: the blended distribution
+    assert parsed[0].target == pytest.approx(tuple(taught[0]["probabilities"][k] for k in ("yes", "no")))
+    with pytest.raises(InvalidRequest, match="weight"):
+        teach(engine, rows, 1.5)
+    with pytest.raises(InvalidRequest, match="crossed"):
+        crossed_rows(rows, -1)
+
+
+def test_teacher_targets_cli_errors_are_one_line_and_write_nothing(tmp_path):
+    out = tmp_path / "out.jsonl"
+    for rows, message in (([{"state": "x", "question": NOUL, "label": "maybe"}], "rows.jsonl:1"),
+                          ([{"state": "x", "question": NOUL, "probabilities": {"yes": 1.0}}], "needs a label"),
+                          (["{not json"], "not valid JSON")):
+        data = _write(tmp_path, rows)
+        proc = subprocess.run([sys.executable, "-m", "onepass.calibration.teacher_targets", "--rows", str(data),
+                               "--teacher", str(tmp_path), "--out", str(out)], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+        assert not out.exists()
