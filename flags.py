@@ -126,9 +126,9 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
                     help="of the block weights and GEMMs (the rest stays fp32); bf16: TensorRT or PyTorch only")
     ex.add_argument("--adapter", default="default",
-                    help="LoRA merged into the weights: 'default' (shipped for the default model), 'default-compact' "
-                         "(the default model in the compact prompt form: 1.6x faster, calibrate it on your labels), "
-                         "'none', or a folder from `onepass tune`")
+                    help="LoRA merged into the weights: 'default' (shipped for the default model: two adapters, "
+                         "asking in the compact prompt form), 'default-chat' (the chat-form adapter alone, the default "
+                         "until 2026-12-06: 1.56x slower, as accurate), 'none', or a folder from `onepass tune`")
     ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
     ex.add_argument("--prompt", choices=sorted(FORMS), default=None,
                     help="how questions are written (default: the form the adapter was trained in; chat without one)")

@@ -18,10 +18,12 @@ from ..runtime.core.errors import ModelSourceError
 from ..runtime.core.manifest import sha256_file
 
 ADAPTERS = Path(__file__).parent / "adapters"
+# The chat-form adapter, trained by `make train-default` on the decision mixture: the default stack's lower half, and
+# alone (`--adapter default-chat`) the default engine until 2026-12-06
 DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
-# trained on top of DEFAULT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens): opt-in
-# (`--adapter default-compact`), since its zero-shot answers as served are 3.8 points less accurate than the default's
-# (benchmarks/results/prompt_forms_continued.md); calibrated on a user's labels it is as accurate
+# Trained on top of DEFAULT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens, 1.56x faster
+# warm) from the labels and the chat engine's answers (`make train-default-compact`): the default engine is both,
+# asking in the compact form; its accuracy is the chat engine's (benchmarks/results/prompt_forms_taught.md)
 COMPACT_ADAPTER = ADAPTERS / "smollm2-135m-instruct-compact"
 CARD = "onepass_adapter.json"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -29,20 +31,22 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def resolve(spec: str | None, model_spec) -> list[Path]:
-    """The adapters to merge: ``"none"`` none; ``None``/``"default"`` the shipped one for the default
-    model (none for other models); ``"default-compact"`` the shipped compact-form stack (the default model only);
-    otherwise the folder given, on top of the adapters its card says it was trained on."""
+    """The adapters to merge: ``"none"`` none; ``None``/``"default"`` the shipped stack for the default model (the
+    chat-form adapter, then the compact one; none for other models); ``"default-chat"`` the chat-form adapter alone
+    (the default model only); otherwise the folder given, on top of the adapters its card says it was trained on."""
     if spec == "none":
         return []
-    if spec in (None, "default"):
-        return [DEFAULT_ADAPTER] if model_spec is None else []
-    if spec == "default-compact" and model_spec is not None:
-        raise ModelSourceError("--adapter default-compact is trained for the default model only; give --adapter none "
-                               "or a folder from `onepass tune` with --model")
-    path = COMPACT_ADAPTER if spec == "default-compact" else Path(spec).resolve()  # recorded: found from any folder
+    if spec in (None, "default") and model_spec is not None:
+        return []
+    if spec == "default-chat":
+        if model_spec is not None:
+            raise ModelSourceError("--adapter default-chat is trained for the default model only; give --adapter none "
+                                   "or a folder from `onepass tune` with --model")
+        return [DEFAULT_ADAPTER]
+    path = COMPACT_ADAPTER if spec in (None, "default") else Path(spec).resolve()  # recorded: found from any folder
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "
-                               "`onepass tune`, 'default' or 'none'")
+                               "`onepass tune`, 'default', 'default-chat' or 'none'")
     return [*trained_on(path), path]
 
 

@@ -173,19 +173,21 @@ def test_config_is_validated():
 
 
 @pytest.mark.slow
-def test_default_engine_records_its_adapter_and_tuning(engine):
-    from onepass.export.adapter import DEFAULT_ADAPTER, WEIGHTS, card
+def test_default_engine_records_its_adapters_and_tuning(engine):
+    """The default engine (issue 46) merges the chat-form adapter, then the compact-form one trained on top of it, and
+    answers as the upper one was trained: its read-out and its (compact) prompt form."""
+    from onepass.export.adapter import COMPACT_ADAPTER, DEFAULT_ADAPTER, WEIGHTS, card, prompt_of
     from onepass.runtime.core.manifest import sha256_file
+    from onepass.runtime.core.prompt import FORMS
 
     tuning, adapters = engine.manifest.tuning, engine.manifest.source["adapters"]
     assert tuning is not None and tuning.method == "lora" and tuning.steps > 0 and tuning.rows > 0
-    assert adapters[0]["sha256"] == sha256_file(DEFAULT_ADAPTER / WEIGHTS)
-    # the engine answers with the read-out its adapter was trained through, not the export's fallback
-    assert engine.manifest.scoring.readout == card(DEFAULT_ADAPTER)["readout"]
-    # ... and asks in the prompt form it was trained in
-    from onepass.export.adapter import prompt_of
-
-    assert engine.manifest.prompt == prompt_of(DEFAULT_ADAPTER)
+    assert [a["sha256"] for a in adapters] == [sha256_file(DEFAULT_ADAPTER / WEIGHTS),
+                                               sha256_file(COMPACT_ADAPTER / WEIGHTS)]
+    # the engine answers with the read-out its adapters were trained through, not the export's fallback
+    assert engine.manifest.scoring.readout == card(COMPACT_ADAPTER)["readout"] == card(DEFAULT_ADAPTER)["readout"]
+    # ... and asks in the prompt form the upper one was trained in
+    assert engine.manifest.prompt == prompt_of(COMPACT_ADAPTER) == FORMS["compact"]
 
 
 def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_path):
@@ -221,13 +223,14 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
     (first / WEIGHTS).write_bytes(b"changed")  # the adapter below is not the one trained on any more
     with pytest.raises(ModelSourceError, match="not there or has changed"):
         resolve(str(second), None)
-    # the shipped compact-form adapter (issue 46) goes on top of the default one, asks in the compact form and reads
-    # out as the default does; alone, or for another model, it is refused
+    # the default stack (issue 46): the compact-form adapter on top of the chat-form one, asking in the compact form
+    # and reading out as the chat one does; the chat one alone is 'default-chat'; for another model, refused
     from onepass.export.adapter import COMPACT_ADAPTER, prompt_of
     from onepass.runtime.core.prompt import FORMS
 
-    stack = resolve("default-compact", None)
-    assert stack == [DEFAULT_ADAPTER, COMPACT_ADAPTER]
+    stack = resolve("default", None)
+    assert stack == resolve(None, None) == [DEFAULT_ADAPTER, COMPACT_ADAPTER]
+    assert resolve("default-chat", None) == [DEFAULT_ADAPTER] and resolve("default", "some-model.gguf") == []
     for i, shipped in enumerate(stack):
         check_stack(shipped, stack[:i])
     assert prompt_of(COMPACT_ADAPTER) == FORMS["compact"] and prompt_of(DEFAULT_ADAPTER) == FORMS["chat"]
@@ -235,7 +238,7 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
     with pytest.raises(ModelSourceError, match="was trained on top of"):
         check_stack(COMPACT_ADAPTER, [])
     with pytest.raises(ModelSourceError, match="default model only"):
-        resolve("default-compact", "some-model.gguf")
+        resolve("default-chat", "some-model.gguf")
     # tuned from a compact engine on another installation: both shipped adapters are found here, in order
     on_compact = adapter("on-compact", b"on compact", on=stack, recorded_path="/elsewhere/adapters/x")
     assert resolve(str(on_compact), None) == [DEFAULT_ADAPTER, COMPACT_ADAPTER, on_compact]
