@@ -71,7 +71,7 @@ def test_json_state_is_serialised_canonically(engine):
 @pytest.mark.parametrize("limits, state, questions, match", [
     ({"max_state_tokens": 40}, TICKET, QUESTIONS, r"state is \d+ tokens .* at most 40"),
     ({"max_packed_tokens": 1}, "short", QUESTIONS, r"an option is \d+ tokens; .* at most 1 per pass"),
-    ({"max_request_tokens": 60}, "short", QUESTIONS, r"questions pack into \d+ tokens; .* at most 60 per request"),
+    ({"max_request_tokens": 30}, "short", QUESTIONS, r"questions pack into \d+ tokens; .* at most 30 per request"),
     ({"max_questions": 2}, "short", QUESTIONS, "3 questions; this engine allows at most 2"),
     ({"max_options": 2}, "short", QUESTIONS, "3 options; this engine allows at most 2"),
 ])
