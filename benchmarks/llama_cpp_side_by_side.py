@@ -17,7 +17,7 @@ state and its question.
   no cache.
 
 Interleaved rounds after a warm-up round, 2 threads each; medians. Also reported: the pass's packed tokens per
-question and its GFLOP (``roofline.pass_flops``). The default engine carries the shipped adapter and the GGUF does
+question and its GFLOP (``roofline.pass_flops``). The default engine carries the shipped adapters and the GGUF does
 not (same architecture and size, so the same work); ``--base-engine`` (an export with ``--adapter none``) checks that
 llama.cpp computes what onepass does on the same weights: each option's log-likelihood against onepass's fp32
 (ONNX Runtime), and the options both pick. Writes benchmarks/results/llama_cpp_side_by_side.{json,md}.
@@ -192,7 +192,7 @@ def markdown(r: dict, args) -> str:
                       f"computes what onepass does: option log-likelihoods within {check['max_abs_logprob_diff']} "
                       f"(median {check['median_abs_logprob_diff']}, Q4's rounding), the same option on "
                       f"{check['same_option']} of {r['questions']} questions (mean log-likelihood, no calibration). "
-                      "The timed onepass engine carries the shipped adapter, the GGUF does not: the same work."]
+                      "The timed onepass engine carries the shipped adapters, the GGUF does not: the same work."]
     base = f" --base-engine {args.base_engine}" if args.base_engine else ""
     out = "" if args.out == "llama_cpp_side_by_side" else f" --out {args.out}"
     command = f"python benchmarks/llama_cpp_side_by_side.py --engine {args.engine}{base} --rounds {args.rounds}{out}"
