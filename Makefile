@@ -28,7 +28,10 @@ lock: $(BIN)/.installed
 
 install: $(BIN)/.installed
 
-$(ENGINE)/manifest.json: | $(BIN)/.installed
+# the default engine is exported again when a shipped adapter changes (a checkout of other weights)
+SHIPPED_WEIGHTS := $(addsuffix /adapter_model.safetensors,$(wildcard export/adapters/*))
+
+$(ENGINE)/manifest.json: $(SHIPPED_WEIGHTS) | $(BIN)/.installed
 	$(BIN)/onepass export --out $(ENGINE)
 
 demo: $(BIN)/.installed $(ENGINE)/manifest.json
@@ -79,7 +82,7 @@ head: $(BIN)/.installed $(ENGINE)/manifest.json
 calibrate-eval-head: $(BIN)/.evaldata
 	$(BIN)/python benchmarks/calibration_eval.py --engine $(ENGINE)-head --n 700 --name calibration_eval_head
 
-# The base model without the shipped adapter: what `make train-default` and the tune benchmarks start from.
+# The base model without the shipped adapters: what `make train-default` and the tune benchmarks start from.
 BASE_ENGINE ?= engines/smollm2-base
 ADAPTER_DIR := export/adapters/smollm2-135m-instruct
 
@@ -118,10 +121,10 @@ COMPACT_ADAPTER_DIR := export/adapters/smollm2-135m-instruct-compact
 COMPACT_BASE ?= engines/smollm2-chat-in-compact
 TEACHER_ENGINE ?= engines/smollm2-chat
 
-$(COMPACT_BASE)/manifest.json: | $(BIN)/.installed
+$(COMPACT_BASE)/manifest.json: $(ADAPTER_DIR)/adapter_model.safetensors | $(BIN)/.installed
 	$(BIN)/onepass export --out $(COMPACT_BASE) --adapter default-chat --prompt compact
 
-$(TEACHER_ENGINE)/manifest.json: | $(BIN)/.installed
+$(TEACHER_ENGINE)/manifest.json: $(ADAPTER_DIR)/adapter_model.safetensors | $(BIN)/.installed
 	$(BIN)/onepass export --out $(TEACHER_ENGINE) --adapter default-chat
 
 train-default-compact: $(BIN)/.evaldata $(COMPACT_BASE)/manifest.json $(TEACHER_ENGINE)/manifest.json

@@ -128,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--adapter", default="default",
                     help="LoRA merged into the weights: 'default' (shipped for the default model: two adapters, "
                          "asking in the compact prompt form), 'default-chat' (the chat-form adapter alone, the default "
-                         "until 2026-12-06: 1.56x slower, as accurate), 'none', or a folder from `onepass tune`")
+                         "until 2026-12-06: 1.56x slower, accuracy within two standard errors), 'none', or a "
+                         "folder from `onepass tune`")
     ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
     ex.add_argument("--prompt", choices=sorted(FORMS), default=None,
                     help="how questions are written (default: the form the adapter was trained in; chat without one)")

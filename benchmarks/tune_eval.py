@@ -1,6 +1,6 @@
 """What tuning buys: the tuned default engine on held-out data sets, and `onepass tune` on a user's own rows.
 
-``default``: the base engine (``--adapter none``) against the default engine (the shipped adapter
+``default``: the base engine (``--adapter none``) against the default engine (the shipped adapters
 merged), zero-shot, on the leave-datasets-out rows of :func:`onepass.calibration.mixture.heldout_rows`
 (data sets and tasks the adapter never saw): accuracy against the majority class, NLL, ECE, and
 ECE after a cross-fitted calibration (5 folds over the held-out rows); plus the README ticket.

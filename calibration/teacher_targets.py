@@ -3,16 +3,17 @@
     python -m onepass.calibration.teacher_targets --rows train.jsonl --teacher engines/smollm2 --out taught.jsonl \
         [--weight 0.5] [--crossed 1] [--seed 0]
 
-Every labelled row gains ``probabilities`` (the target `onepass tune` trains on, :mod:`.tune_data`): ``weight`` x
-the teacher engine's served distribution + (1 - weight) x the label's one-hot. ``--crossed N`` adds, per state,
-N questions of *other* data sets of the rows (seeded), unlabelled, whose target is the teacher's answer alone: the
-student learns how the teacher answers questions that do not fit the text, not only the trained tasks, where labels
-and a teacher fitted to them agree.
+Every labelled row gains ``probabilities`` (the target `onepass tune` trains on, :mod:`.tune_data`; a row's own are
+replaced): ``weight`` x the teacher engine's served distribution + (1 - weight) x the label's one-hot. ``--crossed
+N`` adds, per state, N questions of *other* data sets of the rows (seeded), unlabelled, whose target is the
+teacher's answer alone: the student learns how the teacher answers questions that do not fit the text, not only the
+trained tasks, where labels and a teacher fitted to them agree.
 
-Used by `make train-default-compact` (issue 46): continued on labels alone in the compact prompt form, the default
+Used by `make train-default-compact` (issue 46): continued on labels alone in the compact prompt form, the chat-form
 adapter kept the chat form's separation but not its lean on tasks it was never trained on
 (benchmarks/results/prompt_forms_continued.md); the chat engine's own answers carry that lean. The questions about
-one state are asked in one packed pass (each answer equals asking it alone).
+one state are asked in one request (each answer equals asking it alone; the engine's limits apply to it, so an
+over-long state stops the run with the limit's error, and nothing is written).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def load(path: Path) -> list[dict]:
     for n, row in json_lines(text, str(path)):
         parse_row(row, f"{path}:{n}")  # a state, a question and a label (or probabilities) it allows
         if "label" not in row:
-            raise InvalidRequest(f"{path}:{n}: a row needs a label (the teacher gives the probabilities)", "label")
+            raise InvalidRequest(f"{path}:{n}: label: a row needs a label (the teacher gives the probabilities)")
         rows.append(row)
     if not rows:
         raise InvalidRequest(f"{path} has no rows")
@@ -116,13 +117,15 @@ def main(argv=None) -> int:
     try:
         if not 0.0 <= args.weight <= 1.0:
             raise InvalidRequest(f"must be within 0..1, got {args.weight}", "weight")
+        if not args.out.parent.is_dir():  # before the teacher's work, not after it
+            raise InvalidRequest(f"the folder {args.out.parent} does not exist", "out")
         rows = load(args.rows)
         rows += crossed_rows(rows, args.crossed, args.seed)
         taught = teach(Engine.load(args.teacher), rows, args.weight, log=lambda m: print(m, file=sys.stderr))
-    except OnepassError as err:
+        write_jsonl(taught, args.out)
+    except (OnepassError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    write_jsonl(taught, args.out)
     return 0
 
 

@@ -20,10 +20,11 @@ from ..runtime.core.manifest import sha256_file
 ADAPTERS = Path(__file__).parent / "adapters"
 # The chat-form adapter, trained by `make train-default` on the decision mixture: the default stack's lower half, and
 # alone (`--adapter default-chat`) the default engine until 2026-12-06
-DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
-# Trained on top of DEFAULT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens, 1.56x faster
+CHAT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
+# Trained on top of CHAT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens, 1.56x faster
 # warm) from the labels and the chat engine's answers (`make train-default-compact`): the default engine is both,
-# asking in the compact form; its accuracy is the chat engine's (benchmarks/results/prompt_forms_taught.md)
+# asking in the compact form. Accuracy kept within two standard errors of the chat engine's on 1,950 rows (as served
+# -0.2 points, SE 0.9; calibrated +1.0, SE 0.9: benchmarks/results/prompt_forms_taught.md)
 COMPACT_ADAPTER = ADAPTERS / "smollm2-135m-instruct-compact"
 CARD = "onepass_adapter.json"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -42,7 +43,10 @@ def resolve(spec: str | None, model_spec) -> list[Path]:
         if model_spec is not None:
             raise ModelSourceError("--adapter default-chat is trained for the default model only; give --adapter none "
                                    "or a folder from `onepass tune` with --model")
-        return [DEFAULT_ADAPTER]
+        return [CHAT_ADAPTER]
+    if spec == "default-compact":
+        raise ModelSourceError("--adapter default-compact was removed on 2026-12-06: the compact form is the default "
+                               "now ('default'); 'default-chat' gives the chat-form engine")
     path = COMPACT_ADAPTER if spec in (None, "default") else Path(spec).resolve()  # recorded: found from any folder
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "

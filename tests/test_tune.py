@@ -176,16 +176,16 @@ def test_config_is_validated():
 def test_default_engine_records_its_adapters_and_tuning(engine):
     """The default engine (issue 46) merges the chat-form adapter, then the compact-form one trained on top of it, and
     answers as the upper one was trained: its read-out and its (compact) prompt form."""
-    from onepass.export.adapter import COMPACT_ADAPTER, DEFAULT_ADAPTER, WEIGHTS, card, prompt_of
+    from onepass.export.adapter import COMPACT_ADAPTER, CHAT_ADAPTER, WEIGHTS, card, prompt_of
     from onepass.runtime.core.manifest import sha256_file
     from onepass.runtime.core.prompt import FORMS
 
     tuning, adapters = engine.manifest.tuning, engine.manifest.source["adapters"]
     assert tuning is not None and tuning.method == "lora" and tuning.steps > 0 and tuning.rows > 0
-    assert [a["sha256"] for a in adapters] == [sha256_file(DEFAULT_ADAPTER / WEIGHTS),
+    assert [a["sha256"] for a in adapters] == [sha256_file(CHAT_ADAPTER / WEIGHTS),
                                                sha256_file(COMPACT_ADAPTER / WEIGHTS)]
     # the engine answers with the read-out its adapters were trained through, not the export's fallback
-    assert engine.manifest.scoring.readout == card(COMPACT_ADAPTER)["readout"] == card(DEFAULT_ADAPTER)["readout"]
+    assert engine.manifest.scoring.readout == card(COMPACT_ADAPTER)["readout"] == card(CHAT_ADAPTER)["readout"]
     # ... and asks in the prompt form the upper one was trained in
     assert engine.manifest.prompt == prompt_of(COMPACT_ADAPTER) == FORMS["compact"]
 
@@ -194,7 +194,7 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
     """An adapter tuned from an engine that already carried adapters (the default engine carries the shipped one) is
     a correction of those weights: its card names them by sha256, `onepass export --adapter` merges them first, and
     a stack of other adapters is refused."""
-    from onepass.export.adapter import CARD, CONFIG, DEFAULT_ADAPTER, WEIGHTS, card, check_stack, resolve
+    from onepass.export.adapter import CARD, CONFIG, CHAT_ADAPTER, WEIGHTS, card, check_stack, resolve
     from onepass.runtime.core.errors import ModelSourceError
     from onepass.runtime.core.manifest import sha256_file
 
@@ -218,8 +218,8 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
     with pytest.raises(ModelSourceError, match="no adapter"):
         check_stack(first, [other])
     # tuned from the default engine elsewhere: the shipped adapter is found where this installation keeps it
-    tuned = adapter("tuned", b"tuned", on=[DEFAULT_ADAPTER], recorded_path="/elsewhere/adapters/smollm2")
-    assert resolve(str(tuned), None) == [DEFAULT_ADAPTER, tuned]
+    tuned = adapter("tuned", b"tuned", on=[CHAT_ADAPTER], recorded_path="/elsewhere/adapters/smollm2")
+    assert resolve(str(tuned), None) == [CHAT_ADAPTER, tuned]
     (first / WEIGHTS).write_bytes(b"changed")  # the adapter below is not the one trained on any more
     with pytest.raises(ModelSourceError, match="not there or has changed"):
         resolve(str(second), None)
@@ -229,19 +229,21 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
     from onepass.runtime.core.prompt import FORMS
 
     stack = resolve("default", None)
-    assert stack == resolve(None, None) == [DEFAULT_ADAPTER, COMPACT_ADAPTER]
-    assert resolve("default-chat", None) == [DEFAULT_ADAPTER] and resolve("default", "some-model.gguf") == []
+    assert stack == resolve(None, None) == [CHAT_ADAPTER, COMPACT_ADAPTER]
+    assert resolve("default-chat", None) == [CHAT_ADAPTER] and resolve("default", "some-model.gguf") == []
     for i, shipped in enumerate(stack):
         check_stack(shipped, stack[:i])
-    assert prompt_of(COMPACT_ADAPTER) == FORMS["compact"] and prompt_of(DEFAULT_ADAPTER) == FORMS["chat"]
-    assert card(COMPACT_ADAPTER)["readout"] == card(DEFAULT_ADAPTER)["readout"]
+    assert prompt_of(COMPACT_ADAPTER) == FORMS["compact"] and prompt_of(CHAT_ADAPTER) == FORMS["chat"]
+    assert card(COMPACT_ADAPTER)["readout"] == card(CHAT_ADAPTER)["readout"]
     with pytest.raises(ModelSourceError, match="was trained on top of"):
         check_stack(COMPACT_ADAPTER, [])
     with pytest.raises(ModelSourceError, match="default model only"):
         resolve("default-chat", "some-model.gguf")
+    with pytest.raises(ModelSourceError, match="removed on 2026-12-06"):  # the labels-only opt-in of 2026-12-05
+        resolve("default-compact", None)
     # tuned from a compact engine on another installation: both shipped adapters are found here, in order
     on_compact = adapter("on-compact", b"on compact", on=stack, recorded_path="/elsewhere/adapters/x")
-    assert resolve(str(on_compact), None) == [DEFAULT_ADAPTER, COMPACT_ADAPTER, on_compact]
+    assert resolve(str(on_compact), None) == [CHAT_ADAPTER, COMPACT_ADAPTER, on_compact]
 
 
 def test_a_relative_adapter_folder_is_recorded_where_it_is(tmp_path, monkeypatch):
@@ -1087,13 +1089,33 @@ def test_teacher_targets_blend_the_engines_answer_asked_alone_with_the_label(tin
         crossed_rows(rows, -1)
 
 
-def test_teacher_targets_cli_errors_are_one_line_and_write_nothing(tmp_path):
-    out = tmp_path / "out.jsonl"
-    for rows, message in (([{"state": "x", "question": NOUL, "label": "maybe"}], "rows.jsonl:1"),
-                          ([{"state": "x", "question": NOUL, "probabilities": {"yes": 1.0}}], "needs a label"),
-                          (["{not json"], "not valid JSON")):
-        data = _write(tmp_path, rows)
-        proc = subprocess.run([sys.executable, "-m", "onepass.calibration.teacher_targets", "--rows", str(data),
-                               "--teacher", str(tmp_path), "--out", str(out)], capture_output=True, text=True)
+def test_teacher_targets_cli_writes_taught_rows_and_its_errors_are_one_line_and_write_nothing(tiny_engine_dir, tmp_path):
+    """The command `make train-default-compact` runs (--crossed 1), then each way it can fail: a bad row, a row without
+    a label, bad JSON, a teacher folder that is no engine, a weight out of range, an output folder that does not
+    exist. Each is one line on stderr, exit 2, and no file (nor a partial one) is left."""
+    good = _write(tmp_path, [{"dataset": "rain", "state": "Note 1.", "question": NOUL, "label": "yes"},
+                             {"dataset": "team", "state": "Note 2.", "question": TEAM, "label": "red"}], "good.jsonl")
+
+    def run(rows, teacher, out, *extra):
+        return subprocess.run([sys.executable, "-m", "onepass.calibration.teacher_targets", "--rows", str(rows),
+                               "--teacher", str(teacher), "--out", str(out), *extra], capture_output=True, text=True)
+
+    out = tmp_path / "taught.jsonl"
+    proc = run(good, tiny_engine_dir, out, "--crossed", "1")
+    assert proc.returncode == 0, proc.stderr
+    taught = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("label") for r in taught] == ["yes", "red", None, None] and all("probabilities" in r for r in taught)
+    assert [r["dataset"] for r in taught[2:]] == ["team@crossed", "rain@crossed"]
+    out.unlink()
+    for rows, teacher, extra, message in (
+            ([{"state": "x", "question": NOUL, "label": "maybe"}], tiny_engine_dir, (), "rows.jsonl:1"),
+            ([{"state": "x", "question": NOUL, "probabilities": {"yes": 1.0}}], tiny_engine_dir, (), "needs a label"),
+            (["{not json"], tiny_engine_dir, (), "not valid JSON"),
+            (None, tmp_path, (), "manifest"),
+            (None, tiny_engine_dir, ("--weight", "1.5"), "weight"),
+            (None, tiny_engine_dir, ("--out", str(tmp_path / "missing" / "taught.jsonl")), "missing")):
+        data = good if rows is None else _write(tmp_path, rows)
+        proc = run(data, teacher, out, *extra)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
-        assert not out.exists()
+        assert not out.exists() and not (tmp_path / "missing").exists()
+        assert not [p for p in tmp_path.rglob("*.partial")]

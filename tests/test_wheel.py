@@ -96,7 +96,9 @@ def _smoke(bin_dir: Path, engine_dir: Path) -> dict:
 def test_the_wheel_holds_the_package_and_its_type_marker_and_no_tests_or_benchmarks(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "onepass/py.typed" in names and "onepass/cli.py" in names and "onepass/runtime/core/engine.py" in names
-    assert any(n.startswith("onepass/export/adapters/") for n in names)  # the shipped default adapter
+    for adapter in ("smollm2-135m-instruct", "smollm2-135m-instruct-compact"):  # the default engine merges both
+        for file in ("adapter_model.safetensors", "adapter_config.json", "onepass_adapter.json"):
+            assert f"onepass/export/adapters/{adapter}/{file}" in names, (adapter, file)
     assert not [n for n in names if n.startswith(("onepass/tests/", "onepass/benchmarks/", "tests/", "benchmarks/"))]
     sources = [zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith(".py")]
     assert not [s for s in sources if re.search(r"^\s*(import|from)\s+(onepass\.)?(benchmarks|tests)\b", s, re.M)]

@@ -59,7 +59,8 @@ class PromptTemplate:
                 raise ValueError(f"prompt.{name} must contain {field_}")
 
 
-# Named prompt forms (`onepass export --prompt`). "chat" is the default above. "compact" (issue 46) writes each
+# Named prompt forms (`onepass export --prompt`). "chat" is the template's default above (a base model without an
+# adapter asks in it); the default engine asks in "compact" (issue 46, its adapter's card), which writes each
 # question inside the user's turn, ending "Answer:" with no turn closed and opened, and no hint that only repeats
 # what the options say ("Answer yes or no.", "Answer in a few words.", "Answer with one option."): 147 fewer packed
 # tokens on the README ticket's 13 questions (421 -> 274). An adapter is trained for one form: its card records it,
