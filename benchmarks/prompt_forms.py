@@ -1,12 +1,13 @@
 """Prompt forms side by side (issue 46): packed tokens, GFLOP and time of the README ticket's pass, and accuracy
 on rows neither engine's adapter was trained on and on the data sets the adapters may be trained on.
 
-``--chat`` is the shipped engine as it was (the ``chat`` form: each question closes the user's turn and opens the
-assistant's, under a hint such as "Answer yes or no."); ``--compact`` an engine whose adapter was trained in the
-``compact`` form (``prompt.FORMS``: the question stays in the user's turn and ends "Answer:", no hint that only
-repeats the options), by `make train-default`. Each engine answers in the form its adapter was
-trained in, so the comparison is of the whole product: form and adapter. ``--also NAME=DIR`` adds more engines in
-the compact form (an adapter trained in the chat form and asked in the compact one, a retrained one).
+``--chat`` is an engine whose adapter was trained in the ``chat`` form (each question closes the user's turn and
+opens the assistant's, under a hint such as "Answer yes or no."; `--adapter default-chat`, the default engine until
+2026-12-06); ``--compact`` one whose adapter was trained in the ``compact`` form (``prompt.FORMS``: the question
+stays in the user's turn and ends "Answer:", no hint that only repeats the options; the default engine since).
+Each engine answers in the form its adapter was trained in, so the comparison is of the whole product: form and
+adapter. ``--also NAME=DIR`` adds more engines in the compact form (an adapter trained in the chat form and asked in
+the compact one, a retrained one).
 
 * Work: the 13 questions over a 511-token state, one pass: packed tokens (per question), read-outs, GFLOP by part
   (``roofline.pass_flops``).
@@ -25,7 +26,7 @@ the compact form (an adapter trained in the chat form and asked in the compact o
 
 Writes benchmarks/results/prompt_forms.{json,md}.
 
-    python benchmarks/prompt_forms.py --chat engines/smollm2 --compact build/compact-cont \
+    python benchmarks/prompt_forms.py --chat engines/smollm2-chat --compact engines/smollm2 \
         --heldout build/heldout.jsonl --mixture build/mixture.jsonl
 """
 

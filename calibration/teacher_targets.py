@@ -29,16 +29,13 @@ import numpy as np
 
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import InvalidRequest, OnepassError
+from ..runtime.core.prompt import state_text
 from ..runtime.core.questions import from_wire
 from ..runtime.tools.request_files import json_lines
 from ..runtime.tools.teacher import answer_distribution, wire_probabilities
 from .mixture import write_jsonl
 from .run import label_index
 from .tune_data import parse_row
-
-
-def _state_key(state) -> str:
-    return state if isinstance(state, str) else json.dumps(state, sort_keys=True)
 
 
 def crossed_rows(rows: list[dict], per_state: int, seed: int = 0) -> list[dict]:
@@ -51,7 +48,7 @@ def crossed_rows(rows: list[dict], per_state: int, seed: int = 0) -> list[dict]:
         by_dataset[r.get("dataset", "")].setdefault(json.dumps(r["question"], sort_keys=True), r["question"])
     states: dict = {}
     for r in rows:
-        states.setdefault(_state_key(r["state"]), (r["state"], set()))[1].add(r.get("dataset", ""))
+        states.setdefault(state_text(r["state"]), (r["state"], set()))[1].add(r.get("dataset", ""))
     rng = random.Random(seed)
     out = []
     for state, own in states.values():
@@ -62,16 +59,21 @@ def crossed_rows(rows: list[dict], per_state: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def check_weight(weight: float) -> None:
+    """InvalidRequest unless the teacher's share of a labelled row's target is within 0..1."""
+    if not 0.0 <= weight <= 1.0:
+        raise InvalidRequest(f"must be within 0..1, got {weight}", "weight")
+
+
 def teach(engine: Engine, rows: list[dict], weight: float, log=print) -> list[dict]:
     """``rows`` with ``probabilities``: ``weight`` x the engine's served answer + (1 - weight) x the label's one-hot;
     a row without a label gets the engine's answer alone."""
-    if not 0.0 <= weight <= 1.0:
-        raise InvalidRequest(f"must be within 0..1, got {weight}", "weight")
+    check_weight(weight)
     from tqdm import tqdm
 
     by_state: dict = defaultdict(list)
     for i, r in enumerate(rows):
-        by_state[_state_key(r["state"])].append(i)
+        by_state[state_text(r["state"])].append(i)
     out: list = [None] * len(rows)
     for idxs in tqdm(by_state.values(), unit="state", desc="teacher", dynamic_ncols=True, file=sys.stderr):
         questions = {f"q{j}": from_wire("question", rows[i]["question"]) for j, i in enumerate(idxs)}
@@ -115,8 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        if not 0.0 <= args.weight <= 1.0:
-            raise InvalidRequest(f"must be within 0..1, got {args.weight}", "weight")
+        check_weight(args.weight)  # before the rows are read and the teacher is loaded
         if not args.out.parent.is_dir():  # before the teacher's work, not after it
             raise InvalidRequest(f"the folder {args.out.parent} does not exist", "out")
         rows = load(args.rows)
