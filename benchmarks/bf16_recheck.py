@@ -20,6 +20,7 @@ Writes benchmarks/results/bf16_recheck.{json,md}.
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 import sys
@@ -40,7 +41,7 @@ RESULTS = Path(__file__).parent / "results"
 THRESHOLDS = [round(t, 2) for t in np.arange(0.0, 1.0001, 0.05)]
 
 
-def answers(engine_dir: str, asked: list, threads: int) -> list[dict]:
+def probability_rows(engine_dir: str, asked: list, threads: int) -> list[dict]:
     """Per question: its data set, f32's and bf16's probabilities, and bf16's certainty (what the gate reads)."""
     engines = {name: Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0)
                for name in (REFERENCE, BF16)}
@@ -74,36 +75,39 @@ def at_threshold(rows: list[dict], t: float) -> dict:
             for name, m in sorted(out.items())}
 
 
-def holds(per_dataset: dict) -> bool:
-    return all(m["argmax_agreement"] >= BOUNDS["argmax_agreement"] and m["max_abs_dp"] <= BOUNDS["max_abs_dp"]
+def holds(per_dataset: dict, bounds: dict = BOUNDS) -> bool:
+    return all(m["argmax_agreement"] >= bounds["argmax_agreement"] and m["max_abs_dp"] <= bounds["max_abs_dp"]
                for m in per_dataset.values())
 
 
 def speed(engine_dir: str, threshold: float, rounds: int, threads: int) -> tuple[dict, dict]:
     """Warm p50/min of the ticket for f32, bf16 and the cascade; and which of the ticket's questions it asks again."""
     f32, bf16 = (Engine.load(engine_dir, backend=name, threads=threads) for name in (REFERENCE, BF16))
-    cascade = Cascade([bf16, f32], min_confidence=threshold)
-    asked_again = cascade.ask(TICKET, QUESTIONS).asked[1]
-    runs = {REFERENCE: lambda: f32.ask(TICKET, QUESTIONS), BF16: lambda: bf16.ask(TICKET, QUESTIONS),
-            f"cascade at {threshold}": lambda: cascade.ask(TICKET, QUESTIONS)}
-    times = interleaved(runs, rounds)  # round 0 (untimed) fills both engines' state caches
-    f32.close()
-    bf16.close()
+    try:
+        cascade = Cascade([bf16, f32], min_confidence=threshold)
+        asked_again = cascade.ask(TICKET, QUESTIONS).asked[1]
+        runs = {REFERENCE: lambda: f32.ask(TICKET, QUESTIONS), BF16: lambda: bf16.ask(TICKET, QUESTIONS),
+                f"cascade at {threshold}": lambda: cascade.ask(TICKET, QUESTIONS)}
+        times = interleaved(runs, rounds)  # round 0 (untimed) fills both engines' state caches
+    finally:
+        f32.close()
+        bf16.close()
     return ({k: {"p50_s": round(statistics.median(v), 3), "min_s": round(min(v), 3)} for k, v in times.items()},
             {"asked_again": asked_again, "of": len(QUESTIONS)})
 
 
 def markdown(result: dict, args) -> str:
+    bounds = result["bounds"]
     lines = [f"# bf16 answers, doubtful ones asked again at f32 ({result['cpu']}, CPU bf16: {result['cpu_bf16']}, "
-             f"{args.threads} threads)", "",
+             f"{args.threads} threads, {result['measured']})", "",
              f"{args.n} questions per data set of `bf16_guarantee.py` (seed {args.seed}); bounds: argmax agreement >= "
-             f"{BOUNDS['argmax_agreement']} and max |dp| <= {BOUNDS['max_abs_dp']} on every data set. A question whose "
+             f"{bounds['argmax_agreement']} and max |dp| <= {bounds['max_abs_dp']} on every data set. A question whose "
              "bf16 certainty is below the threshold is asked again at f32 (its answer is then f32's).", "",
              "| threshold | " + " | ".join(f"{d}: again / argmax / max dp" for d in result["datasets"]) + " | bounds |",
              "|---|" + "---|" * len(result["datasets"]) + "---|"]
     for t, per in result["sweep"].items():
         cells = [f"{m['asked_again']:.2f} / {m['argmax_agreement']:.2f} / {m['max_abs_dp']:.3f}" for m in per.values()]
-        lines.append(f"| {t} | " + " | ".join(cells) + f" | {'hold' if holds(per) else 'missed'} |")
+        lines.append(f"| {t} | " + " | ".join(cells) + f" | {'hold' if holds(per, bounds) else 'missed'} |")
     chosen = result["chosen"]
     if chosen is None:
         lines += ["", "No threshold below 1 keeps the bounds: every question would be asked again."]
@@ -112,13 +116,13 @@ def markdown(result: dict, args) -> str:
         cells = "; ".join(f"{d} again {m['asked_again']:.2f}, argmax {m['argmax_agreement']:.2f}, max dp "
                           f"{m['max_abs_dp']:.3f}" for d, m in check.items())
         lines += ["", f"Chosen on seed {args.seed}: threshold **{chosen}** (the smallest that holds). On seed "
-                      f"{args.check_seed}'s requests it {'holds' if holds(check) else 'misses'}: {cells}."]
+                      f"{args.check_seed}'s requests it {'holds' if holds(check, bounds) else 'misses'}: {cells}."]
     s, ticket = result["speed"], result["ticket"]
     lines += ["", f"The README ticket's 13 questions warm, {args.rounds} interleaved rounds (seconds); the cascade "
                   f"asks {len(ticket['asked_again'])} of {ticket['of']} again at f32 "
                   f"({', '.join(ticket['asked_again']) or 'none'}):", "",
               "| run | warm p50 | warm min |", "|---|---|---|"]
-    lines += [f"| {name} | {v['p50_s']} | {v['min_s']} |" for name, v in s.items()]
+    lines += [f"| {name} | {v['p50_s']:.3f} | {v['min_s']:.3f} |" for name, v in s.items()]
     lines += ["", f"    python benchmarks/bf16_recheck.py --engine {args.engine} --n {args.n} --seed {args.seed} "
                   f"--check-seed {args.check_seed} --rounds {args.rounds}", ""]
     return "\n".join(lines)
@@ -128,14 +132,15 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--check-seed", type=int, default=8, help="the requests the chosen threshold is checked on")
     args = ap.parse_args()
-    rows = answers(args.engine, requests(args.n, args.seed), args.threads)
+    rows = probability_rows(args.engine, requests(args.n, args.seed), args.threads)
     sweep = {t: at_threshold(rows, t) for t in THRESHOLDS}
     chosen = next((t for t in THRESHOLDS if t < 1.0 and holds(sweep[t])), None)
     check = None
     if chosen is not None:
-        check = at_threshold(answers(args.engine, requests(args.n, args.check_seed), args.threads), chosen)
+        check = at_threshold(probability_rows(args.engine, requests(args.n, args.check_seed), args.threads), chosen)
     fast, ticket = speed(args.engine, 1.0 if chosen is None else chosen, args.rounds, args.threads)
-    result = {"cpu": cpu_name(), "cpu_bf16": cpu_bf16_kind(), "n": args.n, "seed": args.seed,
+    measured = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    result = {"measured": measured, "cpu": cpu_name(), "cpu_bf16": cpu_bf16_kind(), "n": args.n, "seed": args.seed,
               "check_seed": args.check_seed, "bounds": BOUNDS, "datasets": sorted(sweep[0.0]),
               "sweep": {str(t): v for t, v in sweep.items()}, "chosen": chosen, "check": check, "speed": fast,
               "ticket": ticket}

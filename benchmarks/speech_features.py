@@ -6,8 +6,8 @@ any feature of the base engine would carry more than the one the decision head r
 
 - ``option read-out``: the final-normed hidden state at each option's last read-out row (democrat minus
   republican), what ``--method head`` fits on;
-- ``state mean, after block L``: the RMS-normalised residual stream after block L, averaged over the state's tokens
-  (a bag-of-meaning of the passage, which the engine's graph does not output today).
+- ``state mean, after block L``: the RMS-normalised residual stream after block L (0-indexed), averaged over
+  the state's tokens (a bag-of-meaning of the passage, which the engine's graph does not output today).
 
 Only the speakers of tune_user's *training* split (its seed-0 speaker shuffle; its test speakers are never read
 here) are used: 700 passages, and 20 draws of 50 training passages from half of the speakers, tested on the
