@@ -22,8 +22,13 @@ import numpy as np
     (lambda: Choice("Pick", {}), "at least 2 options"),
     (lambda: Choice("Pick", {"a": None}), "at least 2 options"),
     (lambda: Choice("Pick", {"a": None, " ": None}), "option name must not be empty"),
-    (lambda: Choice("Pick", {"a": None, "a ": None}), "appears twice"),
+    # answers name options as sent: a name the model would read trimmed is refused, never answered under another name
+    (lambda: Choice("Pick", {"a": None, "a ": None}), "option name 'a ' begins or ends with whitespace"),
+    (lambda: Choice("Pick", {"billing": None, "\u00a0sales": None}), "begins or ends with whitespace"),
     (lambda: Choice("Pick", ["a", "a"]), "appears twice"),
+    (lambda: Choice("Pick", {"billing\n- sales": None, "x": None}), "control character U\\+000A at position 7"),
+    (lambda: Choice("Pick", {"a\x00": None, "b": None}), "control character U\\+0000"),
+    (lambda: Score("How?", ["low", "high "]), "level 1 'high ' begins or ends with whitespace"),
     (lambda: Choice("Pick", {"a": "", "b": None}), "description of option 'a' must not be empty"),
     (lambda: Choice("Pick", "a,b"), "criteria must map option names"),
     (lambda: Score("How?", ["low"]), "2 to 10 levels, got 1"),
@@ -97,6 +102,8 @@ def test_to_wire_is_the_inverse_of_from_wire(question):
      "same text after Unicode normalisation"),
     ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"bill\u200bing": None, "billing": None}}},
      "invisible character U\\+200B"),
+    ({"a\x00": {"type": "noul", "instructions": "Is it?"}}, "control character U\\+0000"),
+    ({"a\nb": {"type": "noul", "instructions": "Is it?"}}, "control character U\\+000A"),
 ])
 def test_ids_and_option_names_that_look_the_same_are_refused(body, message):
     """Two question ids or option names that differ only by a zero-width character, or only in Unicode

@@ -207,6 +207,26 @@ def test_error_statuses(url, body, raw, headers, status, field):
     assert resp_headers["x-typesafe-request-id"]
 
 
+def test_unknown_paths_and_methods_answer_in_the_error_format(url):
+    """A wrong path or method gets the same {"error": {message, field}} body as every other error (the SDK parses
+    it), with the request id; a trailing slash is a 404, not a redirect built from the client's Host header. The
+    control: the same body at the right path and method is answered."""
+    for method, path, status, says in (("GET", "/v1/systemone", 405, "GET is not allowed on /v1/systemone"),
+                                       ("DELETE", "/v1/systemone", 405, "allowed: POST"),
+                                       ("POST", "/v1/systemonex", 404, "nothing at POST /v1/systemonex"),
+                                       ("POST", "/v1/systemone/", 404, "the service answers POST /v1/systemone")):
+        data = json.dumps({"state": "x", "questions": QUESTIONS}).encode() if method == "POST" else None
+        req = urllib.request.Request(url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:  # urllib follows no 307 for a POST: it raises it
+            urllib.request.urlopen(req, timeout=60)
+        body = json.loads(caught.value.read())
+        assert caught.value.code == status, body
+        assert says in body["error"]["message"] and body["error"]["field"] is None
+        assert caught.value.headers["x-typesafe-request-id"]
+    assert post(url, {"state": "x", "questions": QUESTIONS})[0] == 200
+
+
 def test_bodies_over_the_size_limit_are_413(engine):
     """Small limit, so the whole request fits in socket buffers and the client always reads the answer."""
     import zstandard

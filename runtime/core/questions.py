@@ -58,11 +58,25 @@ def _task(value, field_path: str = "task"):
 def check_visible(name: str, what: str, field_path: str | None) -> None:
     """Refuse a name (a question id, an option name) holding an invisible formatting character (Unicode category
     Cf: zero-width spaces and joiners, bidi controls, the BOM, soft hyphens, tags; and U+034F): two names that
-    differ only by one look the same to a person."""
+    differ only by one look the same to a person; or a control character (Cc: NUL, tab, newline, ...): a name is one
+    line of text, and a newline in an option name would write a line of its own into the prompt's option list."""
     for i, ch in enumerate(name):
-        if unicodedata.category(ch) == "Cf" or ch == "\u034f":
+        category = unicodedata.category(ch)
+        if category == "Cf" or ch == "\u034f":
             raise InvalidRequest(f"{what} contains the invisible character U+{ord(ch):04X} at position {i}; names "
                                  "must be visible text", field_path)
+        if category == "Cc":
+            raise InvalidRequest(f"{what} contains the control character U+{ord(ch):04X} at position {i}; names "
+                                 "must be one line of visible text", field_path)
+
+
+def check_trimmed(name, what: str, field_path: str | None) -> None:
+    """Refuse a name (an option name, a score level) that begins or ends with whitespace: answers name options and
+    levels exactly as the request did, and the model reads them trimmed, so "billing " would come back as another
+    name than the one sent."""
+    if isinstance(name, str) and name.strip() and name != name.strip():
+        raise InvalidRequest(f"{what} {name!r} begins or ends with whitespace; answers use names exactly as sent, so "
+                             "send it without", field_path)
 
 
 def distinct(names: list, what: str, field_path: str | None) -> None:
@@ -133,6 +147,7 @@ class Choice:
         for name, desc in items:
             if not isinstance(name, str):
                 raise InvalidRequest("option names must be strings", "criteria")
+            check_trimmed(name, "option name", "criteria")
             key = _content(name, "an option name", "criteria")
             check_visible(key, "an option name", "criteria")
             if key in clean:
@@ -159,6 +174,8 @@ class Score:
         object.__setattr__(self, "instructions", _content(self.instructions, "instructions", "instructions", True))
         if isinstance(self.criteria, (str, bytes)) or not isinstance(self.criteria, Sequence):
             raise InvalidRequest("criteria must be a list of level descriptions, low to high", "criteria")
+        for i, c in enumerate(self.criteria):
+            check_trimmed(c, f"level {i}", f"criteria.{i}")
         levels = tuple(_content(c, f"level {i}", f"criteria.{i}") for i, c in enumerate(self.criteria))
         if not MIN_LEVELS <= len(levels) <= MAX_LEVELS:
             raise InvalidRequest(

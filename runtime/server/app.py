@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.cascade import Gate
 from ..core.config import EngineConfig
@@ -340,7 +341,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     docs = {} if server.config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # off unless asked
     if not warm:
         server.ready = True
-    app = FastAPI(title="onepass", version="0.1.0", lifespan=_lifespan(server, warm),
+    # redirect_slashes off: "/v1/systemone/" is a 404 in the error format, not a redirect built from the Host header
+    app = FastAPI(title="onepass", version="0.1.0", lifespan=_lifespan(server, warm), redirect_slashes=False,
                   description="TypeSafe System One compatible decision engine", **docs)
     app.state.server = server
 
@@ -353,8 +355,18 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     async def refused(_: Request, err: Exception):
         return error_response(err, server.config.retry_after_s)
 
+    async def no_route(request: Request, err: StarletteHTTPException):
+        """An unknown path (404) or method (405) answered in the error format the SDK parses, like every error."""
+        allowed = (err.headers or {}).get("Allow")
+        path = request.url.path
+        message = (f"{request.method} is not allowed on {path}; allowed: {allowed}" if err.status_code == 405
+                   else f"nothing at {request.method} {path}; the service answers POST /v1/systemone"
+                   if err.status_code == 404 else str(err.detail))
+        return error_response(HTTPError(err.status_code, message, headers=err.headers), server.config.retry_after_s)
+
     app.add_exception_handler(HTTPError, refused)
     app.add_exception_handler(OnepassError, refused)
+    app.add_exception_handler(StarletteHTTPException, no_route)
     _routes(app, server)
     return app
 
