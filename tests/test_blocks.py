@@ -96,9 +96,9 @@ def test_a_block_with_wrong_positions_is_caught(tiny_engine_dir, monkeypatch):
     state = engine.state(STATE)
     alone = _alone(engine, state, encoded, range(64))
     real = engine.passes
-    monkeypatch.setattr(engine, "passes", lambda s, e: [
+    monkeypatch.setattr(engine, "passes", lambda s, e, deadline=None: [
         (g, dataclasses.replace(b, position_ids=b.position_ids + (1 if k == 1 else 0)), over)
-        for k, (g, b, over) in enumerate(real(s, e))])
+        for k, (g, b, over) in enumerate(real(s, e, deadline))])
     assert _max_diff(engine.option_logprobs(state, encoded), alone) > 100 * TOL
 
 

@@ -231,6 +231,86 @@ def test_admission_counts_exact_tokens_and_a_request_that_cannot_fit_is_refused_
         loop.close()
 
 
+def test_admission_weighs_attention_and_a_long_questions_trunk(tiny_engine_dir):
+    """A request's work is tokens plus attention entries at their FLOP cost (Planner.work): a 4,228-token state
+    with a 10 s deadline was admitted by its tokens (~8.9 s at the measured rate) and answered 503 after 12.6 s, and
+    a 1000-option choice, whose listed options (~5,900 tokens) are prefilled as its trunk, was counted without them.
+    The state's work is checked against the entries of every prefill chunk's dense [k, start + k] block counted
+    here; a long choice's work holds its trunk; and a state whose tokens fit the deadline but whose work does not
+    is refused at once (NeverFits), where the control (the same request counted by tokens) was admitted."""
+    import dataclasses
+
+    import numpy as np
+
+    from onepass import Engine
+    from onepass.runtime.core.planner import entries_per_token
+    from onepass.runtime.server.dispatch import NeverFits
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    chunk, per = engine.manifest.limits.prefill_chunk, entries_per_token(engine.manifest.model.hidden_size)
+    q = {"q": Noul("Is it?")}
+    p = engine.prepare("word " * 1500, q)
+    n, packed = p.state_tokens, p.packed_tokens
+    assert n > 2 * chunk  # several chunks
+    blocks = [np.ones((min(chunk, n - s), s + min(chunk, n - s)), bool) for s in range(0, n, chunk)]
+    assert p.state_work == pytest.approx(n + sum(b.size for b in blocks) / per)
+    assert p.work == pytest.approx(packed + packed * (n + packed) / per)  # one pass over the state
+    long_choice = Choice("Which?", [f"option number {i}" for i in range(300)])
+    trunk = len(engine.encoder.question(long_choice).trunk) - 1
+    long = engine.prepare("a short state", {"q": long_choice})
+    assert long.passes > 1 and long.work > long.packed_tokens + trunk  # its trunk is prefilled: counted
+
+    dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        dispatcher.calibrate(1.0, 1000)  # 1 ms per token-equivalent
+        budget = 1.2 * (n + packed) / 1000  # the tokens alone fit it, with 20% to spare
+        assert (p.work + p.state_work) / 1000 > budget
+        with pytest.raises(NeverFits, match="tokens of work.*its deadline allows"):
+            dispatcher.submit(p, time.monotonic() + budget)
+        by_tokens = dataclasses.replace(p, work=None, state_work=None)  # the control: counted by tokens
+        assert dispatcher.work_tokens(by_tokens) == n + packed
+        loop = asyncio.new_event_loop()
+        try:
+            async def admitted():
+                future = dispatcher.submit(by_tokens, time.monotonic() + budget)
+                return not future.done(), await future
+
+            queued, answer = loop.run_until_complete(admitted())
+            assert queued and answer is not None  # queued, not refused (then answered by the tiny engine)
+        finally:
+            loop.close()
+    finally:
+        dispatcher.close()
+
+
+def test_a_prefill_past_its_deadline_stops_between_chunks(tiny_engine_dir, monkeypatch):
+    """A state prefilled for requests whose deadline passes stops before its next chunk (DeadlineExceeded) instead
+    of running to its end: a 4,228-token state was prefilled 2.6 s past its deadline, holding the engine. Each chunk
+    is slowed to 0.6 s with a 0.3 s deadline: at most one chunk of the several runs. Control: without a deadline
+    every chunk runs and the request is answered."""
+    from onepass import Engine
+    from onepass.runtime.core.errors import DeadlineExceeded
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    prepared = engine.prepare("word " * 1500, {"q": Noul("Is it?")})
+    chunks = -(-prepared.state_tokens // engine.manifest.limits.prefill_chunk)
+    assert chunks >= 3
+    runs, real = [], engine.backend._run
+
+    def slow(batch, kv):
+        runs.append(batch.num_tokens)
+        time.sleep(0.6)
+        return real(batch, kv)
+
+    monkeypatch.setattr(engine.backend, "_run", slow)
+    (result,) = engine.run_group([prepared], deadline=time.monotonic() + 0.3)
+    assert isinstance(result, DeadlineExceeded) and "while the state was being prefilled" in str(result)
+    assert len(runs) <= 1
+    runs.clear()
+    (answered,) = engine.run_group([prepared])
+    assert not isinstance(answered, BaseException) and len(runs) == chunks + 1  # every chunk, then the pass
+
+
 def test_a_question_asked_many_times_is_packed_and_counted_once(tiny_engine_dir):
     """400 copies of one yes/no question were refused 413 ("about 17 s") by a character estimate for a 0.2 s pass:
     the prepared size is the trie's, where the copies are one question. Control: 400 distinct questions."""
@@ -253,9 +333,9 @@ def test_stage_clocks_name_the_pack_apart_from_the_pass(engine, monkeypatch):
     assert list(alone) == ["tokenize", "prefill", "pack", "score", "readout"] and alone["pack"] > 0
     real_passes, real_score = engine.passes, engine.backend.score_all
 
-    def slow_passes(state, encoded):
+    def slow_passes(state, encoded, deadline=None):
         time.sleep(0.05)
-        return real_passes(state, encoded)
+        return real_passes(state, encoded, deadline)
 
     def slow_score(kv, batch):
         time.sleep(0.5)

@@ -7,7 +7,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -146,16 +146,20 @@ class Backend(ABC):
         length = kv.length + n
         return StateKV(tuple(pairs), length, length * self.model.kv_bytes_per_token())
 
-    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
-        """K/V of a state, computed in causal chunks of at most ``chunk`` tokens."""
+    def prefill(self, ids: Sequence[int], chunk: int, between: Callable[[], None] | None = None) -> StateKV:
+        """K/V of a state, computed in causal chunks of at most ``chunk`` tokens (``between``: as :meth:`extend`)."""
         if len(ids) == 0:
             raise ValueError("a state needs at least one token")
-        return self.extend(self.empty(), ids, chunk)
+        return self.extend(self.empty(), ids, chunk, between)
 
-    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int,
+               between: Callable[[], None] | None = None) -> StateKV:
         """K/V of ``kv``'s tokens followed by ``ids`` (positions continue after ``kv``), in causal chunks of at
-        most ``chunk``; ``kv`` itself is left as it is (a cached state stays valid)."""
+        most ``chunk``; ``kv`` itself is left as it is (a cached state stays valid). ``between`` is called before
+        each chunk: the caller's check (a deadline), which stops the prefill by raising."""
         for start in range(0, len(ids), chunk):
+            if between is not None:
+                between()
             _, new, _ = self._run(causal(ids[start:start + chunk], kv.length), kv)
             kv = self._append(kv, new)
         return kv

@@ -262,13 +262,13 @@ class TensorRTBackend(Backend):
         layers = tuple((tensors[2 * i], tensors[2 * i + 1]) for i in range(self.model.num_layers))
         return StateKV(layers, length, length * self.model.kv_bytes_per_token())
 
-    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+    def prefill(self, ids: Sequence[int], chunk: int, between=None) -> StateKV:
         self.device.activate()  # every entry point: the calling thread may not be the one that made the backend
-        return super().prefill(ids, chunk)
+        return super().prefill(ids, chunk, between)
 
-    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int, between=None) -> StateKV:
         self.device.activate()
-        return super().extend(kv, ids, chunk)
+        return super().extend(kv, ids, chunk, between)
 
     def to_host(self, value: DeviceTensor) -> np.ndarray:
         self.device.activate()

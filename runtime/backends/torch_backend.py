@@ -341,11 +341,11 @@ class TorchBackend(Backend):
             return out
         return self.graphs.run(key, lambda: self._capture_graph(run), replay, run)
 
-    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int) -> StateKV:
+    def extend(self, kv: StateKV, ids: Sequence[int], chunk: int, between=None) -> StateKV:
         """K/V of ``kv``'s tokens followed by ``ids``: causal chunks written into the workspace's state rows (each
         chunk padded to its bucket, its graph replayed), then the whole state copied once into its own buffer."""
         if not self.fused:
-            return super().extend(kv, ids, chunk)
+            return super().extend(kv, ids, chunk, between)
         total = kv.length + len(ids)
         starts = range(0, len(ids), chunk)
         rows = max(kv.length + s + self._pass_size(min(chunk, len(ids) - s)) for s in starts)  # the last chunk's pad
@@ -356,6 +356,8 @@ class TorchBackend(Backend):
             if persistent:
                 self.slots.forget()  # its state rows are being overwritten
             for start in starts:
+                if between is not None:  # the caller's check (a deadline) before each chunk: it raises to stop
+                    between()
                 self._prefill_chunk(ws, persistent, kv.length + start, ids[start:start + chunk])
             storage = self._new_storage(total)
             with self.device_span():
@@ -365,10 +367,10 @@ class TorchBackend(Backend):
             self.slots.hold(state)  # prefilled in place: the workspace holds it, no copy needed
         return state
 
-    def prefill(self, ids: Sequence[int], chunk: int) -> StateKV:
+    def prefill(self, ids: Sequence[int], chunk: int, between=None) -> StateKV:
         if len(ids) == 0:
             raise ValueError("a state needs at least one token")
-        return self.extend(self.empty(), ids, chunk)
+        return self.extend(self.empty(), ids, chunk, between)
 
     def _prefill_chunk(self, ws, persistent: bool, past: int, ids: Sequence[int]) -> None:
         """One chunk after ``past`` rows: padded to its bucket (padding tokens repeat the last position and come

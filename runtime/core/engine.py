@@ -46,7 +46,7 @@ class Engine:
             feed_tasks(backend, tasks)
         self.encoder = PromptEncoder(str(root / manifest.tokenizer), manifest.prompt)
         self.planner = Planner(self.encoder, manifest.limits, manifest.model.max_position,
-                               lambda: backend.block_tokens, tasks.names if tasks else ())
+                               lambda: backend.block_tokens, tasks.names if tasks else (), manifest.model.hidden_size)
         if manifest.prompt.option_line == OLD_OPTION_LINE and str(root) not in _WARNED:  # once, not per with_limits
             _WARNED.add(str(root))
             log.warning("%s renders a described choice option as %r, which works against it (a choice with only some "
@@ -170,14 +170,15 @@ class Engine:
         """Packed tokens per pass when a request is split into blocks of whole questions (:class:`Planner`)."""
         return self.planner.block_tokens
 
-    def passes(self, state: State, encoded: list[QuestionTokens]) -> list[tuple[list, PackedBatch, State]]:
+    def passes(self, state: State, encoded: list[QuestionTokens],
+               deadline: float | None = None) -> list[tuple[list, PackedBatch, State]]:
         """The packed passes that answer ``encoded`` over ``state`` (:meth:`Planner.plan`), as ([(question index,
         option indices)], batch, the state the batch continues): a long question's trunk is prefilled onto the state
-        (and cached), once every limit passed."""
+        (and cached), once every limit passed, and stopped between its chunks past ``deadline``."""
         plan, longer = self.planner.plan(state.num_tokens, encoded), {}
         for k, (parts, batch, over) in enumerate(plan):
             if over is not None and over not in longer:
-                longer[over] = self.states.extended(state, encoded[over].trunk[:-1])
+                longer[over] = self.states.extended(state, encoded[over].trunk[:-1], deadline)
             plan[k] = (parts, batch, state if over is None else longer[over])
         return plan
 
@@ -198,7 +199,7 @@ class Engine:
         ``clock`` gets ``pack`` (building the tree, its mask and positions; a long question's trunk
         prefill included) and ``score`` (the backend's passes) in milliseconds."""
         t0 = time.perf_counter()
-        plan = self.passes(state, encoded)
+        plan = self.passes(state, encoded, deadline)
         t1 = time.perf_counter()
         logprobs = [np.zeros(len(q.options)) for q in encoded]
         heads: list | None = None

@@ -41,7 +41,7 @@ def answer_group(engine, prepared: list[Prepared], readout: str | None = None, d
             state, hit = prepared[0].state, True
             clocks[0]["prefill"] = 0.0
         else:
-            state, hit = engine.states.of_ids(prepared[0].ids, clocks[0])
+            state, hit = engine.states.of_ids(prepared[0].ids, clocks[0], deadline)
     except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
         return [err] * len(prepared)
     # each later request looks the state up in the cache as it would alone (the cache's counts and each answer's

@@ -7,8 +7,23 @@ import time
 from dataclasses import dataclass
 
 from ..backends.base import Backend, StateKV
+from .errors import DeadlineExceeded
 from .planner import Planner
 from .state_cache import StateCache
+
+
+def until(deadline: float | None, what: str):
+    """The check a prefill calls before each chunk: DeadlineExceeded once ``deadline`` (monotonic seconds) has
+    passed, so a long prefill nobody waits for stops within one chunk instead of running to its end (a 4,200-token
+    state takes ~10 s on 2 cores). None without a deadline."""
+    if deadline is None:
+        return None
+
+    def between() -> None:
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"every waiter's deadline passed while {what} was being prefilled; the rest of it "
+                                   "was not computed")
+    return between
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,9 @@ class States:
             clock["tokenize"] = clock.get("tokenize", 0.0) + (time.perf_counter() - t0) * 1000
         return self.of_ids(ids, clock)
 
-    def of_ids(self, ids: tuple, clock: dict | None = None) -> tuple[State, bool]:
-        """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached."""
+    def of_ids(self, ids: tuple, clock: dict | None = None, deadline: float | None = None) -> tuple[State, bool]:
+        """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached.
+        ``deadline`` (monotonic seconds): past it, the prefill stops before its next chunk (DeadlineExceeded)."""
         t0 = time.perf_counter()
         cached = self.cache.get(ids)
         if clock is not None:
@@ -53,23 +69,23 @@ class States:
         if cached is not None:
             return cached, True
         with self.backend.serial():
-            kv = self.backend.prefill(ids, self.prefill_chunk)
+            kv = self.backend.prefill(ids, self.prefill_chunk, until(deadline, "the state"))
         prefilled = State(ids, kv)
         self.cache.put(ids, prefilled, kv.nbytes)
         if clock is not None:
             clock["prefill"] = (time.perf_counter() - t0) * 1000
         return prefilled, False
 
-    def extended(self, state: State, ids: tuple) -> State:
+    def extended(self, state: State, ids: tuple, deadline: float | None = None) -> State:
         """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
-        prefilled onto ``state``'s K/V (which stays as it is)."""
+        prefilled onto ``state``'s K/V (which stays as it is); ``deadline``: as :meth:`of_ids`'."""
         joint = tuple(state.ids) + tuple(ids)
         self.planner.check_state_length(len(joint))
         cached = self.cache.get(joint)
         if cached is not None:
             return cached
         with self.backend.serial():
-            kv = self.backend.extend(state.kv, ids, self.prefill_chunk)
+            kv = self.backend.extend(state.kv, ids, self.prefill_chunk, until(deadline, "a long question's trunk"))
         longer = State(joint, kv)
         self.cache.put(joint, longer, kv.nbytes)
         return longer

@@ -136,7 +136,7 @@ class Server:
             start = time.monotonic()
             self.engine.run(text, questions)
         prepared = self.engine.prepare(text, questions)
-        self.dispatcher.calibrate(time.monotonic() - start, prepared.packed_tokens + prepared.state_tokens)
+        self.dispatcher.calibrate(time.monotonic() - start, prepared.work + prepared.state_work)
         self.memory.mark()  # the size the server returns to when idle after heavy requests
         self.ready = True
 

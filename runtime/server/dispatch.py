@@ -13,8 +13,10 @@ waits for. The work ahead is counted in passes and in tokens, not requests: queu
 about one state share a pass (up to ``max_batch`` of them), and a pass costs at least the
 measured seconds per pass, more when its questions (and the state's prefill, unless the
 state was answered recently) hold many tokens. A request arrives prepared
-(``Engine.prepare``, off the event loop), so its tokens are exact: the packed tokens of its
-own passes and its state's tokens; seconds per token are measured on the passes themselves.
+(``Engine.prepare``, off the event loop), so its work is exact in token-equivalents
+(``Planner.work``): the packed tokens of its own passes, a long question's trunk prefill and its
+state's tokens, each with its attention entries at their FLOP cost; seconds per token-equivalent
+are measured on the passes themselves.
 So one request of 5000 questions ahead makes a short-deadline request behind it a 429 at once
 instead of a late 503.
 """
@@ -47,7 +49,7 @@ class _Item:
     deadline: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    tokens: int = 0  # tokens of work: its packed tokens, plus the state's prefill if not answered lately
+    tokens: float = 0.0  # tokens of work (token-equivalents): its own, plus the state's prefill if not answered lately
 
     @property
     def key(self) -> bytes:  # requests with equal keys (a digest of the state's token ids) share a pass
@@ -102,12 +104,13 @@ class Dispatcher:
         if self.seconds_per_token == 0 and tokens > 0:
             self.seconds_per_token = seconds / tokens
 
-    def work_tokens(self, prepared: Prepared) -> int:
-        """A request's tokens of work: its packed tokens, and its state's unless the state was given prefilled,
-        was answered lately, or is queued already (call under the lock)."""
+    def work_tokens(self, prepared: Prepared) -> float:
+        """A request's tokens of work (token-equivalents, ``Planner.work``: attention included): its passes' and a
+        long question's trunk prefill, and its state's prefill unless the state was given prefilled, was answered
+        lately, or is queued already (call under the lock)."""
         key = prepared.key
         fresh = prepared.state is None and key not in self._recent and self._tokens[key] == 0
-        return prepared.packed_tokens + (prepared.state_tokens if fresh else 0)
+        return prepared.work + (prepared.state_work if fresh else 0.0)
 
     def wait_with(self, key, tokens: float) -> tuple[int, float]:
         """(passes, seconds of work) the queue holds once one more request about state ``key`` of ``tokens``
@@ -135,7 +138,7 @@ class Dispatcher:
             alone, left = self.pass_seconds(prepared.passes, tokens), deadline - time.monotonic()
             allowance = left if budget is None else budget
             if alone > allowance:
-                raise NeverFits(f"this request is {tokens} tokens of work, about {alone:.3g} s here, more than the "
+                raise NeverFits(f"this request is {tokens:.0f} tokens of work, about {alone:.3g} s here, more than the "
                                 f"{max(0.0, allowance):.3g} s its deadline allows")
             if alone > left:
                 raise QueueFull(f"about {alone:.1f} s of work and {max(0.0, left):.1f} s left before the request's "
@@ -145,7 +148,7 @@ class Dispatcher:
                 raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", wait)
             if wait > left:
                 queued = sum(self._tokens.values())
-                ahead = (f"{self._depth} requests ({passes} passes and {queued + tokens} tokens with this "
+                ahead = (f"{self._depth} requests ({passes} passes and {queued + tokens:.0f} tokens with this "
                          "one) are queued: " if self._depth else "nothing else is queued, but this request needs ")
                 raise QueueFull(f"{ahead}about {wait:.2f} s of work, more than the {max(0.0, left):.2f} s left before "
                                 "this request's deadline", wait - left)
@@ -203,6 +206,9 @@ class Dispatcher:
             results = [err] * len(group)
         self.measured(time.monotonic() - start, sum(item.tokens for item in group))
         self.on_batch(len(group))
+        for result in results:  # stopped between passes or prefill chunks: dropped for its deadline too
+            if isinstance(result, DeadlinePassed):
+                self.on_drop()
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
 
