@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.core.errors import OnepassError
+from ..runtime.core.errors import InvalidRequest, OnepassError
 from ..runtime.core.questions import Choice
 
 VERSION = "1.0.0"
@@ -138,7 +138,10 @@ def _example(task, sub, prefix, ex, max_state_chars, max_options, max_option_cha
     state = (prefix + ex["input"]).strip()
     if not state or len(state) > max_state_chars:
         return None
-    question = Choice(instructions="Which answer is correct?", criteria=names)
+    try:  # an option the engine refuses (a control character: a newline would write a line into the option list)
+        question = Choice(instructions="Which answer is correct?", criteria=names)
+    except InvalidRequest:
+        return None
     return Example(task, sub, state, question, values.index(best))
 
 

@@ -258,7 +258,8 @@ def test_admission_weighs_attention_and_a_long_questions_trunk(tiny_engine_dir):
     long_choice = Choice("Which?", [f"option number {i}" for i in range(300)])
     trunk = len(engine.encoder.question(long_choice).trunk) - 1
     long = engine.prepare("a short state", {"q": long_choice})
-    assert long.passes > 1 and long.work > long.packed_tokens + trunk  # its trunk is prefilled: counted
+    assert long.passes > 1 and long.trunk_work > trunk  # its trunk is prefilled onto the state: counted
+    assert long.trunks == (long.ids + engine.encoder.question(long_choice).trunk[:-1],)
 
     dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
     try:
@@ -267,6 +268,10 @@ def test_admission_weighs_attention_and_a_long_questions_trunk(tiny_engine_dir):
         assert (p.work + p.state_work) / 1000 > budget
         with pytest.raises(NeverFits, match="tokens of work.*its deadline allows"):
             dispatcher.submit(p, time.monotonic() + budget)
+        with_trunk = dispatcher.work_tokens(long)
+        assert with_trunk == pytest.approx(long.work + long.state_work + long.trunk_work)
+        engine.cache.put(long.trunks[0], object(), 1)  # once its trunk is cached, asking again does not prefill it
+        assert dispatcher.work_tokens(long) == pytest.approx(with_trunk - long.trunk_work)
         by_tokens = dataclasses.replace(p, work=None, state_work=None)  # the control: counted by tokens
         assert dispatcher.work_tokens(by_tokens) == n + packed
         loop = asyncio.new_event_loop()

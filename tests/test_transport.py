@@ -205,6 +205,13 @@ def test_echoed_values_are_cut_short(served):
     assert status == 400 and len(body) < 1000, len(body)
     status, body = _post(url, json.dumps({"model": "m" * 100000, "state": "s", "questions": {"q": NOUL}}).encode())
     assert status == 404 and len(body) < 2000, len(body)
+    padded = {"q": {"type": "choice", "instructions": "Which?", "criteria": {"x" * 100000 + " ": None, "y": None}}}
+    status, body = _post(url, json.dumps({"state": "s", "questions": padded}).encode())
+    assert status == 422 and b"begins or ends with whitespace" in body and len(body) < 2000, len(body)
+    with pytest.raises(urllib.error.HTTPError) as caught:  # an unknown path of 5,000 characters
+        urllib.request.urlopen(url + "/" + "p" * 5000, timeout=30)
+    body = caught.value.read()
+    assert caught.value.code == 404 and b"nothing at GET" in body and len(body) < 1000, len(body)
     assert max(len(line) for line in log.read_text().splitlines()) < 2000
 
 

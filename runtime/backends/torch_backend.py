@@ -349,6 +349,8 @@ class TorchBackend(Backend):
         total = kv.length + len(ids)
         starts = range(0, len(ids), chunk)
         rows = max(kv.length + s + self._pass_size(min(chunk, len(ids) - s)) for s in starts)  # the last chunk's pad
+        if between is not None:  # already late: before the workspace is taken and its graph slot given up
+            between()
         ws, persistent = self._workspace(rows)
         with torch.inference_mode():
             with self.device_span():
@@ -356,7 +358,7 @@ class TorchBackend(Backend):
             if persistent:
                 self.slots.forget()  # its state rows are being overwritten
             for start in starts:
-                if between is not None:  # the caller's check (a deadline) before each chunk: it raises to stop
+                if between is not None and start:  # the caller's check (a deadline) before each later chunk
                     between()
                 self._prefill_chunk(ws, persistent, kv.length + start, ids[start:start + chunk])
             storage = self._new_storage(total)

@@ -44,10 +44,12 @@ class Prepared:
     state: object = None
     timings: dict = field(default_factory=dict)  # milliseconds: tokenize, and pack (the planning)
     # work in token-equivalents (Planner.work: tokens through the weights plus attention entries at their FLOP
-    # cost): the request's own (its passes, and a long question's trunk prefill), and its state's prefill.
-    # None: the bare token counts (packed_tokens, state_tokens)
+    # cost): the request's passes, its state's prefill (None: the bare token counts), and the prefill of its long
+    # questions' trunks onto the state, cached under ``trunks`` (the joint token ids) once done
     work: float | None = None
     state_work: float | None = None
+    trunk_work: float = 0.0
+    trunks: tuple = ()
     key: bytes = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -124,30 +126,33 @@ class Planner:
         t1 = time.perf_counter()
         plan = self.plan(len(ids), encoded, mask=False)
         packed = sum(batch.num_tokens for _, batch, _ in plan)
-        work, state_work = self.work(len(ids), encoded, plan)
+        work, state_work, trunk_work = self.work(len(ids), encoded, plan)
+        trunks = tuple(ids + encoded[i].trunk[:-1] for i in sorted({o for _, _, o in plan if o is not None}))
         timings = {"tokenize": (t1 - t0) * 1000, "pack": (time.perf_counter() - t1) * 1000}
-        return Prepared(questions, tuple(encoded), ids, packed, len(plan), given, timings, work, state_work)
+        return Prepared(questions, tuple(encoded), ids, packed, len(plan), given, timings, work, state_work,
+                        trunk_work, trunks)
 
-    def work(self, past: int, encoded: list, plan: list) -> tuple[float, float]:
-        """(the questions' work, the state's prefill) in token-equivalents, what admission weighs against a
-        deadline: tokens through the weights plus attention entries / :func:`entries_per_token`. The questions'
-        work counts every pass (N packed tokens over P past ones: N (P + N) entries, the dense pass each backend
-        runs) and a long question's trunk prefilled onto the state (its tokens and their causal attention); the
-        state's, its causal prefill. Attention grows with the square of a state's length: a 4,200-token state costs
-        1.7x its tokens (measured 10.6 s against 0.46 s for 300 tokens), so counting tokens alone let a request in
-        that could not meet its deadline."""
+    def work(self, past: int, encoded: list, plan: list) -> tuple[float, float, float]:
+        """(the passes' work, the state's prefill, the long trunks' prefill) in token-equivalents, what admission
+        weighs against a deadline: tokens through the weights plus attention entries / :func:`entries_per_token`.
+        The passes: N packed tokens over P past ones, N (P + N) entries each (the dense pass each backend runs);
+        the state's and each long question's trunk prefilled onto it: their tokens and causal attention.
+        Attention grows with the square of a state's length: a 4,200-token state is 1.8x its tokens of work (per
+        token it took 1.65x the time of a 300-token state: 10.6 s against 0.46 s), so counting tokens alone let a
+        request in that could not meet its deadline."""
         chunk, per = self.limits.prefill_chunk, self.entries_per_token
-        trunk_tokens = entries = 0
+        trunk_tokens = entries = trunk_entries = 0
         for _, batch, over in plan:
             prior = past if over is None else past + len(encoded[over].trunk) - 1
             entries += batch.num_tokens * (prior + batch.num_tokens)
         for i in sorted({over for _, _, over in plan if over is not None}):  # prefilled once each
             trunk_tokens += len(encoded[i].trunk) - 1
-            entries += causal_entries(len(encoded[i].trunk) - 1, past, chunk)
+            trunk_entries += causal_entries(len(encoded[i].trunk) - 1, past, chunk)
         packed = sum(batch.num_tokens for _, batch, _ in plan)
         if per is None:
-            return float(packed + trunk_tokens), float(past)
-        return packed + trunk_tokens + entries / per, past + causal_entries(past, 0, chunk) / per
+            return float(packed), float(past), float(trunk_tokens)
+        return (packed + entries / per, past + causal_entries(past, 0, chunk) / per,
+                trunk_tokens + trunk_entries / per)
 
     def state_ids(self, state) -> tuple:
         """The state segment's token ids (template included), within the state limit (LimitExceeded, found by

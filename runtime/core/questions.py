@@ -70,13 +70,20 @@ def check_visible(name: str, what: str, field_path: str | None) -> None:
                                  "must be one line of visible text", field_path)
 
 
+def shown(value, limit: int = 80) -> str:
+    """A caller's name as an error message repeats it: its repr, cut to ``limit`` characters (a 1 MB option name
+    is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check_trimmed(name, what: str, field_path: str | None) -> None:
     """Refuse a name (an option name, a score level) that begins or ends with whitespace: answers name options and
     levels exactly as the request did, and the model reads them trimmed, so "billing " would come back as another
     name than the one sent."""
     if isinstance(name, str) and name.strip() and name != name.strip():
-        raise InvalidRequest(f"{what} {name!r} begins or ends with whitespace; answers use names exactly as sent, so "
-                             "send it without", field_path)
+        raise InvalidRequest(f"{what} {shown(name)} begins or ends with whitespace; answers use names exactly as "
+                             "sent, so send it without", field_path)
 
 
 def distinct(names: list, what: str, field_path: str | None) -> None:
@@ -151,7 +158,7 @@ class Choice:
             key = _content(name, "an option name", "criteria")
             check_visible(key, "an option name", "criteria")
             if key in clean:
-                raise InvalidRequest(f"option {key!r} appears twice; option names must be unique", "criteria")
+                raise InvalidRequest(f"option {shown(key)} appears twice; option names must be unique", "criteria")
             clean[key] = _content(desc, f"the description of option {key!r}", f"criteria.{key}", True)
         if len(clean) < 2:
             raise InvalidRequest(f"a choice needs at least 2 options, got {len(clean)}", "criteria")

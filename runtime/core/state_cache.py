@@ -33,6 +33,11 @@ class StateCache:
             self.hits += 1
             return entry[0]
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached now, counting neither a hit nor a miss (admission asks, nothing is used)."""
+        with self._lock:
+            return key in self._items
+
     def put(self, key: Hashable, value, nbytes: int) -> None:
         """Insert (values larger than the whole budget are not kept)."""
         with self._lock:

@@ -37,11 +37,11 @@ from ..core.engine import Engine
 from ..core.wire import parse_request, response_body
 from ..core.questions import MAX_LEVELS, without_task
 from ..core.errors import OnepassError
-from .body import clip, decode, parse_json, read_raw
+from .body import ECHO_CHARS, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import Dispatcher
 from .errors import (CLIENT_CLOSED, BodyTimeout, DeadlineExceeded, HTTPError, InternalError, MalformedBody, NeverFits,
-                     NotReady, QueueFull, Unauthorized, UnknownModel, error_response, http_error, status_of)
+                     NotFound, NotReady, QueueFull, Unauthorized, UnknownModel, error_response, http_error, status_of)
 from .memory import MemoryFloor, release_free_memory
 from .metrics import Metrics
 from .teaching import TeacherLink, TeacherSetup
@@ -356,12 +356,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
         return error_response(err, server.config.retry_after_s)
 
     async def no_route(request: Request, err: StarletteHTTPException):
-        """An unknown path (404) or method (405) answered in the error format the SDK parses, like every error."""
-        allowed = (err.headers or {}).get("Allow")
-        path = request.url.path
-        message = (f"{request.method} is not allowed on {path}; allowed: {allowed}" if err.status_code == 405
-                   else f"nothing at {request.method} {path}; the service answers POST /v1/systemone"
-                   if err.status_code == 404 else str(err.detail))
+        """An unknown path (404) or method (405) answered in the error format the SDK parses, like every error;
+        the client's method and path repeated at most ECHO_CHARS long."""
+        method, path = request.method[:40], request.url.path
+        path = path if len(path) <= ECHO_CHARS else f"{path[:ECHO_CHARS]}... ({len(path)} characters)"
+        if err.status_code == 404:
+            where = request.scope.get("root_path", "") + "/v1/systemone"  # mounted (docs/embedding.md): its prefix
+            return error_response(NotFound(f"nothing at {method} {path}; the service answers POST {where}"),
+                                  server.config.retry_after_s)
+        message = (f"{method} is not allowed on {path}; allowed: {(err.headers or {}).get('Allow')}"
+                   if err.status_code == 405 else clip(err.detail))
         return error_response(HTTPError(err.status_code, message, headers=err.headers), server.config.retry_after_s)
 
     app.add_exception_handler(HTTPError, refused)

@@ -105,12 +105,14 @@ class Dispatcher:
             self.seconds_per_token = seconds / tokens
 
     def work_tokens(self, prepared: Prepared) -> float:
-        """A request's tokens of work (token-equivalents, ``Planner.work``: attention included): its passes' and a
-        long question's trunk prefill, and its state's prefill unless the state was given prefilled, was answered
-        lately, or is queued already (call under the lock)."""
+        """A request's tokens of work (token-equivalents, ``Planner.work``: attention included): its passes'; its
+        state's prefill unless the state was given prefilled, was answered lately, or is queued already; and its
+        long questions' trunk prefill unless the engine's cache holds them (call under the lock)."""
         key = prepared.key
-        fresh = prepared.state is None and key not in self._recent and self._tokens[key] == 0
-        return prepared.work + (prepared.state_work if fresh else 0.0)
+        fresh = prepared.state is None and key not in self._recent and key not in self._states
+        cache = getattr(self.engine, "cache", None)
+        cached = bool(prepared.trunks) and cache is not None and all(cache.holds(t) for t in prepared.trunks)
+        return prepared.work + (prepared.state_work if fresh else 0.0) + (0.0 if cached else prepared.trunk_work)
 
     def wait_with(self, key, tokens: float) -> tuple[int, float]:
         """(passes, seconds of work) the queue holds once one more request about state ``key`` of ``tokens``
@@ -204,11 +206,12 @@ class Dispatcher:
                                             deadline=max(item.deadline for item in group))
         except Exception as err:  # noqa: BLE001 - run_group isolates requests; this is a last guard
             results = [err] * len(group)
-        self.measured(time.monotonic() - start, sum(item.tokens for item in group))
+        stopped = sum(isinstance(result, DeadlinePassed) for result in results)  # between passes or prefill chunks
+        if not stopped:  # a group cut short did less than its work: its time would lower the rate
+            self.measured(time.monotonic() - start, sum(item.tokens for item in group))
         self.on_batch(len(group))
-        for result in results:  # stopped between passes or prefill chunks: dropped for its deadline too
-            if isinstance(result, DeadlinePassed):
-                self.on_drop()
+        for _ in range(stopped):  # dropped for their deadline too, if later
+            self.on_drop()
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
 
