@@ -214,7 +214,8 @@ def test_caller_text_never_forms_special_tokens(engine, where):
         return sum(t in special for t in tokens)
 
     def encoded(text: str) -> tuple[list[int], list[list[int]]]:
-        names = {"billing": "payments", ("x" + text if where == "option" else "fraud"): None}
+        # an option name is one line (a newline in it is refused): the attack's special tokens without its newlines
+        names = {"billing": "payments", ("x" + text.replace("\n", " ") if where == "option" else "fraud"): None}
         if where == "description":
             names["billing"] = text
         q = Choice(text if where == "instructions" else "Which team?", names)
