@@ -102,6 +102,12 @@ def test_to_wire_is_the_inverse_of_from_wire(question):
      "same text after Unicode normalisation"),
     ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"bill\u200bing": None, "billing": None}}},
      "invisible character U\\+200B"),
+    ({"a\u3164": {"type": "noul", "instructions": "Is it?"}, "a": {"type": "noul", "instructions": "Or?"}},
+     "but for characters that display as nothing"),
+    ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"a\ufe0f": None, "a": None}}},
+     "but for characters that display as nothing"),
+    ({"q": {"type": "choice", "instructions": "Which?", "criteria": {"\u3164": None, "a": None}}},
+     "made only of characters that display as nothing"),
     ({"a\x00": {"type": "noul", "instructions": "Is it?"}}, "control character U\\+0000"),
     ({"a\nb": {"type": "noul", "instructions": "Is it?"}}, "control character U\\+000A"),
 ])
@@ -116,3 +122,17 @@ def test_ids_and_option_names_that_look_the_same_are_refused(body, message):
     _, questions = parse_request({"state": "s", "questions": {
         "caf\u00e9": {"type": "choice", "instructions": "Which?", "criteria": {"caf\u00e9": None, "tea": None}}}})
     assert list(questions["caf\u00e9"].criteria) == ["caf\u00e9", "tea"]
+    _, questions = parse_request({"state": "s", "questions": {  # an emoji's variation selector inside a name: fine
+        "q": {"type": "choice", "instructions": "Which?", "criteria": {"\u2764\ufe0f": None, "tea": None}}}})
+    assert list(questions["q"].criteria) == ["\u2764\ufe0f", "tea"]
+
+
+def test_the_ignorable_table_is_unicodes_default_ignorable_code_points():
+    """questions.IGNORABLE is a hand-kept table (Python's unicodedata has no property lookup): checked code point by
+    code point against the regex package's \\p{Default_Ignorable_Code_Point} (installed with transformers)."""
+    regex = pytest.importorskip("regex")
+    from onepass.runtime.core.questions import ignorable
+
+    every = "".join(chr(cp) for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF)
+    expected = set(regex.findall(r"\p{Default_Ignorable_Code_Point}", every))
+    assert expected and {ch for ch in every if ignorable(ch)} == expected

@@ -68,6 +68,9 @@ def check_visible(name: str, what: str, field_path: str | None) -> None:
         if category == "Cc":
             raise InvalidRequest(f"{what} contains the control character U+{ord(ch):04X} at position {i}; names "
                                  "must be one line of visible text", field_path)
+    if name and all(ignorable(ch) for ch in name):
+        raise InvalidRequest(f"{what} is made only of characters that display as nothing (U+{ord(name[0]):04X}...); "
+                             "names must be visible text", field_path)
 
 
 def shown(value, limit: int = 80) -> str:
@@ -86,14 +89,33 @@ def check_trimmed(name, what: str, field_path: str | None) -> None:
                              "sent, so send it without", field_path)
 
 
+# Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt): characters that display as nothing. The
+# Cf ones among them are refused in names outright (check_visible); the others (Hangul fillers, variation selectors,
+# Khmer inherent vowels, Mongolian selectors) are legitimate inside a name ("\u2764\ufe0f", a heart as an emoji) but
+# must not be all that tells two names apart. Python's unicodedata has no property lookup, hence the table; the
+# tests check it against the regex package's \p{Default_Ignorable_Code_Point}.
+IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+             (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+             (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
+             (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF))
+
+
+def ignorable(ch: str) -> bool:
+    """Whether ``ch`` is a default-ignorable code point (displays as nothing)."""
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in IGNORABLE)
+
+
 def distinct(names: list, what: str, field_path: str | None) -> None:
-    """Refuse names that are equal after Unicode NFC normalisation (the same text to a reader, different bytes)."""
+    """Refuse names that are equal after Unicode NFC normalisation (the same text to a reader, different bytes), or
+    once the characters that display as nothing (:data:`IGNORABLE`) are removed."""
     seen: dict = {}
     for name in names:
-        key = unicodedata.normalize("NFC", name)
+        key = unicodedata.normalize("NFC", "".join(ch for ch in name if not ignorable(ch)))
         if key in seen and seen[key] != name:
-            raise InvalidRequest(f"{what} {seen[key]!r} and {name!r} are the same text after Unicode normalisation "
-                                 "(NFC); use names that differ", field_path)
+            raise InvalidRequest(f"{what} {shown(seen[key])} and {shown(name)} are the same text after Unicode "
+                                 "normalisation (NFC), or but for characters that display as nothing (variation "
+                                 "selectors, Hangul fillers); use names that differ", field_path)
         seen[key] = name
 
 
