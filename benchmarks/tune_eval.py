@@ -141,8 +141,8 @@ SPEECH_CHARS = 500  # a speech passage's length (characters, cut at whitespace),
 
 def speech_passages(rng: random.Random) -> tuple[list[tuple], list[tuple]]:
     """2012 convention speeches cut into non-overlapping passages, split by speaker: (train, test) lists of
-    (passage, party) whose speakers are disjoint (about a third of the speakers test), so no test passage comes from
-    a speech trained on."""
+    (passage, party, speaker) whose speakers are disjoint (about a third of the speakers test), so no test passage
+    comes from a speech trained on."""
     import csv
 
     csv.field_size_limit(1 << 24)
@@ -157,7 +157,7 @@ def speech_passages(rng: random.Random) -> tuple[list[tuple], list[tuple]]:
         while len(text) - start >= SPEECH_CHARS:
             end = text.rfind(" ", start, start + SPEECH_CHARS)
             end = end if end > start else start + SPEECH_CHARS
-            (test if s["speaker"] in tested else train).append((text[start:end].strip(), s["party"]))
+            (test if s["speaker"] in tested else train).append((text[start:end].strip(), s["party"], s["speaker"]))
             start = end
     return train, test
 
@@ -167,8 +167,8 @@ def _speeches(n: int, rng: random.Random) -> tuple[list[tuple], list[tuple]]:
     q = Choice("At which party's convention was this speech given?", {"democrat": "the Democratic Party",
                                                                        "republican": "the Republican Party"})
     train, test = speech_passages(rng)
-    return ([(t, q, party) for t, party in rng.sample(train, n)],
-            [(t, q, party) for t, party in rng.sample(test, TEST_ROWS)])
+    return ([(t, q, party) for t, party, _ in rng.sample(train, n)],
+            [(t, q, party) for t, party, _ in rng.sample(test, TEST_ROWS)])
 
 
 def user_rows(name: str, n: int, seed: int) -> tuple[list[dict], list[dict]]:

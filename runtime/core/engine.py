@@ -178,7 +178,7 @@ class Engine:
         plan, longer = self.planner.plan(state.num_tokens, encoded), {}
         for k, (parts, batch, over) in enumerate(plan):
             if over is not None and over not in longer:
-                longer[over] = self.states.extended(state, encoded[over].trunk[:-1], deadline)
+                longer[over] = self.states.extended(state, encoded[over], deadline)
             plan[k] = (parts, batch, state if over is None else longer[over])
         return plan
 

@@ -8,6 +8,12 @@ __all__ = ["OnepassError", "InvalidRequest", "NotText", "LimitExceeded", "Deadli
            "ModelSourceError", "BackendUnavailable"]
 
 
+def cut(text: str, limit: int) -> str:
+    """``text`` as a message repeats a caller's value: at most ``limit`` characters, then how long it was (a 1 MB
+    value is never sent back whole)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class InvalidRequest(OnepassError, ValueError):
     """A question, option or state is malformed (maps to HTTP 422/400).
 

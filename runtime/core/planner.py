@@ -72,6 +72,12 @@ def entries_per_token(hidden_size: int) -> float:
     return 5.0 * hidden_size
 
 
+def trunk_state_ids(state_ids: tuple, question: QuestionTokens) -> tuple:
+    """The token ids a long question's trunk (all but its last token) prefilled onto a state is cached under: what
+    ``States.extended`` prefills and admission looks up."""
+    return tuple(state_ids) + tuple(question.trunk[:-1])
+
+
 def causal_entries(tokens: int, past: int, chunk: int) -> int:
     """Attention entries a causal prefill of ``tokens`` after ``past`` computes in chunks of at most ``chunk``: each
     chunk attends densely to everything before it and to itself."""
@@ -87,11 +93,11 @@ class Planner:
     """The engine's limits applied to requests: checks, tokenising, and the passes that will answer them."""
 
     def __init__(self, encoder: PromptEncoder, limits, max_position: int, block_tokens: Callable[[], int],
-                 tasks: tuple = (), hidden_size: int | None = None):
+                 tasks: tuple, hidden_size: int):
         self.encoder, self.limits, self.max_position = encoder, limits, max_position
         self._block_tokens = block_tokens
         self.tasks = tuple(tasks)  # the engine's tuned tasks by name: a question's ``task`` is its number here
-        self.entries_per_token = entries_per_token(hidden_size) if hidden_size else None  # None: tokens only
+        self.entries_per_token = entries_per_token(hidden_size)
 
     def task_number(self, name: str | None, field_path: str) -> int:
         """A question's task as its number (-1: none), or InvalidRequest naming the engine's tasks."""
@@ -126,31 +132,30 @@ class Planner:
         t1 = time.perf_counter()
         plan = self.plan(len(ids), encoded, mask=False)
         packed = sum(batch.num_tokens for _, batch, _ in plan)
-        work, state_work, trunk_work = self.work(len(ids), encoded, plan)
-        trunks = tuple(ids + encoded[i].trunk[:-1] for i in sorted({o for _, _, o in plan if o is not None}))
+        longs = sorted({over for _, _, over in plan if over is not None})  # questions whose trunk is prefilled
+        work, state_work, trunk_work = self.work(len(ids), encoded, plan, longs)
+        trunks = tuple(trunk_state_ids(ids, encoded[i]) for i in longs)
         timings = {"tokenize": (t1 - t0) * 1000, "pack": (time.perf_counter() - t1) * 1000}
         return Prepared(questions, tuple(encoded), ids, packed, len(plan), given, timings, work, state_work,
                         trunk_work, trunks)
 
-    def work(self, past: int, encoded: list, plan: list) -> tuple[float, float, float]:
+    def work(self, past: int, encoded: list, plan: list, longs: list) -> tuple[float, float, float]:
         """(the passes' work, the state's prefill, the long trunks' prefill) in token-equivalents, what admission
         weighs against a deadline: tokens through the weights plus attention entries / :func:`entries_per_token`.
         The passes: N packed tokens over P past ones, N (P + N) entries each (the dense pass each backend runs);
-        the state's and each long question's trunk prefilled onto it: their tokens and causal attention.
+        the state's and each long question's trunk (``longs``) prefilled onto it: their tokens and causal attention.
         Attention grows with the square of a state's length: a 4,200-token state is 1.8x its tokens of work (per
         token it took 1.65x the time of a 300-token state: 10.6 s against 0.46 s), so counting tokens alone let a
         request in that could not meet its deadline."""
         chunk, per = self.limits.prefill_chunk, self.entries_per_token
-        trunk_tokens = entries = trunk_entries = 0
+        packed = entries = trunk_tokens = trunk_entries = 0
         for _, batch, over in plan:
             prior = past if over is None else past + len(encoded[over].trunk) - 1
+            packed += batch.num_tokens
             entries += batch.num_tokens * (prior + batch.num_tokens)
-        for i in sorted({over for _, _, over in plan if over is not None}):  # prefilled once each
+        for i in longs:  # prefilled once each
             trunk_tokens += len(encoded[i].trunk) - 1
             trunk_entries += causal_entries(len(encoded[i].trunk) - 1, past, chunk)
-        packed = sum(batch.num_tokens for _, batch, _ in plan)
-        if per is None:
-            return float(packed), float(past), float(trunk_tokens)
         return (packed + entries / per, past + causal_entries(past, 0, chunk) / per,
                 trunk_tokens + trunk_entries / per)
 

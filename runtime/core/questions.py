@@ -8,7 +8,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, cut
 
 MIN_LEVELS, MAX_LEVELS = 2, 10
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -74,10 +74,8 @@ def check_visible(name: str, what: str, field_path: str | None) -> None:
 
 
 def shown(value, limit: int = 80) -> str:
-    """A caller's name as an error message repeats it: its repr, cut to ``limit`` characters (a 1 MB option name
-    is not sent back whole)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    """A caller's name as an error message repeats it: its repr, cut to ``limit`` characters."""
+    return cut(repr(value), limit)
 
 
 def check_trimmed(name, what: str, field_path: str | None) -> None:

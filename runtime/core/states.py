@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..backends.base import Backend, StateKV
 from .errors import DeadlineExceeded
-from .planner import Planner
+from .planner import Planner, trunk_state_ids
 from .state_cache import StateCache
 
 
@@ -76,10 +76,11 @@ class States:
             clock["prefill"] = (time.perf_counter() - t0) * 1000
         return prefilled, False
 
-    def extended(self, state: State, ids: tuple, deadline: float | None = None) -> State:
-        """``state`` followed by ``ids`` (a long question's trunk) as a state of its own, from the cache or
-        prefilled onto ``state``'s K/V (which stays as it is); ``deadline``: as :meth:`of_ids`'."""
-        joint = tuple(state.ids) + tuple(ids)
+    def extended(self, state: State, question, deadline: float | None = None) -> State:
+        """``state`` followed by a long ``question``'s trunk but its last token as a state of its own, from the
+        cache or prefilled onto ``state``'s K/V (which stays as it is); ``deadline``: as :meth:`of_ids`'."""
+        joint = trunk_state_ids(state.ids, question)
+        ids = joint[len(state.ids):]
         self.planner.check_state_length(len(joint))
         cached = self.cache.get(joint)
         if cached is not None:

@@ -36,7 +36,7 @@ from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.wire import parse_request, response_body
 from ..core.questions import MAX_LEVELS, without_task
-from ..core.errors import OnepassError
+from ..core.errors import OnepassError, cut
 from .body import ECHO_CHARS, clip, decode, parse_json, read_raw
 from .config import ServerConfig
 from .dispatch import Dispatcher
@@ -358,8 +358,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, warm: bool = 
     async def no_route(request: Request, err: StarletteHTTPException):
         """An unknown path (404) or method (405) answered in the error format the SDK parses, like every error;
         the client's method and path repeated at most ECHO_CHARS long."""
-        method, path = request.method[:40], request.url.path
-        path = path if len(path) <= ECHO_CHARS else f"{path[:ECHO_CHARS]}... ({len(path)} characters)"
+        method, path = request.method[:40], cut(request.url.path, ECHO_CHARS)
         if err.status_code == 404:
             where = request.scope.get("root_path", "") + "/v1/systemone"  # mounted (docs/embedding.md): its prefix
             return error_response(NotFound(f"nothing at {method} {path}; the service answers POST {where}"),

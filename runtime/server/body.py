@@ -23,7 +23,7 @@ import numpy as np
 import zstandard
 from starlette.requests import ClientDisconnect, Request
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, cut
 from .errors import BodyTooLarge, ClientClosed, MalformedBody
 
 MAX_DEPTH = 32  # objects and arrays inside one another; System One bodies need about 6
@@ -34,8 +34,7 @@ ZSTD_FEED = 256  # compressed bytes fed at a time, so one step can only produce 
 
 def clip(value, limit: int = ECHO_CHARS) -> str:
     """A client's value as repeated back (an error message, a log line): its repr, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    return cut(repr(value), limit)
 
 
 async def read_raw(request: Request, limit: int) -> bytes:

@@ -83,6 +83,20 @@ class Closeness:
                 for name, a in sorted(self.seen.items())}
 
 
+def answered(engines: list, requests: list, progress=None):
+    """Per question of ``requests`` (:func:`read_requests`): (data set, the first engine's answer, the second's),
+    both engines asked each request; InvalidRequest names the request that fails."""
+    for i, (dataset, (state, questions)) in enumerate(requests):
+        try:
+            ref, var = (engine.ask(state, questions) for engine in engines)
+        except InvalidRequest as err:
+            raise InvalidRequest(f"request {i + 1} ({dataset}): {err}", "requests") from None
+        for qid in questions:
+            yield dataset, ref[qid], var[qid]
+        if progress is not None:
+            progress(i + 1, len(requests))
+
+
 def measure(engine_dir, requests: list, variant: str = BF16, reference: str = REFERENCE,
             threads: int | None = None, progress=None) -> dict:
     """The guarantee of ``variant`` against ``reference`` on ``requests`` (:func:`read_requests`), per data set:
@@ -92,15 +106,8 @@ def measure(engine_dir, requests: list, variant: str = BF16, reference: str = RE
     measured_on = fingerprint(engines[0].manifest)
     close = Closeness()
     try:
-        for i, (dataset, (state, questions)) in enumerate(requests):
-            try:
-                ref, var = (engine.ask(state, questions) for engine in engines)
-            except InvalidRequest as err:
-                raise InvalidRequest(f"request {i + 1} ({dataset}): {err}", "requests") from None
-            for qid in questions:
-                close.add(dataset, probabilities(ref[qid]), probabilities(var[qid]))
-            if progress is not None:
-                progress(i + 1, len(requests))
+        for dataset, ref, var in answered(engines, requests, progress):
+            close.add(dataset, probabilities(ref), probabilities(var))
     finally:
         for engine in engines:
             engine.close()
