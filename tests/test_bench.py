@@ -243,3 +243,33 @@ def test_the_command_interrupted_by_ctrl_c_still_writes_its_report(tiny_engine_d
     assert proc.returncode == 0 and report["interrupted"]
     assert len(report["runs"]) == 1 and report["runs"][0]["requests"] > 0 and report["runs"][0]["interrupted"]
     assert "Interrupted (Ctrl-C)" in (out / "bench.md").read_text()
+
+
+def test_the_host_stage_is_the_call_outside_the_device_or_the_backends_passes(monkeypatch):
+    """``host`` = the call's wall time minus its device spans on a backend with a device clock, else minus its
+    prefill and score (the backend's passes). A fake clock makes the arithmetic exact: a call of 25 ms whose score
+    took 20 is 5 ms of host; with 18 ms of device spans, 7. Control: the spans, not the score, are subtracted
+    where there are any."""
+    from onepass.runtime.tools import bench
+
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    class Backend:
+        spans = None
+
+    class Engine:
+        backend = Backend()
+
+    def call(spans=()):
+        def run():
+            now[0] += 0.025
+            if Engine.backend.spans is not None:
+                Engine.backend.spans.extend(spans)
+            return {"tokenize": 1.0, "prefill": 0.0, "score": 20.0}
+        return run
+
+    cpu = bench._on_device_clock(Engine, call())
+    assert cpu["host"] == pytest.approx(5.0) and "device" not in cpu
+    gpu = bench._on_device_clock(Engine, call([10.0, 8.0]))
+    assert gpu["device"] == pytest.approx(18.0) and gpu["host"] == pytest.approx(7.0)

@@ -95,10 +95,9 @@ def test_a_block_with_wrong_positions_is_caught(tiny_engine_dir, monkeypatch):
     encoded = engine.encode_questions(_questions(64))
     state = engine.state(STATE)
     alone = _alone(engine, state, encoded, range(64))
-    real = engine.passes
-    monkeypatch.setattr(engine, "passes", lambda s, e, deadline=None: [
-        (g, dataclasses.replace(b, position_ids=b.position_ids + (1 if k == 1 else 0)), over)
-        for k, (g, b, over) in enumerate(real(s, e, deadline))])
+    real = engine.planner.place
+    monkeypatch.setattr(engine.planner, "place", lambda qs, past: tuple(
+        dataclasses.replace(b, position_ids=b.position_ids + (1 if k == 1 else 0)) for k, b in enumerate(real(qs, past))))
     assert _max_diff(engine.option_logprobs(state, encoded), alone) > 100 * TOL
 
 

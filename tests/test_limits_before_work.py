@@ -151,8 +151,8 @@ def test_the_packed_token_limit_is_counted_before_the_tree_mask_is_built(monkeyp
     from onepass.runtime.core.prompt import QuestionTokens
 
     built = []
-    real = tree.ancestor_mask
-    monkeypatch.setattr(tree, "ancestor_mask", lambda parent: built.append(len(parent)) or real(parent))
+    real = tree.interval_mask
+    monkeypatch.setattr(tree, "interval_mask", lambda order: built.append(len(order)) or real(order))
     questions = [QuestionTokens(trunk=(1, 2, 3, 100 + i), options=((7, 2), (8, 2))) for i in range(10)]
     size = tree.pack(questions, 5).num_tokens  # the packed size (no limit)
     built.clear()
@@ -390,29 +390,31 @@ def test_the_prior_read_out_of_b_a_after_a_equals_softmax_of_likelihood_minus_th
             assert np.abs(plain - want).max() > 1e-3  # the prior changes the answer: a test that could fail
 
 
-def test_merged_requests_are_packed_once_and_a_long_trunk_prefilled_once(tiny, monkeypatch):
-    """run_many checks each request's own size and limits as if alone, then packs the merged pass: the check only
-    counts (no tree mask, no prefill), so three requests about one state build ONE mask, not one each plus the
-    merged one; a long question's trunk is prefilled once. Answers equal each request alone."""
+def test_merged_requests_build_no_mask_on_the_engine_thread_and_a_long_trunk_is_prefilled_once(tiny, monkeypatch):
+    """Three requests about one state, one of them a choice of 120 options too long for a pass: each question set's
+    tree masks are built once, when it is compiled (where the request is prepared), and not again when it is asked
+    again and merged: the engine thread joins the compiled passes side by side (``batch.concat``). The long
+    question's trunk is prefilled once. Answers equal each request alone. The control: with the compiled sets
+    dropped, the same requests build their masks again, one per pass."""
     from onepass import Choice
-    from onepass.runtime.core import tree
+    from onepass.runtime.backends import batch as batch_module
 
     state = "The parcel arrived late and the box was damaged."
     requests = [(state, {"a": Noul("Is the parcel late?")}), (state, {"b": Noul("Is the box damaged?")}),
                 (state, {"c": Choice("Which product?", {f"product number {i}": None for i in range(120)})})]
-    alone = [tiny.run(s, q).answers for s, q in requests]
+    alone = [tiny.run(s, q).answers for s, q in requests]  # compiles the three sets
     tiny.cache.clear()
     masks, extends = [], []
-    real_mask, real_extend = tree.ancestor_mask, tiny.backend.extend
-    monkeypatch.setattr(tree, "ancestor_mask", lambda parent: masks.append(len(parent)) or real_mask(parent))
+    real_mask, real_extend = batch_module.interval_mask, tiny.backend.extend
+    monkeypatch.setattr(batch_module, "interval_mask", lambda order: masks.append(len(order)) or real_mask(order))
     monkeypatch.setattr(tiny.backend, "extend", lambda *a, **k: extends.append(1) or real_extend(*a, **k))
     results = tiny.run_many(requests)
-    built, prefills = len(masks), len(extends)
-    merged = tiny.planner.plan(tiny.state(state).num_tokens,
-                               [q for _, qs in requests for q in tiny.encode_questions(qs)], mask=False)
-    assert len(masks) == built and len(merged) >= 2  # a plan builds no mask; the merged request is split in passes
-    assert built == len(merged)  # one mask per merged pass: each request's own check built none
-    assert prefills == 2  # the state's prefill and the long trunk's, once each
+    assert masks == [] and extends == [1, 1]  # no mask built; the state's prefill and the long trunk's, once each
+    passes = sum(len(tiny.compile(q).passes) for _, q in requests)
+    assert passes >= 3  # the long choice is split in parts
+    tiny.question_sets.clear()
+    tiny.run_many(requests)
+    assert len(masks) == passes
     for got, want in zip(results, alone):
         for qid, answer in want.items():
             a, b = got.answers[qid].to_wire(), answer.to_wire()

@@ -1,10 +1,11 @@
-"""A request is prepared once (``Engine.prepare``): each question and the state tokenised once per request, on
-every path in (HTTP, ``AsyncEngine``, ``run_many``, where a state text the batch shares is tokenised once for it),
-never on the engine thread, and a merged pass that fails never tokenises anything again.
+"""A request is prepared once (``Engine.prepare``): its state tokenised once per request and its questions once per
+question set (a set asked again is found compiled), on every path in (HTTP, ``AsyncEngine``, ``run_many``, where a
+state text the batch shares is tokenised once for it), never on the engine thread, and a merged pass that fails never
+tokenises anything again.
 
 The tokenizer's two entry points (``PromptEncoder.state`` and ``PromptEncoder.question``) are counted, with the
-thread that called them. The negative control: the same counter sees the engine's own second tokenisation when a
-test makes it tokenise again (``engine.run`` of the same request after ``prepare``: two)."""
+thread that called them. The negative control: the same counter sees the questions tokenised again once the
+compiled sets are dropped (``engine.question_sets.clear()``)."""
 
 from __future__ import annotations
 
@@ -58,24 +59,27 @@ def test_run_many_tokenises_each_request_once_and_a_failed_merge_never_again(tin
     results = tiny.run_many(requests)
     assert all(not isinstance(r, Exception) for r in results)
     assert count.of("state") == 2 and count.of("question") == 8  # one per state text of the batch, one per question
-    real = tiny._score
+    real = tiny.runner.score
     calls = []
 
-    def merged_fails(state, encoded, clock=None, deadline=None):  # the merged pass fails once; alone they pass
-        calls.append(len(encoded))
+    def merged_fails(state, jobs, clock=None, deadline=None):  # the merged pass fails once; alone they pass
+        calls.append(len(jobs))
         if len(calls) == 1:
             raise RuntimeError("a device fault in the merged pass")
-        return real(state, encoded, clock, deadline)
+        return real(state, jobs, clock, deadline)
 
-    monkeypatch.setattr(tiny, "_score", merged_fails)
+    monkeypatch.setattr(tiny.runner, "score", merged_fails)
     count.calls.clear()
     results = tiny.run_many([(STATES[0], {"a": QUESTIONS["late"]}), (STATES[0], {"b": QUESTIONS["team"]})])
     assert all(not isinstance(r, Exception) for r in results) and calls == [2, 1, 1]
     assert count.of("state") == 1 and count.of("question") == 2  # the re-runs tokenised nothing
     count.calls.clear()
     prepared = tiny.prepare(STATES[0], QUESTIONS)
-    tiny.run(STATES[0], QUESTIONS)  # the control: a second request tokenises again, and the counter sees it
-    assert prepared.packed_tokens > 0 and count.of("question") == 4
+    tiny.run(STATES[0], QUESTIONS)  # the same set again: found compiled
+    assert prepared.packed_tokens > 0 and count.of("question") == 2
+    tiny.question_sets.clear()
+    tiny.run(STATES[0], QUESTIONS)  # the control: without the compiled set it is tokenised again, and counted
+    assert count.of("question") == 4
 
 
 def test_async_engine_tokenises_off_the_engine_thread_once(tiny, monkeypatch):
@@ -87,8 +91,10 @@ def test_async_engine_tokenises_off_the_engine_thread_once(tiny, monkeypatch):
         async with AsyncEngine(tiny, window_ms=200) as engine:
             return await asyncio.gather(*(engine.ask(s, QUESTIONS) for s in STATES * 2))
 
+    tiny.prepare(STATES[0], QUESTIONS)  # compiled once here
+    count.calls.clear()
     assert len(asyncio.run(main())) == 4
-    assert count.of("state") == 4 and count.of("question") == 8
+    assert count.of("state") == 4 and count.of("question") == 0  # each state once; the set found compiled
     assert not any(thread == "onepass-engine" for _, thread in count.calls)
 
 
@@ -101,5 +107,5 @@ def test_http_tokenises_each_request_once_off_the_engine_thread(tiny, monkeypatc
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert resp.status == 200
-    assert count.of("state") == 2 and count.of("question") == 4
+    assert count.of("state") == 2 and count.of("question") == 2  # the second request found the set compiled
     assert not any(thread == "onepass-engine" for _, thread in count.calls)

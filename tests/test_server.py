@@ -335,9 +335,11 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     """One HTTP request, one of each step: parse_request once, each question built once, the state made text once
     (then carried as a StateText: the dispatcher's grouping and the engine read it as it is) and tokenised once,
     grouped once (by the dispatcher; the engine's run_group does not group again, run_many is not called) and
-    packed once (one tree mask for its one pass)."""
+    packed once (its questions tokenised once and one tree mask for its one pass, when the set is compiled). The
+    same body again is neither tokenised nor packed: its question set is found compiled."""
+    from onepass.runtime.backends import batch as batch_module
     from onepass.runtime.core import engine as engine_module
-    from onepass.runtime.core import prompt, tree
+    from onepass.runtime.core import prompt
     from onepass.runtime.core import wire as wire_module
     from onepass.runtime.server import app as app_module
     from onepass.runtime.server import dispatch
@@ -366,13 +368,19 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     count(dispatch, "_by_state")
     count(engine_module.Engine, "run_group")
     count(engine_module.Engine, "run_many")
-    count(tree, "ancestor_mask")
+    count(prompt.PromptEncoder, "question")
+    count(batch_module, "interval_mask")
     body = {"state": {"ticket": "A parcel arrived late.", "id": 7},  # a JSON state: made text once
-            "questions": {"a": QUESTIONS["refund"], "b": QUESTIONS["team"]}}
+            "questions": {"a": {"type": "noul", "instructions": "Was this parcel counted once?"},
+                          "b": QUESTIONS["team"]}}
     status, _, _ = post(tiny_url, body)
     assert status == 200
+    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "question": 2, "_by_state": 1,
+                     "run_group": 1, "interval_mask": 1}, calls
+    calls.clear()
+    assert post(tiny_url, body)[0] == 200
     assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "_by_state": 1,
-                     "run_group": 1, "ancestor_mask": 1}, calls
+                     "run_group": 1}, calls
 
 
 def test_fuzzed_bodies_never_yield_5xx(tiny_url):

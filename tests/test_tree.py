@@ -148,3 +148,44 @@ def test_buckets_pad_by_at_most_a_quarter_in_steps_of_8():
     assert (bucket(421), bucket(513), bucket(2243), bucket(100)) == (448, 640, 2560, 112)
     assert bucket(1100, cap=1500) == 1280 and bucket(1400, cap=1500) == 1500 and bucket(1600, cap=1500) == 1792
     assert len({bucket(n) for n in range(1, 8193)}) <= 40  # few shapes: the graphs a service captures stay few
+
+
+def test_concat_sets_passes_side_by_side_each_on_its_own_tree():
+    """Two packed passes joined (``batch.concat``): the mask is block-diagonal (no token of one sees the other), the
+    tree in 2N numbers still gives that mask, read-outs and option paths point at the same tokens as before, and a
+    pass without tasks gets task -1 beside one with. Control: the preorder numbers left unmoved overlap the first
+    forest's, and their mask differs."""
+    from onepass.runtime.backends.batch import concat, interval_mask
+
+    one = pack([QuestionTokens((1, 2, 3), ((7,), (8, 9)))], 5)
+    two = pack([QuestionTokens((4, 5), ((7,), (6,)))], 5, tasks=[0])
+    joined = concat([one, two])
+    n1, n2, r1 = one.num_tokens, two.num_tokens, one.readout_index.shape[0]
+    want = np.zeros((n1 + n2, n1 + n2), dtype=bool)
+    want[:n1, :n1], want[n1:, n1:] = one.tree_mask, two.tree_mask
+    np.testing.assert_array_equal(joined.tree_mask, want)
+    np.testing.assert_array_equal(interval_mask(joined.tree_order), want)
+    np.testing.assert_array_equal(joined.readout_index, np.concatenate([one.readout_index, two.readout_index + n1]))
+    np.testing.assert_array_equal(joined.input_ids[joined.readout_index],
+                                  np.concatenate([one.input_ids[one.readout_index], two.input_ids[two.readout_index]]))
+    assert [list(r) for q in joined.option_readouts for r in q] == (
+        [list(r) for q in one.option_readouts for r in q] + [list(r + r1) for q in two.option_readouts for r in q])
+    np.testing.assert_array_equal(joined.token_task, [-1] * n1 + [0] * n2)
+    unmoved = np.concatenate([one.tree_order, two.tree_order])
+    assert not np.array_equal(interval_mask(unmoved), want)
+
+
+def test_segment_softmax_equals_each_questions_own_softmax():
+    """All questions' options soft-maxed at once equal each question's softmax of its own slice; control: cutting
+    the slices one option off does not."""
+    from onepass.runtime.core.readout import segment_softmax, softmax
+
+    rng = np.random.default_rng(0)
+    counts = np.array([2, 5, 3, 10, 2])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    scores = rng.normal(size=counts.sum()) * 30
+    got = segment_softmax(scores, starts, counts)
+    for a, k in zip(starts, counts):
+        np.testing.assert_allclose(got[a:a + k], softmax(scores[a:a + k]), rtol=0, atol=1e-15)
+    cut = segment_softmax(scores, starts + np.array([0, 1, 1, 1, 1]), np.array([3, 5, 3, 10, 1]))
+    assert np.abs(cut - got).max() > 1e-3

@@ -7,6 +7,7 @@ The backends own these types (the dependency runs one way, core -> backends): ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -19,7 +20,7 @@ class PackedBatch:
 
     input_ids: np.ndarray  # [N] int64
     position_ids: np.ndarray  # [N] int64
-    tree_mask: np.ndarray  # [N, N] bool
+    tree_mask: np.ndarray | None  # [N, N] bool; None where only ``tree_order`` is kept (``with_mask`` builds it)
     readout_index: np.ndarray  # [R] int64
     readout_target: np.ndarray  # [R] int64
     option_readouts: list = field(default_factory=list)  # [question][option] -> int64 array of read-outs
@@ -78,6 +79,42 @@ def intervals_of_mask(mask: np.ndarray) -> np.ndarray:
     return order
 
 
+def with_mask(batch: PackedBatch) -> PackedBatch:
+    """``batch`` with its [N, N] tree mask, built from ``tree_order`` where it was left out (a large compiled question
+    set keeps its tree in 2N numbers and builds each pass's mask only when that pass runs)."""
+    if batch.tree_mask is not None:
+        return batch
+    return dataclasses.replace(batch, tree_mask=interval_mask(batch.tree_order))
+
+
+def concat(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """Packed passes over one state joined into one: each batch's tokens see their own tree only (the forests sit
+    side by side: the mask block-diagonal, the preorder numbers and read-out indices moved past the batches before),
+    so every read-out is what it was in its own batch. Read-outs follow batch after batch; ``option_readouts`` too."""
+    sizes = np.array([b.num_tokens for b in batches], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # [B]
+    reads = np.cumsum([0] + [b.readout_index.shape[0] for b in batches])
+    mask = None
+    if all(b.tree_mask is not None for b in batches):
+        mask = np.zeros((int(sizes.sum()),) * 2, dtype=bool)  # [N, N]
+        for b, at in zip(batches, starts):
+            mask[at:at + b.num_tokens, at:at + b.num_tokens] = b.tree_mask
+    tasks = None
+    if any(b.token_task is not None for b in batches):
+        tasks = np.concatenate([b.token_task if b.token_task is not None else np.full(b.num_tokens, -1, np.int64)
+                                for b in batches])
+    return PackedBatch(
+        input_ids=np.concatenate([b.input_ids for b in batches]),
+        position_ids=np.concatenate([b.position_ids for b in batches]),
+        tree_mask=mask,
+        readout_index=np.concatenate([b.readout_index + at for b, at in zip(batches, starts)]),
+        readout_target=np.concatenate([b.readout_target for b in batches]),
+        option_readouts=[[r + int(at) for r in q] for b, at in zip(batches, reads) for q in b.option_readouts],
+        tree_order=np.concatenate([b.tree_order + at for b, at in zip(batches, starts)]),
+        token_task=tasks,
+    )
+
+
 def causal(ids: Sequence[int], start: int) -> PackedBatch:
     """A single causal trunk (the state, or a chunk of it) starting at position ``start``.
 
@@ -113,14 +150,17 @@ def pad_batch(batch: PackedBatch, packed: int, readout: int) -> PackedBatch:
     """``batch`` padded to ``packed`` tokens and ``readout`` read-outs without changing any real output.
 
     A padding token sees the state and itself only, and no real token sees it; padding
-    read-outs read row 0. Real outputs are the first N / R entries.
+    read-outs read row 0. Real outputs are the first N / R entries. A batch without its [N, N] mask (a pass that
+    reads only ``tree_order``) is padded without one.
     """
     n, r = batch.num_tokens, batch.readout_index.shape[0]
     if packed < n or readout < r:
         raise ValueError("padding must not shrink a batch")
-    mask = np.zeros((packed, packed), dtype=bool)
-    mask[:n, :n] = batch.tree_mask
-    mask[np.arange(n, packed), np.arange(n, packed)] = True
+    mask = None
+    if batch.tree_mask is not None:
+        mask = np.zeros((packed, packed), dtype=bool)
+        mask[:n, :n] = batch.tree_mask
+        mask[np.arange(n, packed), np.arange(n, packed)] = True
     last = int(batch.position_ids.max()) if n else 0
     order = None
     if batch.tree_order is not None:  # each padding token a root of its own, numbered after every real one

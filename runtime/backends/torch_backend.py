@@ -35,6 +35,7 @@ never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -293,8 +294,8 @@ class TorchBackend(Backend):
         if batch.tree_order is None:  # a batch built from a mask alone (a golden file's)
             batch = PackedBatch(batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index,
                                 batch.readout_target, batch.option_readouts, intervals_of_mask(batch.tree_mask))
-        if self.buckets:
-            batch = bucketed(batch, self.max_packed)
+        if self.buckets:  # the fused pass reads the tree in 2N numbers: no [N, N] mask is padded for it
+            batch = bucketed(dataclasses.replace(batch, tree_mask=None), self.max_packed)
         logprob, head = self._score(kv, batch)
         return logprob[:r], (head[:r] if head is not None else None)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
 from .errors import InvalidRequest
 from .prompt import PromptEncoder
-from .readout import answer, option_scores, softmax
+from .question_set import QuestionSet, layout_of
+from .readout import answers, option_scores, segment_softmax
 from .readout_calibration import question_key
 
 PRIOR_CACHE_ITEMS = 4096
@@ -25,6 +26,7 @@ class Answering:
                  task_calibrations: tuple = ()):
         self.manifest, self.encoder, self._null_logprobs = manifest, encoder, null_logprobs
         self.task_calibrations = tuple(task_calibrations)  # per tuned task: its own calibration, or None
+        self._calibrated = manifest.calibration is not None or any(c is not None for c in self.task_calibrations)
         self._priors: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -47,9 +49,13 @@ class Answering:
         cal = self.manifest.calibration if task == -1 else self.task_calibrations[task]
         return cal if cal is not None and cal.readout == readout else None  # fitted on another read-out: not applicable
 
-    def answers(self, questions, encoded, logprobs, readout, calibrated: bool = True, heads=None) -> dict:
-        scores = self.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
-        return {qid: answer(q, softmax(sc)) for (qid, q), sc in zip(questions.items(), scores)}
+    def read(self, questions: Mapping, qs: QuestionSet, values: np.ndarray, heads: np.ndarray | None = None,
+             readout: str | None = None) -> dict:
+        """Typed answers by id of ``questions`` (compiled as ``qs``) from their options' values: the flat [O]
+        summed log-likelihoods (and decision-head scores) the passes gave. The read-out, calibration and softmax run
+        over every option at once."""
+        scores = self.scores(list(questions.values()), qs, values, readout, True, heads)
+        return answers(questions, segment_softmax(scores, qs.starts, qs.counts), qs.starts)
 
     def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True,
                       heads=None) -> list:
@@ -58,22 +64,48 @@ class Answering:
         The ``head`` read-out is ``beta * mean + head score`` and needs ``heads`` (from a graph
         with a decision head).
         """
+        qs = QuestionSet(tuple(encoded), (), *layout_of(tuple(encoded)))
+        flat = np.concatenate([np.asarray(lp, dtype=np.float64) for lp in logprobs])
+        flat_heads = None if heads is None else np.concatenate([np.asarray(h, dtype=np.float64) for h in heads])
+        return qs.split(self.scores(list(questions.values()), qs, flat, readout, calibrated, flat_heads))
+
+    def scores(self, questions: list, qs: QuestionSet, values: np.ndarray, readout: str | None, calibrated: bool,
+               heads: np.ndarray | None) -> np.ndarray:
+        """[O] float64: every option's score to soft-max, question after question (``qs``'s numbering)."""
         readout = readout or self.manifest.scoring.readout
-        if readout == "head" and (self.manifest.head is None or heads is None):
-            raise InvalidRequest("the 'head' read-out needs an engine with a decision head "
-                                 "(export one with `onepass export --head FILE`, trained by `make head`); this one has none", "readout")
-        priors = self.prior_logprobs(encoded) if readout == "prior" else [None] * len(encoded)
-        head_iter = iter(heads) if heads is not None else None
-        out = []
-        for q, tokens, lp, prior in zip(questions.values(), encoded, logprobs, priors):
-            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
-            if readout == "head":
-                scores = self.manifest.head.beta * (lp / lengths) + next(head_iter)
-            else:
-                scores = option_scores(lp, lengths, prior, readout)
-            cal = self.calibration(tokens.task, readout) if calibrated else None
-            if cal is not None:
-                names = self.encoder.options(q)
-                scores = cal.apply(q.type, scores, names, question_key(q.type, self.encoder.instructions(q), names))
-            out.append(scores)
+        if readout == "head":
+            if self.manifest.head is None or heads is None:
+                raise InvalidRequest("the 'head' read-out needs an engine with a decision head (export one with "
+                                     "`onepass export --head FILE`, trained by `make head`); this one has none",
+                                     "readout")
+            scores = self.manifest.head.beta * (values / qs.lengths) + heads
+        else:
+            prior = self._flat_priors(qs) if readout == "prior" else None
+            scores = option_scores(values, qs.lengths, prior, readout)
+        if calibrated and self._calibrated:
+            scores = self._calibrate(questions, qs, scores, readout)
+        return scores
+
+    def _flat_priors(self, qs: QuestionSet) -> np.ndarray:
+        """[O] the set's content-free log-likelihoods, computed once per set (and cached per question)."""
+        if "prior" not in qs.memo:
+            priors = self.prior_logprobs(list(qs.encoded))
+            if any(p is None for p in priors):  # more questions than the prior cache holds: scored here at once
+                priors = self._null_logprobs(list(qs.encoded))
+            qs.memo["prior"] = np.concatenate(priors)
+        return qs.memo["prior"]
+
+    def _calibrate(self, questions: list, qs: QuestionSet, scores: np.ndarray, readout: str) -> np.ndarray:
+        """``scores`` with each calibrated question's slice replaced by its calibration's (its group resolved once
+        per set: the question's own, by its key, or its type's)."""
+        memo = ("calibration", readout)
+        if memo not in qs.memo:
+            qs.memo[memo] = [(i, cal, self.encoder.options(q),
+                              question_key(q.type, self.encoder.instructions(q), self.encoder.options(q)))
+                             for i, (q, tokens) in enumerate(zip(questions, qs.encoded))
+                             if (cal := self.calibration(tokens.task, readout)) is not None]
+        out = np.array(scores, dtype=np.float64)
+        for i, cal, names, key in qs.memo[memo]:
+            a, b = qs.starts[i], qs.starts[i] + qs.counts[i]
+            out[a:b] = cal.apply(questions[i].type, out[a:b], names, key)
         return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Mapping
 
@@ -16,15 +15,15 @@ from . import task_store
 from .tasks import feed_tasks, no_tasks_on
 from ..backends.base import Backend
 from .readout_calibration import question_key
-from .answering import Answering
-from .grouping import Result, answer_group
-from .errors import DeadlineExceeded, InvalidRequest, LimitExceeded, OnepassError
+from .errors import InvalidRequest, LimitExceeded, OnepassError
 from .planner import Planner, Prepared
 from .prompt import OLD_OPTION_LINE, PromptEncoder
+from .question_set import QuestionSet
 from .questions import Answer, Question
+from .runner import Result, Runner
 from .state_cache import DEFAULT_CACHE_MIB, StateCache
 from .states import State, States
-from .tree import QuestionTokens, option_head_scores, option_logprobs
+from .tree import QuestionTokens
 from ..backends.batch import PackedBatch
 from .wire import parse_request, response_body
 
@@ -61,9 +60,11 @@ class Engine:
                         reserved >> 20, cache_bytes >> 20)
         self.cache = cache if cache is not None else StateCache(max(0, cache_bytes - reserved))
         self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk)
-        self.answering = Answering(manifest, self.encoder, self._null_logprobs,
-                                   tasks.calibrations if tasks else ())
-        self._null: State | None = None
+        # the engine thread's stage: it owns the passes and the read-out, and never calls back into the engine
+        self.runner = Runner(backend, self.planner, self.states, manifest, self.encoder,
+                             tasks.calibrations if tasks else ())
+        self.answering = self.runner.answering
+        self.question_sets = self.planner.sets  # compiled question sets by content (hits and size in /metrics)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
@@ -142,11 +143,18 @@ class Engine:
 
     # -- questions ------------------------------------------------------------------------------
 
-    def prepare(self, state, questions: Mapping[str, Question], known: dict | None = None) -> Prepared:
-        """A request checked against every limit, tokenised once and sized exactly, without the model: what
-        :meth:`run_group` answers (:class:`onepass.runtime.core.planner.Prepared`). Run it off the engine thread.
-        ``known``: {state text: ids} shared by the requests of one batch, so a state they share is tokenised once."""
+    def prepare(self, state, questions, known: dict | None = None) -> Prepared:
+        """A request checked against every limit, its questions compiled (or found compiled), placed after its state
+        and sized exactly, without the model: what :meth:`run_group` answers
+        (:class:`onepass.runtime.core.planner.Prepared`). Run it off the engine thread. ``known``: {state text: ids}
+        shared by the requests of one batch, so a state they share is tokenised once."""
         return self.planner.prepare(state, questions, known)
+
+    def compile(self, questions: Mapping[str, Question]) -> QuestionSet:
+        """The questions checked, tokenised, packed and laid out once for any state: ``ask(state, compiled)`` then
+        only places them after the state. Asking with the same questions finds the same set without this call (by
+        content, in a bounded cache); holding it skips even that lookup."""
+        return self.planner.compile(questions)
 
     def check_counts(self, questions: Mapping[str, Question]) -> None:
         """The limits that need no tokenizer: questions per request, options per question."""
@@ -171,68 +179,28 @@ class Engine:
         return self.planner.block_tokens
 
     def passes(self, state: State, encoded: list[QuestionTokens],
-               deadline: float | None = None) -> list[tuple[list, PackedBatch, State]]:
-        """The packed passes that answer ``encoded`` over ``state`` (:meth:`Planner.plan`), as ([(question index,
-        option indices)], batch, the state the batch continues): a long question's trunk is prefilled onto the state
-        (and cached), once every limit passed, and stopped between its chunks past ``deadline``."""
-        plan, longer = self.planner.plan(state.num_tokens, encoded), {}
-        for k, (parts, batch, over) in enumerate(plan):
-            if over is not None and over not in longer:
-                longer[over] = self.states.extended(state, encoded[over], deadline)
-            plan[k] = (parts, batch, state if over is None else longer[over])
-        return plan
+               deadline: float | None = None) -> list[tuple[tuple, PackedBatch, State]]:
+        """The packed passes that answer ``encoded`` over ``state`` (:meth:`Planner.passes`), as (((question index,
+        option indices), ...), batch, the state the batch continues): a long question's trunk is prefilled onto the
+        state (and cached), once every limit passed, and stopped between its chunks past ``deadline``."""
+        return self.runner.placed(state, self.planner.layout(encoded), deadline)
 
     def option_logprobs(self, state, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Summed log-likelihood of every option of every question (one packed pass, or blocks of whole
         questions past the backend's block size: see :meth:`passes`)."""
-        return self._score(self.state(state), encoded)[1]
+        return self.runner.logprobs(self.state(state), encoded)[0]
 
     def option_values(self, state, encoded: list[QuestionTokens]) -> tuple[list, list | None]:
         """(summed log-likelihoods, decision-head scores or None) of every option, from ONE packed pass."""
-        _, logprobs, heads = self._score(self.state(state), encoded)
-        return logprobs, heads
-
-    def _score(self, state: State, encoded: list[QuestionTokens],
-               clock: dict | None = None, deadline: float | None = None) -> tuple[int, list, list | None]:
-        """(packed tokens over all passes, per-question option log-likelihoods, head scores or None).
-
-        ``clock`` gets ``pack`` (building the tree, its mask and positions; a long question's trunk
-        prefill included) and ``score`` (the backend's passes) in milliseconds."""
-        t0 = time.perf_counter()
-        plan = self.passes(state, encoded, deadline)
-        t1 = time.perf_counter()
-        logprobs = [np.zeros(len(q.options)) for q in encoded]
-        heads: list | None = None
-        packed = 0
-        for parts, batch, over in plan:
-            if deadline is not None and time.monotonic() > deadline:  # nobody waits for the rest: stop here
-                raise DeadlineExceeded(f"every waiter's deadline passed after {packed} packed tokens of this request's "
-                                       "passes; the rest were not run")
-            with self.backend.serial():
-                logprob, head = self.backend.score_all(over.kv, batch)
-            packed += batch.num_tokens
-            for (i, group), lp in zip(parts, option_logprobs(batch, logprob)):
-                logprobs[i][group] = lp
-            if head is not None:
-                heads = heads if heads is not None else [np.zeros(len(q.options)) for q in encoded]
-                for (i, group), h in zip(parts, option_head_scores(batch, head)):
-                    heads[i][group] = h
-        if clock is not None:
-            clock["pack"] = (t1 - t0) * 1000
-            clock["score"] = (time.perf_counter() - t1) * 1000
-        return packed, logprobs, heads
+        return self.runner.logprobs(self.state(state), encoded)
 
     def prior_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
         """Content-free log-likelihoods (state = the template's null state), cached per question."""
         return self.answering.prior_logprobs(encoded)
 
-    def _null_logprobs(self, encoded: list[QuestionTokens]) -> list[np.ndarray]:
-        if self._null is None:
-            self._null = self.state(self.manifest.prompt.null_state)
-        return self.option_logprobs(self._null, encoded)
-
-    def run(self, state, questions: Mapping[str, Question], readout: str | None = None) -> Result:
-        """Answer questions about a state in one packed forward pass."""
+    def run(self, state, questions, readout: str | None = None) -> Result:
+        """Answer questions (id -> question, or a set from :meth:`compile`) about a state in one packed forward
+        pass."""
         (result,) = self.run_group([self.prepare(state, questions)], readout)
         if isinstance(result, BaseException):
             raise result
@@ -263,9 +231,9 @@ class Engine:
 
     def run_group(self, prepared: list[Prepared], readout: str | None = None, deadline: float | None = None) -> list:
         """Answer prepared requests about ONE state (equal ``key``) in one merged pass (or the blocks it splits
-        into), each as if alone (:func:`onepass.runtime.core.grouping.answer_group`): per request, a Result or the
+        into), each as if alone (:meth:`onepass.runtime.core.runner.Runner.run_group`): per request, a Result or the
         exception it raised. ``deadline``: past it, no further pass starts (``DeadlineExceeded``)."""
-        return answer_group(self, prepared, readout, deadline)
+        return self.runner.run_group(prepared, readout, deadline)
 
     def option_scores(self, questions, encoded, logprobs, readout=None, calibrated: bool = True,
                       heads=None) -> list:
@@ -273,9 +241,10 @@ class Engine:
         (:class:`onepass.runtime.core.answering.Answering`)."""
         return self.answering.option_scores(questions, encoded, logprobs, readout, calibrated, heads)
 
-    def ask(self, state, questions: Mapping[str, Question], readout: str | None = None,
+    def ask(self, state, questions, readout: str | None = None,
             min_confidence: float | None = None) -> dict[str, Answer]:
-        """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON.
+        """Typed answers by question id. ``state`` is a State from :meth:`state` or raw text/JSON; ``questions`` maps
+        ids to questions, or is a set from :meth:`compile` (the questions compiled once, for any state).
 
         With ``min_confidence``, answers whose confidence ((K p_max - 1)/(K - 1); for noul
         |2p - 1|) is below it keep their value and are marked ``abstained``.

@@ -1,10 +1,13 @@
-"""Planning a request: its questions checked and tokenised, its state tokenised, its passes sized — once, before
-it queues, and without the model (:meth:`Planner.prepare` gives a :class:`Prepared`).
+"""Planning a request: its questions compiled into a question set once (checked, tokenised, packed and laid out for any
+state: :mod:`onepass.runtime.core.question_set`), its state tokenised, the set placed after the state and sized —
+once, before it queues, and without the model (:meth:`Planner.prepare` gives a :class:`Prepared`).
 
 Where a request is prepared: ``onepass serve`` parses and prepares it in the thread pool, ``AsyncEngine`` in a worker
-thread, ``Engine.run_many`` before grouping; the engine thread then only looks up or prefills the state, packs
-the merged pass, scores and reads out. A prepared request's size is exact (its packed tokens, counted on the
-trie), so admission needs no estimate, and a merged pass that fails never tokenises anything again.
+thread, ``Engine.run_many`` before grouping; the engine thread then only looks up or prefills the state, runs the
+passes the request carries (joined with other requests' about the same state), and reads out. A question set asked
+again is found by its content (a bounded LRU) and not tokenised or packed again: per ask the host adds the state's
+length to its positions and checks the limits that depend on the state. A prepared request's size is exact (its
+packed tokens, counted on the trie), so admission needs no estimate.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from ..backends.batch import with_mask
 from .errors import InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
+from .question_set import KEEP_MASK_BYTES, CompiledPass, QuestionSet, content_key, layout_of, option_map
 from .questions import Question
+from .state_cache import ByteLru
 from .tree import QuestionTokens, TooManyTokens, blocks, option_groups, pack, packed_size
 from ..backends.batch import PackedBatch
 from .wire import check_question_id
@@ -26,21 +32,27 @@ from .wire import check_question_id
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
 
 
+QUESTION_SETS_MIB = 32  # compiled question sets kept per engine, by the bytes of their arrays (a 13-question set: ~0.1 MiB)
+
+
 @dataclass(frozen=True)
 class Prepared:
-    """One request, checked, tokenised and sized: what the engine thread needs and nothing it must redo.
+    """One request, checked, tokenised, planned and sized: what the engine thread needs and nothing it must redo.
 
-    ``ids`` (the state's token ids, template included) are the state's one identity: requests with equal ids
-    share a pass, and the state cache is keyed by them. ``key`` is a digest of them, made once where the request is
+    ``question_set`` is the request's questions compiled (found again by content when it was asked before), and
+    ``plan`` its passes placed after this state (a ``PackedBatch`` per pass of the set): the engine thread runs them
+    as they are. ``ids`` (the state's token ids, template included) are the state's one identity: requests with equal
+    ids share a pass, and the state cache is keyed by them. ``key`` is a digest of them, made once where the request is
     prepared: the dispatcher looks requests up by it on the event loop, where hashing a 7,000-token tuple again on
     every lookup cost ~35 us each. ``state`` is the prefilled state when the caller gave one (``Engine.state``),
     else None."""
 
     questions: Mapping[str, Question]
-    encoded: tuple
+    question_set: QuestionSet | None
     ids: tuple
     packed_tokens: int  # over the request's own passes, exactly as they will be packed alone
     passes: int
+    plan: tuple = ()
     state: object = None
     timings: dict = field(default_factory=dict)  # milliseconds: tokenize, and pack (the planning)
     # work in token-equivalents (Planner.work: tokens through the weights plus attention entries at their FLOP
@@ -53,7 +65,7 @@ class Prepared:
     key: bytes = field(init=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "key", hashlib.blake2b(array("q", self.ids).tobytes(), digest_size=16).digest())
+        object.__setattr__(self, "key", getattr(self.state, "key", None) or ids_key(self.ids))
         if self.work is None:
             object.__setattr__(self, "work", float(self.packed_tokens))
         if self.state_work is None:
@@ -62,6 +74,16 @@ class Prepared:
     @property
     def state_tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def encoded(self) -> tuple:
+        """The questions' token ids (``QuestionTokens``), in the request's order."""
+        return self.question_set.encoded
+
+
+def ids_key(ids) -> bytes:
+    """The digest a state's token ids are known by (``Prepared.key``, ``State.key``)."""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
 
 
 def entries_per_token(hidden_size: int) -> float:
@@ -98,6 +120,9 @@ class Planner:
         self._block_tokens = block_tokens
         self.tasks = tuple(tasks)  # the engine's tuned tasks by name: a question's ``task`` is its number here
         self.entries_per_token = entries_per_token(hidden_size)
+        self.sets = ByteLru(QUESTION_SETS_MIB << 20)  # compiled question sets by content (question_set.content_key)
+        self._stamp = object()  # marks the sets this planner compiled: another engine's are refused
+        self._block = None  # the block size the cached sets were laid out for
 
     def task_number(self, name: str | None, field_path: str) -> int:
         """A question's task as its number (-1: none), or InvalidRequest naming the engine's tasks."""
@@ -115,47 +140,103 @@ class Planner:
         (what measures fastest on it), never more than the engine's max_packed_tokens."""
         return min(self._block_tokens() or self.limits.max_packed_tokens, self.limits.max_packed_tokens)
 
-    def prepare(self, state, questions: Mapping[str, Question], known: dict | None = None) -> Prepared:
-        """``questions`` about ``state`` (text, bytes, a JSON value, or a prefilled State) checked against every
-        limit, tokenised once and planned: OnepassError (InvalidRequest, LimitExceeded) otherwise. ``known``: state
+    def prepare(self, state, questions, known: dict | None = None) -> Prepared:
+        """``questions`` (a mapping of id -> question, or a :class:`QuestionSet` this planner compiled) about ``state``
+        (text, bytes, a JSON value, or a prefilled State) checked against every limit, compiled (or found compiled),
+        placed after the state and sized: OnepassError (InvalidRequest, LimitExceeded) otherwise. ``known``: state
         texts already tokenised ({text: ids}, filled here), for a caller preparing many requests at once."""
+        clock: dict = {}
+        qs = self.compile(questions, clock)
         t0 = time.perf_counter()
-        encoded = self.encode_questions(questions)
         given = state if hasattr(state, "kv") else None
         if given is not None:
-            ids = tuple(given.ids)
+            ids = given.ids
         elif known is None:
             ids = self.state_ids(state)
         else:
             text = state_text(state)
             ids = known[text] if text in known else known.setdefault(text, self.state_ids(text))
         t1 = time.perf_counter()
-        plan = self.plan(len(ids), encoded, mask=False)
-        packed = sum(batch.num_tokens for _, batch, _ in plan)
-        longs = sorted({over for _, _, over in plan if over is not None})  # questions whose trunk is prefilled
-        work, state_work, trunk_work = self.work(len(ids), encoded, plan, longs)
-        trunks = tuple(trunk_state_ids(ids, encoded[i]) for i in longs)
-        timings = {"tokenize": (t1 - t0) * 1000, "pack": (time.perf_counter() - t1) * 1000}
-        return Prepared(questions, tuple(encoded), ids, packed, len(plan), given, timings, work, state_work,
-                        trunk_work, trunks)
+        plan = self.place(qs, len(ids))
+        work, state_work, trunk_work = self.work(len(ids), qs)
+        trunks = tuple(trunk_state_ids(ids, qs.encoded[i]) for i in qs.longs)
+        timings = {"tokenize": clock.get("tokenize", 0.0) + (t1 - t0) * 1000,
+                   "pack": clock.get("pack", 0.0) + (time.perf_counter() - t1) * 1000}
+        return Prepared(qs.questions if isinstance(questions, QuestionSet) else questions, qs, ids, qs.packed_tokens,
+                        len(qs.passes), plan, given, timings, work, state_work, trunk_work, trunks)
 
-    def work(self, past: int, encoded: list, plan: list, longs: list) -> tuple[float, float, float]:
+    def compile(self, questions, clock: dict | None = None) -> QuestionSet:
+        """``questions`` (id -> question) checked against every limit, tokenised, packed and laid out for any state,
+        or the set compiled before for the same content (found without tokenising). A :class:`QuestionSet` is
+        returned as it is when this planner compiled it (InvalidRequest otherwise: another engine's tokens and limits).
+        ``clock`` gets the milliseconds spent tokenising and packing (0 when found)."""
+        if isinstance(questions, QuestionSet):
+            if questions.stamp is not self._stamp or questions.questions is None:
+                raise InvalidRequest("this question set was compiled by another engine (or from token ids alone); "
+                                     "compile the questions with the engine that answers them", "questions")
+            return questions
+        key = content_key(questions)
+        block = self.block_tokens
+        if block != self._block:  # sets are laid out in blocks of this size: another backend's are not reused
+            self.sets.clear()
+            self._block = block
+        found = self.sets.get(key) if key is not None else None
+        if found is not None:
+            return found
+        t0 = time.perf_counter()
+        encoded = self.encode_questions(questions)
+        t1 = time.perf_counter()
+        qs = self.layout(encoded, dict(questions), key)
+        if clock is not None:
+            clock["tokenize"], clock["pack"] = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+        if key is not None:
+            self.sets.put(key, qs, qs.nbytes)
+        return qs
+
+    def layout(self, encoded, questions: Mapping | None = None, key: tuple | None = None) -> QuestionSet:
+        """Token ids of questions (``QuestionTokens``) as a compiled set: the passes that answer them after an empty
+        state (:meth:`passes`), their tree masks built where the set keeps them (``KEEP_MASK_BYTES``) and the map of
+        each pass's read-outs back to options."""
+        encoded = tuple(encoded)
+        starts, counts, lengths = layout_of(encoded)
+        plan = self.passes(encoded)
+        keep = sum(batch.num_tokens ** 2 for _, batch, _ in plan) <= KEEP_MASK_BYTES
+        passes = tuple(CompiledPass(with_mask(batch) if keep else batch, parts, over,
+                                    0 if over is None else len(encoded[over].trunk) - 1,
+                                    *option_map(parts, encoded, starts, batch))
+                       for parts, batch, over in plan)
+        return QuestionSet(encoded, passes, starts, counts, lengths, questions, key, self._stamp)
+
+    def place(self, qs: QuestionSet, past: int) -> tuple:
+        """The set's passes after a state of ``past`` tokens (a ``PackedBatch`` each, positions moved on), once the
+        limits that depend on the state's length are checked: a long question's trunk prefilled onto the state must
+        fit a state, and no pass may reach past the model's positions (LimitExceeded)."""
+        for i in qs.longs:
+            self.check_state_length(past + len(qs.encoded[i].trunk) - 1)
+        last = past + qs.reach + 1
+        if last + 1 > self.max_position:
+            raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {self.max_position}",
+                                "questions")
+        return tuple(p.at(past) for p in qs.passes)
+
+    def work(self, past: int, qs: QuestionSet) -> tuple[float, float, float]:
         """(the passes' work, the state's prefill, the long trunks' prefill) in token-equivalents, what admission
         weighs against a deadline: tokens through the weights plus attention entries / :func:`entries_per_token`.
         The passes: N packed tokens over P past ones, N (P + N) entries each (the dense pass each backend runs);
-        the state's and each long question's trunk (``longs``) prefilled onto it: their tokens and causal attention.
+        the state's and each long question's trunk prefilled onto it: their tokens and causal attention.
         Attention grows with the square of a state's length: a 4,200-token state is 1.8x its tokens of work (per
         token it took 1.65x the time of a 300-token state: 10.6 s against 0.46 s), so counting tokens alone let a
         request in that could not meet its deadline."""
         chunk, per = self.limits.prefill_chunk, self.entries_per_token
         packed = entries = trunk_tokens = trunk_entries = 0
-        for _, batch, over in plan:
-            prior = past if over is None else past + len(encoded[over].trunk) - 1
-            packed += batch.num_tokens
-            entries += batch.num_tokens * (prior + batch.num_tokens)
-        for i in longs:  # prefilled once each
-            trunk_tokens += len(encoded[i].trunk) - 1
-            trunk_entries += causal_entries(len(encoded[i].trunk) - 1, past, chunk)
+        for p in qs.passes:
+            n = p.batch.num_tokens
+            packed += n
+            entries += n * (past + p.lead + n)
+        for i in qs.longs:  # prefilled once each
+            lead = len(qs.encoded[i].trunk) - 1
+            trunk_tokens += lead
+            trunk_entries += causal_entries(lead, past, chunk)
         return (packed + entries / per, past + causal_entries(past, 0, chunk) / per,
                 trunk_tokens + trunk_entries / per)
 
@@ -249,43 +330,45 @@ class Planner:
             raise LimitExceeded(f"the state and a question's text are {n} tokens together; this engine allows at "
                                 f"most {self.limits.max_state_tokens}", "questions")
 
-    def plan(self, past: int, encoded: list[QuestionTokens], mask: bool = True) -> list[tuple]:
-        """The packed passes that answer ``encoded`` after ``past`` state tokens, as ([(question index, option
-        indices)], batch, over): ``over`` is None for a pass over the state, or the index of a long question whose
-        trunk (but its last token) is prefilled onto the state first.
+    def passes(self, encoded) -> list[tuple]:
+        """The packed passes that answer ``encoded`` after an empty state (``Planner.place`` moves them after a state),
+        as (((question index, option indices), ...), batch without its [N, N] mask, over): ``over`` is None for a pass
+        over the state, or the index of a long question whose trunk (but its last token) is prefilled onto the state
+        first; that pass's positions count from the end of the trunk.
 
         One pass when the questions pack into a block (:attr:`block_tokens`). Else blocks of whole questions
         (:func:`onepass.runtime.core.tree.blocks`), each a pass over the same state K/V. A question larger than a
         block (a choice of hundreds of options, listed in its own text) has its trunk but the last token prefilled
         onto the state, like a longer state, and its options scored below that last token in parts
         (:func:`onepass.runtime.core.tree.option_groups`). A token attends to the state, its trunk and its own
-        option path only, so the answers do not depend on the split. Every limit is checked here, before any pass:
-        LimitExceeded past the request's packed-token limit. ``mask=False``: sizes only, no [N, N] tree mask."""
-        limits, block = self.limits, self.block_tokens
-        whole = [(i, list(range(len(q.options)))) for i, q in enumerate(encoded)]
+        option path only, so the answers do not depend on the split. Every limit that does not depend on the state is
+        checked here, before any pass: LimitExceeded past the request's packed-token limit."""
+        block = self.block_tokens
+        whole = tuple((i, tuple(range(len(q.options)))) for i, q in enumerate(encoded))
         try:
-            out = [(whole, pack(encoded, past, max_tokens=block, mask=mask), None)]
+            return self._within([(whole, pack(encoded, 0, max_tokens=block, mask=False), None)])
         except TooManyTokens:  # counted on the trie, before any [N, N] mask exists
-            small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
-            out = [([(small[k], whole[small[k]][1]) for k in ks], pack([encoded[small[k]] for k in ks], past,
-                                                                        mask=mask), None)
-                   for ks in blocks([encoded[i] for i in small], block)]
-            for i in sorted(set(range(len(encoded))) - set(small)):  # against the longer state's length
-                q = encoded[i]
-                if q.task != -1:  # its trunk would be prefilled by the base weights, not its task's
-                    raise LimitExceeded(f"a question of the tuned task {self.tasks[q.task]!r} packs into "
-                                        f"{packed_size(q)} tokens; a tuned task's question must fit one pass of "
-                                        f"{block} tokens: send fewer or shorter options", "questions")
-                self.check_state_length(past + len(q.trunk) - 1)
-                tail = QuestionTokens(q.trunk[-1:], q.options)
-                for group in option_groups(tail, block):
-                    part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
-                    out.append(([(i, group)], pack([part], past + len(q.trunk) - 1, mask=mask), i))
-        total = sum(batch.num_tokens for _, batch, _ in out)
-        if total > limits.max_request_tokens:
+            pass
+        small = [i for i, q in enumerate(encoded) if packed_size(q) <= block]
+        out = [(tuple(whole[small[k]] for k in ks), pack([encoded[small[k]] for k in ks], 0, mask=False), None)
+               for ks in blocks([encoded[i] for i in small], block)]
+        for i in sorted(set(range(len(encoded))) - set(small)):
+            q = encoded[i]
+            if q.task != -1:  # its trunk would be prefilled by the base weights, not its task's
+                raise LimitExceeded(f"a question of the tuned task {self.tasks[q.task]!r} packs into "
+                                    f"{packed_size(q)} tokens; a tuned task's question must fit one pass of "
+                                    f"{block} tokens: send fewer or shorter options", "questions")
+            tail = QuestionTokens(q.trunk[-1:], q.options)
+            for group in option_groups(tail, block):
+                part = QuestionTokens(tail.trunk, tuple(q.options[k] for k in group))
+                out.append((((i, tuple(group)),), pack([part], 0, mask=False), i))
+        return self._within(out)
+
+    def _within(self, plan: list) -> list:
+        """``plan`` once its packed tokens are within the request's limit (LimitExceeded otherwise)."""
+        total = sum(batch.num_tokens for _, batch, _ in plan)
+        if total > self.limits.max_request_tokens:
             raise LimitExceeded(f"the questions pack into {total} tokens; this engine allows at most "
-                                f"{limits.max_request_tokens} per request. Send fewer or shorter questions",
+                                f"{self.limits.max_request_tokens} per request. Send fewer or shorter questions",
                                 "questions")
-        for _, batch, over in out:
-            self.check_positions(batch, past if over is None else past + len(encoded[over].trunk) - 1)
-        return out
+        return plan

@@ -1,4 +1,5 @@
-"""An LRU cache of prefilled states, bounded by the bytes of their K/V."""
+"""LRU caches bounded by bytes: prefilled states by their token ids (``StateCache``, bounded by their K/V) and compiled
+question sets by their content (``Planner``'s, bounded by their arrays)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Hashable
 DEFAULT_CACHE_MIB = 512  # the state cache's default budget: Engine.load, onepass serve and the cluster alike
 
 
-class StateCache:
-    """Maps a state's token ids to its prefilled state; evicts least recently used past ``max_bytes``."""
+class ByteLru:
+    """Maps keys to values of known size; evicts the least recently used past ``max_bytes``. Thread-safe."""
 
     def __init__(self, max_bytes: int):
         if max_bytes < 0:
@@ -57,3 +58,7 @@ class StateCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class StateCache(ByteLru):
+    """Maps a state's token ids to its prefilled state; evicts least recently used past ``max_bytes`` of K/V."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..backends.base import Backend, StateKV
 from .errors import DeadlineExceeded
-from .planner import Planner, trunk_state_ids
+from .planner import Planner, ids_key, trunk_state_ids
 from .state_cache import StateCache
 
 
@@ -37,6 +38,11 @@ class State:
     def num_tokens(self) -> int:
         """Tokens of the state segment (template included)."""
         return len(self.ids)
+
+    @cached_property
+    def key(self) -> bytes:
+        """The digest of its token ids (``planner.ids_key``), made once: what a request about it is grouped by."""
+        return ids_key(self.ids)
 
     def __repr__(self) -> str:  # never the ids or the arrays: a state is thousands of numbers
         return f"State({self.num_tokens} tokens, K/V {self.kv.nbytes / 2**20:.1f} MiB)"

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.batch import PackedBatch, intervals
+from ..backends.batch import PackedBatch, interval_mask, intervals
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,8 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     order the caller gave them in: shuffling changes no bit of any answer.
 
     With ``max_tokens``, the packed size is counted on the trie (linear in the tokens) and
-    :class:`TooManyTokens` is raised before the quadratic tree mask is built. ``mask=False`` leaves the mask out
-    (``tree_mask`` and ``tree_order`` None): a plan of the pass, its sizes and positions, for limits checked before any
-    work.
+    :class:`TooManyTokens` is raised before the quadratic tree mask is built. ``mask=False`` leaves the [N, N] mask
+    out (the tree stays in its 2N numbers, ``tree_order``: ``batch.with_mask`` builds it when the pass runs).
 
     ``tasks``: each question's task number (-1: none, the base engine's weights; by default each question's own
     ``task``). Questions share trunk tokens only
@@ -151,14 +150,15 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
             parent.append(packed_of.get(trie.parent[node], -1))
             token_task.append(node_task[node])
     readout_of = {node: r for r, node in enumerate(sorted(scored))}
+    order = intervals(parent)  # [N, 2]: the tree in 2N numbers, what the mask is built from
     return PackedBatch(
         input_ids=np.array(ids, dtype=np.int64),
         position_ids=np.array(pos, dtype=np.int64),
-        tree_mask=ancestor_mask(parent) if mask else None,
+        tree_mask=interval_mask(order) if mask else None,
         readout_index=np.array([packed_of[trie.parent[n]] for n in readout_of], dtype=np.int64),
         readout_target=np.array([trie.tokens[n] for n in readout_of], dtype=np.int64),
         option_readouts=[[np.array([readout_of[n] for n in path], dtype=np.int64) for path in q] for q in paths],
-        tree_order=intervals(parent) if mask else None,
+        tree_order=order,
         token_task=np.array(token_task, dtype=np.int64) if tasks is not None else None,
     )
 

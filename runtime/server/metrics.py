@@ -13,7 +13,7 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class _CacheCollector:
-    """Reads the engine's state cache at scrape time."""
+    """Reads the engine's state cache and compiled question sets at scrape time."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -24,6 +24,14 @@ class _CacheCollector:
         yield CounterMetricFamily("onepass_state_cache_misses", "State cache misses (prefills)", value=cache.misses)
         yield GaugeMetricFamily("onepass_state_cache_bytes", "Bytes of K/V held by the state cache", value=cache.bytes)
         yield GaugeMetricFamily("onepass_state_cache_states", "States held by the state cache", value=len(cache))
+        sets = self.engine.question_sets
+        yield CounterMetricFamily("onepass_question_set_cache_hits", "Question sets found compiled (no tokenising or "
+                                  "packing)", value=sets.hits)
+        yield CounterMetricFamily("onepass_question_set_cache_misses", "Question sets compiled (tokenised and packed)",
+                                  value=sets.misses)
+        yield GaugeMetricFamily("onepass_question_set_cache_bytes", "Bytes held by compiled question sets",
+                                value=sets.bytes)
+        yield GaugeMetricFamily("onepass_question_set_cache_sets", "Compiled question sets held", value=len(sets))
 
 
 class _TransportCollector:

@@ -13,7 +13,8 @@ Loads: open loop at each ``--rate`` (Poisson arrivals, latency from the intended
 loop at each ``--concurrency`` (``runtime/tools/loadgen.py``). Each request's stage times (the engine's
 tokenize/prefill/pack/score/readout, or a server's Server-Timing entries) get histograms of their own; on a
 backend with a device clock (torch-cuda, tensorrt: CUDA events around each call, synchronised) a ``device``
-stage too.
+stage too, and in process a ``host`` stage: the call's time outside the device (outside the backend's passes on a
+CPU backend), the share a GPU cannot take off the host.
 A progress bar shows live p50/p99; Ctrl-C ends the current run and the report keeps what was measured.
 Reports: ``bench.json`` (machine, software, targets, workload hash, every run with its CDF and stages),
 ``bench.md`` (a table to paste), ``latency_cdf.png`` and ``throughput_p99.png``.
@@ -43,7 +44,7 @@ from .loadgen import Run, closed_loop, comparable, compare, length_differs, open
 from ..core.prompt import state_text
 
 MAX_REQUESTS = 1_000_000  # scheduled requests per open-loop run (rate x duration)
-STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade", "device")  # the tables' columns; others last
+STAGE_ORDER = ("queue", "tokenize", "prefill", "pack", "score", "readout", "cascade", "device", "host")  # the tables' columns; others last
 
 
 def _load(mode: str, offered: float) -> str:
@@ -83,14 +84,20 @@ def _chooser(states: list, seed: int, cold_fraction: float):
 def _on_device_clock(engine, call) -> dict:
     """``call()``'s stage times, plus ``device`` where the backend has a device clock: the sum of the CUDA-event
     spans around the call's device work only (``Backend.device_span``: prefill chunks, score passes), collected
-    per thread, so concurrent senders time their own passes and host work (tokenise, pack, read-out) is not in it."""
+    per thread, so concurrent senders time their own passes and host work (tokenise, pack, read-out) is not in it;
+    and ``host``: the call's wall time outside the device (wall minus ``device``), or on a backend without a device
+    clock outside the backend's passes (wall minus ``prefill`` and ``score``)."""
     backend = engine.backend
     backend.spans = spans = []
+    t0 = time.perf_counter()
     try:
         stages = call()
     finally:
         backend.spans = None
-    return {**stages, "device": float(sum(spans))} if spans else stages
+    wall = (time.perf_counter() - t0) * 1000
+    if spans:
+        return {**stages, "device": float(sum(spans)), "host": max(0.0, wall - float(sum(spans)))}
+    return {**stages, "host": max(0.0, wall - stages.get("prefill", 0.0) - stages.get("score", 0.0))}
 
 
 def engine_targets(engine_dir: str, backends: list[str], threads: int | None, body: dict, states: list,
