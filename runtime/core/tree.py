@@ -130,9 +130,10 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
     for i in sorted(range(len(questions)), key=lambda i: (task_of[i], questions[i].trunk, sorted(questions[i].options))):
         q = questions[i]
         trunk_end = trie.insert(q.trunk, below=roots[task_of[i]])[-1]
-        for opt in sorted(q.options):
-            scored.update(dict.fromkeys(trie.insert(opt, below=trunk_end)))
-        paths[i] = [trie.insert(opt, below=trunk_end) for opt in q.options]  # existing nodes: a lookup
+        path_of = {opt: trie.insert(opt, below=trunk_end) for opt in sorted(q.options)}  # in canonical order
+        for path in path_of.values():
+            scored.update(dict.fromkeys(path))
+        paths[i] = [path_of[opt] for opt in q.options]
     task_root = {node: task for task, node in roots.items()}  # also: the nodes never packed
     if max_tokens is not None:
         size = sum(1 for node, children in enumerate(trie.children[1:], 1) if children and node not in task_root)
