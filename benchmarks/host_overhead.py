@@ -18,6 +18,11 @@ Workloads (a ~512-token state, questions from ``latency.py``: 1, 13 and 64):
 ``--against TREE`` times another checkout (say the code before a change) in the same run: one worker process per
 tree and round, the trees alternating, each worker importing ``onepass`` from its tree; medians over rounds and the
 ratio per workload. Results go to ``benchmarks/results/host_overhead.{json,md}`` unless ``--json`` says where.
+
+``--bench`` instead runs the real passes: ``onepass bench`` (warm, one sender) of the 13 questions on the 512-token
+state, for each CPU backend, from each tree in turn (``benchmarks/results/host_overhead_bench.{json,md}``):
+
+    python benchmarks/host_overhead.py --engine engines/smollm2 --against /tmp/base --bench --rounds 3
 """
 
 from __future__ import annotations
@@ -195,6 +200,75 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+BENCH_BACKENDS = ("openvino-cpu", "onnxruntime")
+
+
+def _bench_workload(engine_dir: str, folder: Path) -> tuple[Path, Path]:
+    """(state file, questions file) of the 13-question workload on a ~512-token state, written into ``folder``."""
+    sys.path.insert(0, str(HERE))
+    from latency import QUESTIONS, state_of_tokens
+    from onepass import Engine
+    from onepass.runtime.core.questions import to_wire
+
+    engine = Engine.load(engine_dir, verify=False, backend="onnxruntime")
+    state, questions = folder / "state.txt", folder / "questions.json"
+    state.write_text(state_of_tokens(engine, STATE_TOKENS))
+    questions.write_text(json.dumps({qid: to_wire(q) for qid, q in QUESTIONS.items()}))
+    engine.close()
+    return state, questions
+
+
+def bench(args) -> dict:
+    """``onepass bench`` (warm, closed loop, one sender) of each CPU backend, from each tree in turn, rounds
+    alternating; per tree and backend the median over rounds of each run's p50 and p99."""
+    work = Path(tempfile.mkdtemp())
+    state, questions = _bench_workload(args.engine, work)
+    trees = {"this": None} | ({"against": args.against} if args.against else {})
+    runs: dict = {name: {} for name in trees}
+    for r in range(args.rounds):
+        for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
+            env = dict(os.environ)
+            if tree:
+                link = Path(tempfile.mkdtemp()) / "onepass"
+                link.symlink_to(Path(tree).resolve())
+                env["PYTHONPATH"] = f"{link.parent}:{env.get('PYTHONPATH', '')}"
+            report = work / f"{name}-{r}"
+            subprocess.run([sys.executable, "-m", "onepass", "bench", "--engine", args.engine, "--state", str(state),
+                            "--questions", str(questions), "--backend", *BENCH_BACKENDS, "--kind", "warm",
+                            "--threads", "2", "--requests", str(args.iters), "--warmup", str(args.warmup),
+                            "--report", str(report)], env=env, check=True, capture_output=True)
+            for run in json.loads((report / "bench.json").read_text())["runs"]:
+                runs[name].setdefault(run["target"], []).append({"p50": run["p50"], "p99": run["p99"]})
+    out = {"machine": _machine(), "engine": args.engine, "state_tokens": STATE_TOKENS, "requests": args.iters,
+           "warmup": args.warmup, "rounds": args.rounds,
+           "trees": {name: {"path": tree or str(HERE.parent), "commit": _git(tree or str(HERE.parent))}
+                     for name, tree in trees.items()},
+           "results": {name: {b: {k: statistics.median(x[k] for x in v) for k in ("p50", "p99")}
+                              for b, v in per.items()} for name, per in runs.items()}}
+    if args.against:
+        out["ratio_p50"] = {b: out["results"]["against"][b]["p50"] / out["results"]["this"][b]["p50"]
+                            for b in out["results"]["this"] if b in out["results"]["against"]}
+    return out
+
+
+def bench_markdown(out: dict) -> str:
+    names = list(out["results"])
+    lines = ["# onepass bench, warm, 13 questions, side by side", "",
+             f"{out['machine']['cpu']}, {out['machine']['cores']} cores; a {out['state_tokens']}-token state; "
+             f"{out['rounds']} rounds x {out['requests']} requests per backend and tree (one sender, 2 threads), the "
+             "trees alternating; medians over rounds of each run's p50 and p99, milliseconds.", "",
+             "Command: `python benchmarks/host_overhead.py --engine " + out["engine"]
+             + (" --against TREE" if "against" in out["trees"] else "") + f" --bench --rounds {out['rounds']}`", "",
+             "| backend | " + " | ".join(f"{n} ({out['trees'][n]['commit']}) p50 / p99" for n in names)
+             + (" | before / after p50 |" if "ratio_p50" in out else " |"),
+             "|---" * (len(names) + 1 + ("ratio_p50" in out)) + "|"]
+    for b in out["results"]["this"]:
+        cells = [f"{out['results'][n][b]['p50']:.1f} / {out['results'][n][b]['p99']:.1f}" for n in names]
+        ratio = out.get("ratio_p50", {}).get(b)
+        lines.append(f"| {b} | " + " | ".join(cells) + (f" | {ratio:.3f} |" if ratio is not None else " |"))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="engines/smollm2")
@@ -203,6 +277,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="worker processes per tree, alternating")
     parser.add_argument("--against", help="another checkout to time in the same run (the code before a change)")
     parser.add_argument("--json", help="where to write the JSON (default benchmarks/results/host_overhead.json)")
+    parser.add_argument("--bench", action="store_true", help="onepass bench of the real passes instead (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,11 +285,12 @@ def main() -> None:
         _import_tree(args.tree)
         print(json.dumps(worker(args.engine, args.iters, args.warmup)))
         return
-    out = compare(args)
-    path = Path(args.json) if args.json else RESULTS / "host_overhead.json"
+    out, render = (bench(args), bench_markdown) if args.bench else (compare(args), markdown)
+    path = Path(args.json) if args.json else RESULTS / ("host_overhead_bench.json" if args.bench else
+                                                        "host_overhead.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(out))
-    print(markdown(out))
+    path.with_suffix(".md").write_text(render(out))
+    print(render(out))
 
 
 if __name__ == "__main__":
