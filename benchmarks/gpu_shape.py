@@ -10,8 +10,11 @@ seeded random weights:
     python benchmarks/gpu_shape.py build .gpu/shape    # there: + seeded random float32 weights
     onepass export --model .gpu/shape --out ENGINE --adapter none
 
-``benchmarks/gpu_check.sh`` does the last two when ``SHAPE`` names such a folder and ``ENGINE`` does not
-exist. Answers of such an engine are meaningless; its parity and latency figures are the real ones.
+Or, with no export at all (what ``benchmarks/gpu_check.sh`` does when ``SHAPE`` names such a folder and
+``ENGINE`` does not exist): ``shape_engine`` makes the engine in memory — its manifest from the config, the
+tokenizer from the folder, seeded random weights drawn on the device itself — and the PyTorch backend runs them
+(``TorchBackend(weights=...)``); parity is then the fused pass against the reference decoder on the same weights.
+Answers of such an engine are meaningless; its parity and latency figures are the real ones.
 """
 
 from __future__ import annotations
@@ -56,6 +59,55 @@ def build(folder: Path, seed: int = 0) -> Path:
                 p.add_(0.02 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder
+
+
+def random_weights(dims, seed: int, device: str) -> dict:
+    """Seeded random weights of a decoder of ``dims`` (``DecoderDims``) drawn on ``device``, by the reference
+    decoder's state-dict names: linear maps N(0, 0.02), norms 1 + N(0, 0.02) (all distinct, as trained ones are);
+    the vocabulary head tied to the embedding."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, f, d = dims.hidden_size, dims.intermediate_size, dims.head_dim
+    q, kv = dims.num_heads * d, dims.num_kv_heads * d
+
+    def draw(*shape, base=0.0):
+        return base + 0.02 * torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
+    state = {"embed": draw(dims.vocab_size, h), "norm.weight": draw(h, base=1.0)}
+    for i in range(dims.num_layers):
+        for name, shape in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q)), ("gate", (f, h)),
+                            ("up", (f, h)), ("down", (h, f))):
+            state[f"blocks.{i}.{name}.weight"] = draw(*shape)
+            if dims.qkv_bias and name in ("q", "k", "v"):
+                state[f"blocks.{i}.{name}.bias"] = draw(shape[0])
+        state[f"blocks.{i}.input_norm.weight"] = draw(h, base=1.0)
+        state[f"blocks.{i}.post_norm.weight"] = draw(h, base=1.0)
+        if dims.qk_norm:
+            state[f"blocks.{i}.q_norm.weight"] = draw(d, base=1.0)
+            state[f"blocks.{i}.k_norm.weight"] = draw(d, base=1.0)
+    return state
+
+
+def shape_engine(folder: Path, device: str, seed: int = 0) -> tuple:
+    """(root, manifest, weights) of an engine of the model in ``folder`` (config and tokenizer, ``pack``'s) made in
+    memory: no graph, no golden file; the manifest as the default engine's (the compact prompt form, summed
+    log-likelihoods, the limits of the model's positions) and the weights ``random_weights`` on ``device``. Open it
+    with ``Engine(root, manifest, TorchBackend(root, manifest, weights=weights, ...))``."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from onepass.runtime.backends.torch_decoder import DecoderDims
+    from onepass.runtime.core.manifest import Limits, Manifest, Scoring, sha256_file
+    from onepass.runtime.core.prompt import FORMS
+
+    dims = DecoderDims.from_hf_config(AutoConfig.from_pretrained(folder, local_files_only=True))
+    files = {"tokenizer.json": sha256_file(folder / "tokenizer.json"), "none.onnx": "", "none.npz": ""}
+    manifest = Manifest(name=f"{folder.name} (random weights)", model=dims.model_info(), tokenizer="tokenizer.json",
+                        graph="none.onnx", golden="none.npz", files=files, limits=Limits.for_model(dims.max_position),
+                        prompt=FORMS["compact"], scoring=Scoring("sum"),
+                        source={"dims": dataclasses.asdict(dims), "random_weights": {"seed": seed}})
+    return folder, manifest, random_weights(dims, seed, device)
 
 
 def main(argv=None) -> int:

@@ -106,6 +106,232 @@ def test_a_merge_is_bounded_by_the_pass_not_by_one_requests_limit(engine, monkey
     assert spy.passes == len(QUESTIONS)
 
 
+class _FaultyEngine(FakeEngine):
+    """An engine whose passes fail (a device fault): run_group raises for the whole group."""
+
+    def run_group(self, prepared, readout=None, deadline=None):
+        self.calls.append(len(prepared))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_an_engine_fault_reaches_every_waiting_request():
+    """Every request of a failing batch gets the fault as its answer (no hang, no lost request), and the
+    dispatcher keeps serving: a later batch is tried again."""
+    engine = _FaultyEngine()
+    dispatcher = Dispatcher(engine, max_queue=64, window_s=0.3, max_batch=16)
+    try:
+        results = _submit_all(dispatcher, [("state one", {"q": Noul("a?")}), ("state one", {"q": Noul("b?")}),
+                                           ("state two", {"q": Noul("c?")})])
+        later = _submit_all(dispatcher, [("state three", {"q": Noul("d?")})])
+    finally:
+        dispatcher.close()
+    assert all(isinstance(r, RuntimeError) and "illegal memory access" in str(r) for r in results + later)
+    assert len(engine.calls) == 3 and dispatcher.depth == 0  # two states in the first batch, then one
+
+
+class _HeldEngine(FakeEngine):
+    """An engine whose passes wait until released: what is queued stays queued while a test submits."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def run_group(self, prepared, readout=None, deadline=None):
+        self.calls.append(len(prepared))
+        self.release.wait(30)
+        return [RuntimeError("not answered: the test only checks admission")] * len(prepared)
+
+
+def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> list:
+    """Submit (state, questions, seconds to the deadline) requests on ``loop``: for each, "ok" when it was queued
+    (its future appended to ``futures``) or the QueueFull message."""
+    from onepass.runtime.server.dispatch import QueueFull
+
+    async def main():
+        out = []
+        for state, questions, left in requests:
+            try:
+                futures.append(dispatcher.submit(dispatcher.engine.prepare(state, questions),
+                                                 time.monotonic() + left))
+                out.append("ok")
+            except QueueFull as err:
+                out.append(str(err))
+        return out
+    return loop.run_until_complete(main())
+
+
+def _many(n: int) -> dict:
+    return {f"q{i}": Noul(f"Does the ticket mention product number {i} or anything about its delivery date?")
+            for i in range(n)}
+
+
+@pytest.mark.parametrize("ahead, refused", [(2000, True), (1, False)], ids=["2000-questions-ahead", "control-1"])
+def test_admission_counts_the_tokens_ahead_not_only_the_passes(ahead, refused):
+    """With 2 ms per pass and 0.1 ms per token measured, a 2000-question request ahead (one pass, ~60k tokens,
+    ~6 s) makes a request with a 1 s deadline a 429 at once; the pass count alone (2 passes, 4 ms) would admit it.
+    Control: the same request behind a one-question request is admitted."""
+    engine, loop, futures = _HeldEngine(), asyncio.new_event_loop(), []
+    dispatcher = Dispatcher(engine, max_queue=64, window_s=0.0, max_batch=16)
+    dispatcher.seconds_per_pass, dispatcher.seconds_per_token = 0.002, 0.0001
+    try:
+        first = _admitted(dispatcher, loop, [("another state", _many(1), 60)], futures)  # taken by the worker
+        deadline = time.monotonic() + 10
+        while not engine.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = _admitted(dispatcher, loop, [("a state", _many(ahead), 60), ("a third state", _many(1), 1.0)],
+                        futures)
+    finally:
+        engine.release.set()
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))  # every queued request answered
+        dispatcher.close()
+        loop.close()
+    assert first == ["ok"] and got[0] == "ok"
+    if refused:
+        assert "tokens" in got[1] and "s of work" in got[1], got[1]
+    else:
+        assert got[1] == "ok"
+
+
+def test_seconds_per_token_are_measured_on_passes_of_enough_tokens():
+    dispatcher = Dispatcher(_HeldEngine(), max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        dispatcher.measured(0.1, 10)  # a small pass: fixed costs dominate, no per-token measurement
+        assert dispatcher.seconds_per_pass == 0.1 and dispatcher.seconds_per_token == 0
+        dispatcher.measured(2.0, 1000)
+        dispatcher.measured(3.0, 1000)
+        assert dispatcher.seconds_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.003)
+        assert dispatcher.pass_seconds(1, 10) == pytest.approx(dispatcher.seconds_per_pass)  # the floor
+        assert dispatcher.pass_seconds(1, 100000) == pytest.approx(100000 * dispatcher.seconds_per_token)
+    finally:
+        dispatcher.close()
+
+
+def test_admission_counts_exact_tokens_and_a_request_that_cannot_fit_is_refused_at_once():
+    """A request arrives prepared, its size exact: its packed tokens, plus its state's unless the state was answered
+    lately or is queued already. A request that alone cannot finish before its deadline is refused at admission
+    (NeverFits: 413), before any queue or pass; one that fits its budget but not what is left of it is QueueFull."""
+    from onepass.runtime.server.dispatch import NeverFits, QueueFull
+
+    engine, loop = _HeldEngine(), asyncio.new_event_loop()
+    dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        q = {"q": Noul("Is it?")}
+        short = engine.prepare("a short state", q)
+        assert dispatcher.work_tokens(short) == short.packed_tokens + 3 == 6 + 3  # 2 words, 2 options; 3 words
+        dispatcher.measured(0.1)
+        dispatcher.calibrate(0.3, 300)  # 1 ms per token
+        with pytest.raises(NeverFits, match="5506 tokens of work.*its deadline allows"):
+            dispatcher.submit(engine.prepare("word " * 5500, q), time.monotonic() + 2.0)  # 5.5 s of work, 2 s to go
+        with pytest.raises(QueueFull, match="arrived slowly"):  # fits its 3 s budget, not the 0.1 s left of it
+            dispatcher.submit(engine.prepare("word " * 400, q), time.monotonic() + 0.1, budget=3.0)
+        assert dispatcher.depth == 0
+        futures = _admitted(dispatcher, loop, [("a short state", q, 60), ("a short state", q, 60)], [])
+        assert futures == ["ok", "ok"]
+        assert dispatcher.work_tokens(short) == short.packed_tokens  # its state is queued: prefilled once
+    finally:
+        engine.release.set()
+        dispatcher.close()
+        loop.close()
+
+
+def test_admission_weighs_attention_and_a_long_questions_trunk(tiny_engine_dir):
+    """A request's work is tokens plus attention entries at their FLOP cost (Planner.work): a 4,228-token state
+    with a 10 s deadline was admitted by its tokens (~8.9 s at the measured rate) and answered 503 after 12.6 s, and
+    a 1000-option choice, whose listed options (~5,900 tokens) are prefilled as its trunk, was counted without them.
+    The state's work is checked against the entries of every prefill chunk's dense [k, start + k] block counted
+    here; a long choice's work holds its trunk; and a state whose tokens fit the deadline but whose work does not
+    is refused at once (NeverFits), where the control (the same request counted by tokens) was admitted."""
+    import dataclasses
+
+    import numpy as np
+
+    from onepass import Engine
+    from onepass.runtime.core.planner import entries_per_token
+    from onepass.runtime.server.dispatch import NeverFits
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    chunk, per = engine.manifest.limits.prefill_chunk, entries_per_token(engine.manifest.model.hidden_size)
+    q = {"q": Noul("Is it?")}
+    p = engine.prepare("word " * 1500, q)
+    n, packed = p.state_tokens, p.packed_tokens
+    assert n > 2 * chunk  # several chunks
+    blocks = [np.ones((min(chunk, n - s), s + min(chunk, n - s)), bool) for s in range(0, n, chunk)]
+    assert p.state_work == pytest.approx(n + sum(b.size for b in blocks) / per)
+    assert p.work == pytest.approx(packed + packed * (n + packed) / per)  # one pass over the state
+    long_choice = Choice("Which?", [f"option number {i}" for i in range(300)])
+    trunk = len(engine.encoder.question(long_choice).trunk) - 1
+    long = engine.prepare("a short state", {"q": long_choice})
+    assert long.passes > 1 and long.trunk_work > trunk  # its trunk is prefilled onto the state: counted
+    assert long.trunks == (long.ids + engine.encoder.question(long_choice).trunk[:-1],)
+
+    dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
+    try:
+        dispatcher.calibrate(1.0, 1000)  # 1 ms per token-equivalent
+        budget = 1.2 * (n + packed) / 1000  # the tokens alone fit it, with 20% to spare
+        assert (p.work + p.state_work) / 1000 > budget
+        with pytest.raises(NeverFits, match="tokens of work.*its deadline allows"):
+            dispatcher.submit(p, time.monotonic() + budget)
+        with_trunk = dispatcher.work_tokens(long)
+        assert with_trunk == pytest.approx(long.work + long.state_work + long.trunk_work)
+        engine.cache.put(long.trunks[0], object(), 1)  # once its trunk is cached, asking again does not prefill it
+        assert dispatcher.work_tokens(long) == pytest.approx(with_trunk - long.trunk_work)
+        by_tokens = dataclasses.replace(p, work=None, state_work=None)  # the control: counted by tokens
+        assert dispatcher.work_tokens(by_tokens) == n + packed
+        loop = asyncio.new_event_loop()
+        try:
+            async def admitted():
+                future = dispatcher.submit(by_tokens, time.monotonic() + budget)
+                return not future.done(), await future
+
+            queued, answer = loop.run_until_complete(admitted())
+            assert queued and answer is not None  # queued, not refused (then answered by the tiny engine)
+        finally:
+            loop.close()
+    finally:
+        dispatcher.close()
+
+
+def test_a_prefill_past_its_deadline_stops_between_chunks(tiny_engine_dir, monkeypatch):
+    """A state prefilled for requests whose deadline passes stops before its next chunk (DeadlineExceeded) instead
+    of running to its end: a 4,228-token state was prefilled 2.6 s past its deadline, holding the engine. Each chunk
+    is slowed to 0.6 s with a 0.3 s deadline: at most one chunk of the several runs. Control: without a deadline
+    every chunk runs and the request is answered."""
+    from onepass import Engine
+    from onepass.runtime.core.errors import DeadlineExceeded
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    prepared = engine.prepare("word " * 1500, {"q": Noul("Is it?")})
+    chunks = -(-prepared.state_tokens // engine.manifest.limits.prefill_chunk)
+    assert chunks >= 3
+    runs, real = [], engine.backend._run
+
+    def slow(batch, kv):
+        runs.append(batch.num_tokens)
+        time.sleep(0.6)
+        return real(batch, kv)
+
+    monkeypatch.setattr(engine.backend, "_run", slow)
+    (result,) = engine.run_group([prepared], deadline=time.monotonic() + 0.3)
+    assert isinstance(result, DeadlineExceeded) and "while the state was being prefilled" in str(result)
+    assert len(runs) <= 1
+    runs.clear()
+    (answered,) = engine.run_group([prepared])
+    assert not isinstance(answered, BaseException) and len(runs) == chunks + 1  # every chunk, then the pass
+
+
+def test_a_question_asked_many_times_is_packed_and_counted_once(tiny_engine_dir):
+    """400 copies of one yes/no question were refused 413 ("about 17 s") by a character estimate for a 0.2 s pass:
+    the prepared size is the trie's, where the copies are one question. Control: 400 distinct questions."""
+    from onepass import Engine
+
+    engine = Engine.load(tiny_engine_dir, backend="onnxruntime", verify=False)
+    one = engine.prepare(TICKET, {"q": Noul("Does the customer ask for a refund?")})
+    copies = engine.prepare(TICKET, {f"q{i}": Noul("Does the customer ask for a refund?") for i in range(400)})
+    distinct = engine.prepare(TICKET, {f"q{i}": Noul(f"Is point {i} about a refund?") for i in range(40)})
+    assert copies.packed_tokens == one.packed_tokens and copies.passes == 1
+    assert distinct.packed_tokens > 20 * one.packed_tokens // 2
+
+
 def test_stage_clocks_name_the_pack_apart_from_the_pass(engine, monkeypatch):
     """Result.timings: tokenize, prefill, pack, score, readout in that order. ``pack`` is the time spent building
     the questions' compiled passes after the state (Planner.place; compiling them too, the first time) and ``score``

@@ -2,9 +2,11 @@
 
 That machine fetches nothing: an import the check needs and the image lacks ends the run before it measures
 anything (it once died on ``hdrh`` after a 64 s export). Here the whole flow of ``benchmarks/gpu_check.sh`` —
-random weights for the model's shape, ``onepass export``, every backend's parity, the timed workloads, the report
-— runs with ``DEVICE=cpu`` in a Python that can import only ``benchmarks/h200_image.txt``'s distributions and what
-they require (``tests/image_env.py``), on the tiny Llama (SmolLM2's architecture and tokenizer at 2 blocks).
+the engine made in memory from the model's shape with random weights drawn on the device (no export), every torch
+variant's parity against the reference decoder on those weights, the timed workloads, the targets, the report —
+runs with ``DEVICE=cpu`` in a Python that can import only ``benchmarks/h200_image.txt``'s distributions and what
+they require (``tests/image_env.py``), on the tiny Llama (SmolLM2's architecture and tokenizer at 2 blocks); then
+``gpu_check.py`` on an exported engine with real weights, as the two-call run's second step does.
 """
 
 import json
@@ -44,20 +46,31 @@ def test_the_rehearsal_python_has_the_images_packages_and_nothing_else(env):
 
 @pytest.mark.install
 def test_the_device_check_runs_in_the_h200_images_package_set(env, tiny_llama_dir, tiny_engine_dir, tmp_path):
-    """gpu_check.sh as the machine will run it (SHAPE: the model's config and tokenizer, random weights made there,
-    the engine exported there), then gpu_check.py on an engine with real (here: the tiny Llama's) weights, which
-    adds the Hugging Face baselines. Both end with a full report and no failed measurement."""
+    """gpu_check.sh as the machine will run it (SHAPE: the model's config and tokenizer, the engine made there in
+    memory with random weights, every torch variant against the reference decoder on them), then gpu_check.py on an
+    engine with real (here: the tiny Llama's) weights, which adds the golden file and the Hugging Face baselines.
+    Both end with a full report, no failed measurement and every target with a measured value."""
     shape = tmp_path / "shape"
     shape.mkdir()
     for f in tiny_llama_dir.iterdir():  # config and tokenizer only, as gpu_shape.py pack gives
         if f.suffix not in (".safetensors", ".bin"):
             shutil.copy(f, shape / f.name)
     out = tmp_path / "out"
-    run_env = dict(env, SHAPE=str(shape), ENGINE=str(tmp_path / "none"), DEVICE="cpu", ITERS="3", BUDGET_S="150")
+    run_env = dict(env, SHAPE=str(shape), ENGINE=str(tmp_path / "none"), DEVICE="cpu", ITERS="3", BUDGET_S="150",
+                   ALL_VARIANTS="1")
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)], env=run_env,
                          capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    _check_report(out, random_weights=True)
+    shaped = _check_report(out, random_weights=True)
+    assert "made in memory (no export)" in shaped["environment"]["engine"]
+    assert shaped["parity"]["torch-cpu"]["golden"] == {}  # no golden file: the reference decoder instead
+    variants = {"torch-cpu-fp16", "torch-cpu-bf16", "torch-cpu-fp16-eager", "torch-cpu-reference-fp16"}
+    for name in variants:
+        assert shaped["parity"][name]["vs_reference"]["within"], (name, shaped["parity"][name])
+    measured = {(t["backend"], t["target"]) for t in shaped["targets"] if t["measured"] is not None}
+    assert {("torch-cpu-fp16", "13 questions wall p50 (ms)"), ("torch-cpu-fp16", "13 questions wall p99 (ms)"),
+            ("torch-cpu-bf16", "prefill of 512 tokens wall p50 (ms)")} <= measured, shaped["targets"]
+    assert "## Targets" in (out / "gpu_check.md").read_text()
 
     out2 = tmp_path / "out2"
     link = tmp_path / "pkg"
@@ -74,7 +87,7 @@ def test_the_device_check_runs_in_the_h200_images_package_set(env, tiny_llama_di
     assert variants <= set(report["latency"]), sorted(report["latency"])  # every variant the GPU run times, run
     for name in variants:
         parity = report["parity"][name]
-        assert parity["vs_cpu_reference"]["within"], (name, parity)
+        assert parity["vs_reference"]["within"] and parity["golden"], (name, parity)
         timed = report["latency"][name]["warm_13_questions_512_state"]
         assert "error" not in timed and timed["n"] >= 3, (name, timed)
     assert report["kernels"]["torch-cpu-fp16"]["attention"] == "F.scaled_dot_product_attention"
@@ -87,7 +100,7 @@ def _check_report(out: Path, random_weights: bool) -> dict:
     assert report["errors"] == {}, report["errors"]
     parity = report["parity"]["torch-cpu"]
     assert all(v["within"] for v in parity["golden"].values()), parity
-    assert parity["vs_cpu_reference"]["within"], parity
+    assert parity["vs_reference"]["within"], parity
     latency = report["latency"]["torch-cpu"]
     timed = [latency["warm_13_questions_512_state"], latency["service_new_state_each_call_13_questions"],
              *latency["questions"].values(), *latency["prefill"].values()]

@@ -75,11 +75,12 @@ def test_run_many_tokenises_each_request_once_and_a_failed_merge_never_again(tin
     assert count.of("state") == 1 and count.of("question") == 2  # the re-runs tokenised nothing
     count.calls.clear()
     prepared = tiny.prepare(STATES[0], QUESTIONS)
-    tiny.run(STATES[0], QUESTIONS)  # the same set again: found compiled
-    assert prepared.packed_tokens > 0 and count.of("question") == 2
+    tiny.run(STATES[0], QUESTIONS)  # compiled a second time: now kept
+    tiny.run(STATES[0], QUESTIONS)  # found compiled
+    assert prepared.packed_tokens > 0 and count.of("question") == 4
     tiny.question_sets.clear()
     tiny.run(STATES[0], QUESTIONS)  # the control: without the compiled set it is tokenised again, and counted
-    assert count.of("question") == 4
+    assert count.of("question") == 6
 
 
 def test_async_engine_tokenises_off_the_engine_thread_once(tiny, monkeypatch):
@@ -91,7 +92,8 @@ def test_async_engine_tokenises_off_the_engine_thread_once(tiny, monkeypatch):
         async with AsyncEngine(tiny, window_ms=200) as engine:
             return await asyncio.gather(*(engine.ask(s, QUESTIONS) for s in STATES * 2))
 
-    tiny.prepare(STATES[0], QUESTIONS)  # compiled once here
+    for _ in range(2):  # compiled twice here: kept
+        tiny.prepare(STATES[0], QUESTIONS)
     count.calls.clear()
     assert len(asyncio.run(main())) == 4
     assert count.of("state") == 4 and count.of("question") == 0  # each state once; the set found compiled
@@ -101,11 +103,11 @@ def test_async_engine_tokenises_off_the_engine_thread_once(tiny, monkeypatch):
 def test_http_tokenises_each_request_once_off_the_engine_thread(tiny, monkeypatch):
     with running(tiny) as base:
         count = _Count(tiny, monkeypatch)
-        for state in STATES:
+        for state in STATES + STATES[:1]:
             body = {"state": state, "questions": {q: to_wire(v) for q, v in QUESTIONS.items()}}
             req = urllib.request.Request(base + "/v1/systemone", data=json.dumps(body).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert resp.status == 200
-    assert count.of("state") == 2 and count.of("question") == 2  # the second request found the set compiled
+    assert count.of("state") == 3 and count.of("question") == 4  # compiled twice, then kept: the third found it
     assert not any(thread == "onepass-engine" for _, thread in count.calls)

@@ -118,30 +118,48 @@ def test_different_sets_about_one_state_join_one_pass_and_the_same_set_runs_once
     assert len(seen) == 1 and list(first.answers.values()) == list(second.answers.values())
 
 
-def test_a_set_is_found_again_by_its_content_only(tiny):
-    sets = tiny.question_sets
-    first = tiny.compile(QUESTIONS)
+def test_a_set_is_kept_the_second_time_and_found_again_by_its_content_only(tiny):
+    """A set compiled once is not cached (a one-off set never pushes a repeated one out); compiled a second time it
+    is, and the same content finds that very set (a hit counted), whatever objects carry it."""
+    sets, compile_ = tiny.question_sets, tiny.planner.compile
+    once = compile_(QUESTIONS)
+    assert len(sets) == 0 and compile_(QUESTIONS) is not once
+    first = compile_(QUESTIONS)
     hits = sets.hits
-    assert tiny.compile({k: v for k, v in QUESTIONS.items()}) is first and sets.hits == hits + 1
+    assert compile_({k: v for k, v in QUESTIONS.items()}) is first and sets.hits == hits + 1
     renamed = {("late2" if k == "late" else k): v for k, v in QUESTIONS.items()}
     described = {**QUESTIONS, "team": Choice("Which team should handle this?",
                                              {"billing": "payments and refunds", "shipping": None, "sales": None})}
     reordered = dict(reversed(list(QUESTIONS.items())))
-    others = [tiny.compile(q) for q in (renamed, described, reordered)]
-    assert all(o is not first for o in others) and len({id(o) for o in others}) == 3
+    others = [compile_(q) for q in (renamed, described, reordered) for _ in range(2)][1::2]
+    assert all(o is not first for o in others) and len({id(o) for o in others}) == 3 and len(sets) == 4
+    held = tiny.compile(QUESTIONS)  # a caller's: its own copy of the questions, the cached set's passes
+    assert held is not first and held.passes is first.passes and held.questions == QUESTIONS
     assert question_set.content_key({"a": "not a question"}) is None
     with pytest.raises(InvalidRequest, match="expected a Noul, Choice or Score question"):
         tiny.compile({"a": "not a question"})
 
 
+def test_a_held_set_answers_as_compiled_whatever_the_callers_objects_become(tiny):
+    """A held set keeps a copy of its questions: an option removed later from the caller's Choice changes nothing of
+    its answers. Control: the caller's changed question, asked as a dict, is answered as it now is."""
+    team = Choice("Which team should handle this?", {"billing": None, "shipping": None, "zzz other": None})
+    held = tiny.compile({"team": team})
+    want = tiny.ask(LONG, held)["team"].probabilities
+    team.criteria.pop("billing")
+    assert tiny.ask(LONG, held)["team"].probabilities == want and set(want) == {"billing", "shipping", "zzz other"}
+    assert set(tiny.ask(LONG, {"team": team})["team"].probabilities) == {"shipping", "zzz other"}
+
+
 def test_the_cache_is_bounded_by_bytes(tiny):
-    sets = tiny.question_sets
-    one = tiny.compile({"q0": Noul("Question number 0?")})
+    sets, compile_ = tiny.question_sets, tiny.planner.compile
+    one = [compile_({"q0": Noul("Question number 0?")}) for _ in range(2)][-1]
     sets.max_bytes = 3 * one.nbytes
     for i in range(1, 10):
-        tiny.compile({f"q{i}": Noul(f"Question number {i}?")})
+        for _ in range(2):
+            compile_({f"q{i}": Noul(f"Question number {i}?")})
     assert len(sets) <= 3 and sets.bytes <= sets.max_bytes
-    assert tiny.compile({"q0": Noul("Question number 0?")}) is not one  # evicted, compiled again
+    assert compile_({"q0": Noul("Question number 0?")}) is not one  # evicted, compiled again
 
 
 def test_a_set_of_another_engine_or_of_token_ids_alone_is_refused(tiny, tiny_engine_dir):
@@ -164,9 +182,11 @@ def test_a_large_set_keeps_no_mask_and_answers_the_same(tiny, monkeypatch):
     monkeypatch.setattr(question_set, "KEEP_MASK_BYTES", 0)
     monkeypatch.setattr("onepass.runtime.core.planner.KEEP_MASK_BYTES", 0)
     tiny.question_sets.clear()
-    light = tiny.compile(QUESTIONS)
+    light = tiny.compile(QUESTIONS)  # compiled again: its masks were not kept
     assert all(p.batch.tree_mask is None for p in light.passes)
-    _close(_logprobs(tiny.ask(state, light)), want, 0.0)
+    result = tiny.run(state, light)
+    _close(_logprobs(result.answers), want, 0.0)
+    assert result.timings["pack"] > 0
 
 
 def test_the_runner_answers_with_every_engine_method_broken(tiny, monkeypatch):
@@ -186,3 +206,23 @@ def test_the_runner_answers_with_every_engine_method_broken(tiny, monkeypatch):
     assert [r.answers for r in got] == want
     with pytest.raises(AssertionError, match="called back"):  # the control: the patch does break the engine
         tiny.run_group(prepared)
+
+
+def test_a_backend_that_reads_the_tree_in_2n_numbers_is_handed_no_mask(tiny, monkeypatch):
+    """The fused GPU pass reads ``tree_order`` only: the runner hands such a backend its passes, joined ones too,
+    without an [N, N] mask (none built or joined for it), and the answers are the same. Control: a backend that
+    reads the mask gets it."""
+    from onepass.runtime.backends.batch import with_mask
+
+    state = tiny.state(LONG)
+    singles = [{qid: q} for qid, q in QUESTIONS.items()]
+    want = [r.answers for r in tiny.run_group([tiny.prepare(state, q) for q in singles])]
+    real = tiny.backend.score_all
+    seen = _recorded(tiny, monkeypatch)
+    tiny.run_group([tiny.prepare(state, q) for q in singles])
+    assert len(seen) == 1 and seen.pop().tree_mask is not None  # the control: ONNX Runtime reads the mask
+    monkeypatch.setattr(type(tiny.backend), "reads_tree_mask", False, raising=False)
+    monkeypatch.setattr(tiny.backend, "score_all", lambda kv, batch: seen.append(batch) or real(kv, with_mask(batch)))
+    got = [r.answers for r in tiny.run_group([tiny.prepare(state, q) for q in singles])]
+    assert len(seen) == 1 and seen[0].tree_mask is None and seen[0].tree_order is not None
+    assert got == want

@@ -335,8 +335,8 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     """One HTTP request, one of each step: parse_request once, each question built once, the state made text once
     (then carried as a StateText: the dispatcher's grouping and the engine read it as it is) and tokenised once,
     grouped once (by the dispatcher; the engine's run_group does not group again, run_many is not called) and
-    packed once (its questions tokenised once and one tree mask for its one pass, when the set is compiled). The
-    same body again is neither tokenised nor packed: its question set is found compiled."""
+    packed once (its questions tokenised once and one tree mask for its one pass, when the set is compiled). A set
+    compiled a second time is kept: the same body a third time is neither tokenised nor packed."""
     from onepass.runtime.backends import batch as batch_module
     from onepass.runtime.core import engine as engine_module
     from onepass.runtime.core import prompt
@@ -377,6 +377,7 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     assert status == 200
     assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "question": 2, "_by_state": 1,
                      "run_group": 1, "interval_mask": 1}, calls
+    assert post(tiny_url, body)[0] == 200
     calls.clear()
     assert post(tiny_url, body)[0] == 200
     assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "_by_state": 1,

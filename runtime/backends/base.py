@@ -62,6 +62,9 @@ class Backend(ABC):
     # backend does not feed them; the backend starts with no task (the base pass) and the engine sets its tasks here
     tasks = None
     runs_tasks = False  # whether the backend feeds a task-slot graph's task inputs at all
+    # whether a pass reads the [N, N] tree mask (the ONNX graphs do); a pass that reads the tree in 2N numbers
+    # (``tree_order``: the fused GPU pass) is handed batches without it, so none is built or joined for it
+    reads_tree_mask = True
 
     def __init__(self, model: ModelInfo, name: str | None = None):
         self.model = model
@@ -178,7 +181,10 @@ class Backend(ABC):
     def check(batch: PackedBatch) -> None:
         """Raise ValueError when the batch's arrays disagree in shape or a read-out points outside it."""
         n, r = batch.num_tokens, batch.readout_index.shape[0]
-        if batch.tree_mask.shape != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
+        if batch.tree_mask is None and batch.tree_order is None:
+            raise ValueError("a packed batch needs its tree: a tree mask or its 2N numbers (tree_order)")
+        mask = batch.tree_mask.shape if batch.tree_mask is not None else (n, n)
+        if mask != (n, n) or batch.position_ids.shape != (n,) or batch.readout_target.shape != (r,):
             raise ValueError("packed batch arrays disagree in shape")
         if batch.tree_order is not None and batch.tree_order.shape != (n, 2):
             raise ValueError("packed batch arrays disagree in shape (tree_order)")

@@ -152,7 +152,10 @@ class TorchBackend(Backend):
     """The fused pass (or, with ``fused=False``, the reference decoder) on ``device`` ("cpu", "cuda", "cuda:1", ...,
     or "meta": shapes and devices propagate, no data — the tests' CPU check of device placement) at ``precision``
     (fp32, fp16, bf16; default the engine's). See the module docstring for ``buckets``, ``cuda_graphs`` and
-    ``workspace_tokens``; ``capture_after`` is the sighting of a shape at which it is captured."""
+    ``workspace_tokens``; ``capture_after`` is the sighting of a shape at which it is captured. ``weights``: the
+    decoder's state dict by reference name (``PackedDecoder.from_state_dict``, dims from the manifest's
+    ``source.dims``) in place of the engine's ONNX initializers: a shape check builds them on the device
+    (benchmarks/gpu_shape.py)."""
 
     graph_devices = ("cuda",)  # where ``_capture_graph`` works (a test stand-in adds "cpu")
     runs_tasks = True  # a slot graph runs on the reference decoder (TaskDecoder), fed contract.TaskFeeds
@@ -160,7 +163,7 @@ class TorchBackend(Backend):
     def __init__(self, root: Path, manifest, threads: int | None = None, *, name: str | None = None,
                  device: str = "cpu", precision: str | None = None, fused: bool = True, buckets: bool | None = None,
                  cuda_graphs: bool | None = None, workspace_tokens: int | None = None,
-                 max_graphs: int = TORCH_GRAPHS, capture_after: int = 2):
+                 max_graphs: int = TORCH_GRAPHS, capture_after: int = 2, weights: dict | None = None):
         super().__init__(manifest.model, name)
         precision = precision or manifest.precision
         if precision not in PRECISIONS:
@@ -179,12 +182,13 @@ class TorchBackend(Backend):
             raise ValueError("buckets and CUDA graphs are the fused pass's (fused=True)")
         self.buckets = fused and ((on_cuda if buckets is None else buckets) or self.cuda_graphs)
         self.max_packed = manifest.limits.max_packed_tokens
-        slots = task_inputs(root, manifest)
+        slots = task_inputs(root, manifest) if weights is None else {}
         if slots and not manifest.source.get("weights"):
             raise EngineFileError(f"{root}: its task slot graph was exported before the task store mapped its weights, "
                                   "which the PyTorch backend rebuilds the decoder through: tune a task again to export "
                                   "it anew, or use openvino-cpu or onnxruntime")
-        reference = decoder_from_engine(Path(root), manifest)
+        reference = (decoder_from_engine(Path(root), manifest) if weights is None else
+                     PackedDecoder.from_state_dict(DecoderDims(**manifest.source["dims"]), weights))
         if slots:  # the fused pass has no task slots: the reference decoder with them, as the slot graph was made
             if buckets or cuda_graphs:
                 raise ValueError("an engine with tuned tasks runs on the reference decoder: no buckets or CUDA graphs")
@@ -197,6 +201,11 @@ class TorchBackend(Backend):
             self._empty = torch.zeros(self.model.num_kv_heads, 0, self.model.head_dim, device=self.device)
             return
         self._open_fused(reference, workspace_tokens, GraphCache(max_graphs, capture_after=capture_after))
+
+    @property
+    def reads_tree_mask(self) -> bool:
+        """The fused pass reads the tree in 2N numbers; the reference decoder reads the [N, N] mask."""
+        return not self.fused
 
     def _open_fused(self, reference: PackedDecoder, workspace_tokens: int | None, graphs: GraphCache) -> None:
         """The fused pass's decoder, workspace bookkeeping, staging and graph cache."""
@@ -295,7 +304,8 @@ class TorchBackend(Backend):
             batch = PackedBatch(batch.input_ids, batch.position_ids, batch.tree_mask, batch.readout_index,
                                 batch.readout_target, batch.option_readouts, intervals_of_mask(batch.tree_mask))
         if self.buckets:  # the fused pass reads the tree in 2N numbers: no [N, N] mask is padded for it
-            batch = bucketed(dataclasses.replace(batch, tree_mask=None), self.max_packed)
+            batch = bucketed(dataclasses.replace(batch, tree_mask=None) if batch.tree_mask is not None else batch,
+                             self.max_packed)
         logprob, head = self._score(kv, batch)
         return logprob[:r], (head[:r] if head is not None else None)
 

@@ -96,8 +96,8 @@ class Answering:
         return qs.memo["prior"]
 
     def _calibrate(self, questions: list, qs: QuestionSet, scores: np.ndarray, readout: str) -> np.ndarray:
-        """``scores`` with each calibrated question's slice replaced by its calibration's (its group resolved once
-        per set: the question's own, by its key, or its type's)."""
+        """``scores`` with each calibrated question's slice replaced by its calibration's (which questions have one,
+        their option names and keys found once per set)."""
         memo = ("calibration", readout)
         if memo not in qs.memo:
             qs.memo[memo] = [(i, cal, self.encoder.options(q),

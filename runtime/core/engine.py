@@ -95,6 +95,7 @@ class Engine:
         """Drop the cached states and release the backend (device memory, graphs). Engines made by
         :meth:`with_limits` share the backend: close the last one used."""
         self.cache.clear()
+        self.question_sets.clear()
         with self.backend.serial():
             self.backend.close()
 
@@ -153,8 +154,9 @@ class Engine:
     def compile(self, questions: Mapping[str, Question]) -> QuestionSet:
         """The questions checked, tokenised, packed and laid out once for any state: ``ask(state, compiled)`` then
         only places them after the state. Asking with the same questions finds the same set without this call (by
-        content, in a bounded cache); holding it skips even that lookup."""
-        return self.planner.compile(questions)
+        content, in a bounded cache); holding it skips even that lookup. It keeps a copy of the questions: what the
+        caller's objects become later changes none of its answers."""
+        return self.planner.hold(questions)
 
     def check_counts(self, questions: Mapping[str, Question]) -> None:
         """The limits that need no tokenizer: questions per request, options per question."""

@@ -12,21 +12,23 @@ packed tokens, counted on the trie), so admission needs no estimate.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import hashlib
+import threading
 import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..backends.batch import with_mask
+from ..backends.batch import PackedBatch, with_mask
 from .errors import InvalidRequest, LimitExceeded
 from .prompt import PromptEncoder, state_text
 from .question_set import KEEP_MASK_BYTES, CompiledPass, QuestionSet, content_key, layout_of, option_map
 from .questions import Question
 from .state_cache import ByteLru
 from .tree import QuestionTokens, TooManyTokens, blocks, option_groups, pack, packed_size
-from ..backends.batch import PackedBatch
 from .wire import check_question_id
 
 MAX_ENCODED_FACTOR = 4  # questions' tokens before prefix sharing, as a multiple of the request's packed limit
@@ -111,6 +113,29 @@ def causal_entries(tokens: int, past: int, chunk: int) -> int:
     return total
 
 
+SIGHTED = 4096  # question sets remembered (by a hash of their content) as compiled once
+
+
+class Sighted:
+    """The question sets compiled once lately, by a hash of their content: a set is cached the second time it is
+    compiled, so a stream of one-off sets (every request a new wording) neither evicts the sets a service asks
+    again and again nor spends the cache's bookkeeping on itself. A hash collision only caches a set early."""
+
+    def __init__(self, size: int = SIGHTED):
+        self.size, self._hashes, self._lock = size, collections.OrderedDict(), threading.Lock()
+
+    def again(self, key: tuple) -> bool:
+        """Whether ``key``'s set was compiled before (forgotten now), else remember it and say False."""
+        h = hash(key)
+        with self._lock:
+            if self._hashes.pop(h, False):
+                return True
+            self._hashes[h] = True
+            if len(self._hashes) > self.size:
+                self._hashes.popitem(last=False)
+            return False
+
+
 class Planner:
     """The engine's limits applied to requests: checks, tokenising, and the passes that will answer them."""
 
@@ -121,8 +146,8 @@ class Planner:
         self.tasks = tuple(tasks)  # the engine's tuned tasks by name: a question's ``task`` is its number here
         self.entries_per_token = entries_per_token(hidden_size)
         self.sets = ByteLru(QUESTION_SETS_MIB << 20)  # compiled question sets by content (question_set.content_key)
+        self._sighted = Sighted()  # sets compiled once: kept the second time they are compiled
         self._stamp = object()  # marks the sets this planner compiled: another engine's are refused
-        self._block = None  # the block size the cached sets were laid out for
 
     def task_number(self, name: str | None, field_path: str) -> int:
         """A question's task as its number (-1: none), or InvalidRequest naming the engine's tasks."""
@@ -167,33 +192,42 @@ class Planner:
 
     def compile(self, questions, clock: dict | None = None) -> QuestionSet:
         """``questions`` (id -> question) checked against every limit, tokenised, packed and laid out for any state,
-        or the set compiled before for the same content (found without tokenising). A :class:`QuestionSet` is
-        returned as it is when this planner compiled it (InvalidRequest otherwise: another engine's tokens and limits).
-        ``clock`` gets the milliseconds spent tokenising and packing (0 when found)."""
+        or the set compiled before for the same content and block size (found without tokenising). A
+        :class:`QuestionSet` a caller holds is returned as it is when this planner compiled it (InvalidRequest
+        otherwise: another engine's tokens and limits). ``clock`` gets the milliseconds spent tokenising and
+        packing (none when found)."""
         if isinstance(questions, QuestionSet):
             if questions.stamp is not self._stamp or questions.questions is None:
                 raise InvalidRequest("this question set was compiled by another engine (or from token ids alone); "
                                      "compile the questions with the engine that answers them", "questions")
             return questions
-        key = content_key(questions)
-        block = self.block_tokens
-        if block != self._block:  # sets are laid out in blocks of this size: another backend's are not reused
-            self.sets.clear()
-            self._block = block
+        if isinstance(questions, Mapping) and len(questions) > self.limits.max_questions:
+            self.check_counts(questions)  # refused before anything is read of them
+        content = content_key(questions)
+        key = None if content is None else (self.block_tokens, content)  # sets are laid out in blocks of this size
         found = self.sets.get(key) if key is not None else None
         if found is not None:
             return found
         t0 = time.perf_counter()
         encoded = self.encode_questions(questions)
         t1 = time.perf_counter()
-        qs = self.layout(encoded, dict(questions), key)
+        qs = self.layout(encoded, key)
         if clock is not None:
             clock["tokenize"], clock["pack"] = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
-        if key is not None:
+        if key is not None and self._sighted.again(key):  # a one-off set never pushes a repeated one out
             self.sets.put(key, qs, qs.nbytes)
         return qs
 
-    def layout(self, encoded, questions: Mapping | None = None, key: tuple | None = None) -> QuestionSet:
+    def hold(self, questions) -> QuestionSet:
+        """:meth:`compile`'s set of ``questions`` for a caller to hold and ask with (``Engine.compile``), carrying a
+        copy of the questions taken now: answers name the options as they were compiled, whatever the caller's
+        objects become."""
+        if isinstance(questions, QuestionSet):
+            return self.compile(questions)
+        qs = self.compile(questions)
+        return dataclasses.replace(qs, questions=copy.deepcopy(dict(questions)), memo=qs.memo)
+
+    def layout(self, encoded, key: tuple | None = None) -> QuestionSet:
         """Token ids of questions (``QuestionTokens``) as a compiled set: the passes that answer them after an empty
         state (:meth:`passes`), their tree masks built where the set keeps them (``KEEP_MASK_BYTES``) and the map of
         each pass's read-outs back to options."""
@@ -205,7 +239,7 @@ class Planner:
                                     0 if over is None else len(encoded[over].trunk) - 1,
                                     *option_map(parts, encoded, starts, batch))
                        for parts, batch, over in plan)
-        return QuestionSet(encoded, passes, starts, counts, lengths, questions, key, self._stamp)
+        return QuestionSet(encoded, passes, starts, counts, lengths, None, key, self._stamp)
 
     def place(self, qs: QuestionSet, past: int) -> tuple:
         """The set's passes after a state of ``past`` tokens (a ``PackedBatch`` each, positions moved on), once the
@@ -213,10 +247,7 @@ class Planner:
         fit a state, and no pass may reach past the model's positions (LimitExceeded)."""
         for i in qs.longs:
             self.check_state_length(past + len(qs.encoded[i].trunk) - 1)
-        last = past + qs.reach + 1
-        if last + 1 > self.max_position:
-            raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {self.max_position}",
-                                "questions")
+        self.check_reach(past + qs.reach + 1)
         return tuple(p.at(past) for p in qs.passes)
 
     def work(self, past: int, qs: QuestionSet) -> tuple[float, float, float]:
@@ -228,11 +259,8 @@ class Planner:
         token it took 1.65x the time of a 300-token state: 10.6 s against 0.46 s), so counting tokens alone let a
         request in that could not meet its deadline."""
         chunk, per = self.limits.prefill_chunk, self.entries_per_token
-        packed = entries = trunk_tokens = trunk_entries = 0
-        for p in qs.passes:
-            n = p.batch.num_tokens
-            packed += n
-            entries += n * (past + p.lead + n)
+        packed, own = qs.attention
+        entries, trunk_tokens, trunk_entries = past * packed + own, 0, 0
         for i in qs.longs:  # prefilled once each
             lead = len(qs.encoded[i].trunk) - 1
             trunk_tokens += lead
@@ -319,7 +347,11 @@ class Planner:
 
     def check_positions(self, batch: PackedBatch, past: int) -> None:
         """LimitExceeded when the batch's last token sits past the model's positions."""
-        last = int(batch.position_ids.max()) + 1 if batch.num_tokens else past
+        self.check_reach(int(batch.position_ids.max()) + 1 if batch.num_tokens else past)
+
+    def check_reach(self, last: int) -> None:
+        """LimitExceeded when a pass whose last token is at position ``last - 1`` reaches past the model's
+        positions."""
         if last + 1 > self.max_position:
             raise LimitExceeded(f"state plus question reach position {last + 1}; the model allows {self.max_position}",
                                 "questions")

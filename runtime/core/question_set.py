@@ -24,10 +24,10 @@ import numpy as np
 from ..backends.batch import PackedBatch
 from .questions import as_text
 
-# a set's [N, N] tree masks are built when it is compiled and kept up to this many bytes (every set of up to ~2,800
-# packed tokens in one pass); a larger set keeps its trees in 2N numbers and builds each pass's mask when that pass
-# runs, so a queue of large requests holds no quadratic memory
-KEEP_MASK_BYTES = 8 << 20
+# a set's [N, N] tree masks are built when it is compiled and kept up to this many bytes (a set of up to 1,024 packed
+# tokens in one pass, or four passes of 512); a larger set keeps its trees in 2N numbers and builds each pass's mask
+# only when that pass runs, so a queue of large requests holds little quadratic memory (64 queued: 64 MiB at most)
+KEEP_MASK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,8 +75,8 @@ class QuestionSet:
     starts: np.ndarray  # [Q] int64
     counts: np.ndarray  # [Q] int64
     lengths: np.ndarray  # [O] float64: each option's tokens
-    questions: Mapping | None = None  # the questions it was compiled from (None: from token ids)
-    key: tuple | None = None  # its content (content_key), where it is cached
+    questions: Mapping | None = None  # a caller's copy of the questions, in a set it holds (``Planner.hold``)
+    key: tuple | None = None  # its block size and content (content_key), where it is cached
     stamp: object = None  # the compiling planner's: a set is asked only of the engine that compiled it
     memo: dict = field(default_factory=dict, repr=False)  # per read-out: priors, calibrations (answering's)
 
@@ -84,6 +84,12 @@ class QuestionSet:
     def packed_tokens(self) -> int:
         """Packed tokens over all its passes."""
         return sum(p.batch.num_tokens for p in self.passes)
+
+    @cached_property
+    def attention(self) -> tuple[int, int]:
+        """(packed tokens, their attention entries past the state's) over all passes: a pass of N tokens after P
+        state tokens computes N (P + lead + N) query-key entries, so the set's total is ``past * tokens + entries``."""
+        return self.packed_tokens, sum(p.batch.num_tokens * (p.lead + p.batch.num_tokens) for p in self.passes)
 
     @cached_property
     def longs(self) -> tuple:
@@ -148,9 +154,9 @@ def _text(value):
 
 
 def content_key(questions) -> tuple | None:
-    """A question set's identity in the cache: each id, type, instruction, option (with its description) and task,
-    in the order given, as the model reads them; None when ``questions`` is not a mapping of questions (compiling it
-    then says what is wrong)."""
+    """A question set's identity in the cache: each id, question class, instruction, option (with its description)
+    and task, in the order given, as the model reads them; None when ``questions`` is not a mapping of questions
+    (compiling it then says what is wrong)."""
     if not isinstance(questions, Mapping):
         return None
     key = []
@@ -161,7 +167,7 @@ def content_key(questions) -> tuple | None:
                 crit = tuple((k, _text(v)) for k, v in crit.items())
             elif crit is not None:
                 crit = tuple(map(_text, crit))
-            key.append((qid, q.type, _text(q.instructions), crit, q.task))
+            key.append((qid, type(q), _text(q.instructions), crit, q.task))
     except (AttributeError, TypeError, ValueError):
         return None
     return tuple(key)

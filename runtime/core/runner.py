@@ -10,6 +10,7 @@ one it gets alone), and reads each request's answers out of its options' values.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -67,8 +68,9 @@ class Runner:
         hits = [hit] + [p.state is not None or self.states.cache.get(state.ids) is not None for p in prepared[1:]]
         # one job per distinct question set, first come first: requests that ask the same questions (whatever their
         # ids, compiled once or twice) share its passes and their values
-        keys = [p.question_set.digest for p in prepared]
-        jobs = dict(zip(reversed(keys), reversed(prepared)))
+        keys, jobs = [p.question_set.digest for p in prepared], {}
+        for key, p in zip(keys, prepared):
+            jobs.setdefault(key, p)
         shared: dict = {}  # the merged passes' pack and score time, the same for every member
         try:
             values = dict(zip(jobs, self.score(state, [(p.question_set, p.plan) for p in jobs.values()], shared,
@@ -116,20 +118,25 @@ class Runner:
         """Per job (a compiled set and its passes placed after ``state``): its options' summed log-likelihoods [O]
         float64 and decision-head scores [O] (None for a graph without a head), numbered as the set numbers them.
 
-        ``clock`` gets ``pack`` (joining the passes; a long question's trunk prefill included) and ``score`` (the
-        backend's passes) in milliseconds. Past ``deadline`` no further pass starts (``DeadlineExceeded``)."""
+        ``clock`` gets ``pack`` (joining the passes, building the tree masks a large set does not keep; a long
+        question's trunk prefill included) and ``score`` (the backend's passes) in milliseconds. Past ``deadline`` no
+        further pass starts (``DeadlineExceeded``)."""
         t0 = time.perf_counter()
         runs = self._runs(state, jobs, deadline)
         t1 = time.perf_counter()
         values = [np.zeros(len(qs.lengths)) for qs, _ in jobs]
         heads: list = [None] * len(jobs)
-        packed = 0
+        packed, masking = 0, 0.0
         for batch, over, parts in runs:
             if deadline is not None and time.monotonic() > deadline:  # nobody waits for the rest: stop here
                 raise DeadlineExceeded(f"every waiter's deadline passed after {packed} packed tokens of this request's "
                                        "passes; the rest were not run")
+            if self.backend.reads_tree_mask and batch.tree_mask is None:  # built one pass at a time, counted as pack
+                t = time.perf_counter()
+                batch = with_mask(batch)
+                masking += time.perf_counter() - t
             with self.backend.serial():
-                logprob, head = self.backend.score_all(over.kv, with_mask(batch))
+                logprob, head = self.backend.score_all(over.kv, batch)
             packed += batch.num_tokens
             for k, cp, offset in parts:
                 values[k][cp.options] = cp.values(logprob, offset)
@@ -137,8 +144,8 @@ class Runner:
                     heads[k] = heads[k] if heads[k] is not None else np.zeros(len(jobs[k][0].lengths))
                     heads[k][cp.options] = head[cp.last + offset]
         if clock is not None:
-            clock["pack"] = (t1 - t0) * 1000
-            clock["score"] = (time.perf_counter() - t1) * 1000
+            clock["pack"] = (t1 - t0 + masking) * 1000
+            clock["score"] = (time.perf_counter() - t1 - masking) * 1000
         return list(zip(values, heads))
 
     def _runs(self, state: State, jobs: list[Job], deadline: float | None) -> list[tuple]:
@@ -146,16 +153,22 @@ class Runner:
         jobs' passes over the state joined up to a block (:meth:`_joined`), then each long question's passes over its
         trunk prefilled onto the state (once per question, and cached)."""
         over_state, longer, runs = [], {}, []
+        masks = self.backend.reads_tree_mask
         for k, (qs, plan) in enumerate(jobs):
             for cp, batch in zip(qs.passes, plan):
+                batch = batch if masks or batch.tree_mask is None else dataclasses.replace(batch, tree_mask=None)
                 if cp.over is None:
                     over_state.append((k, cp, batch))
-                    continue
-                where = (k, cp.over)
-                if where not in longer:
-                    longer[where] = self.states.extended(state, qs.encoded[cp.over], deadline)
-                runs.append((batch, longer[where], ((k, cp, 0),)))
+                else:
+                    runs.append((batch, self._longer(state, qs, cp.over, longer, deadline), ((k, cp, 0),)))
         return self._joined(over_state, state) + runs
+
+    def _longer(self, state: State, qs: QuestionSet, over: int, done: dict, deadline: float | None) -> State:
+        """``state`` followed by the trunk of ``qs``'s long question ``over`` (prefilled once per run, and cached)."""
+        trunk = qs.encoded[over].trunk
+        if trunk not in done:
+            done[trunk] = self.states.extended(state, qs.encoded[over], deadline)
+        return done[trunk]
 
     def _joined(self, passes: list, state: State) -> list[tuple]:
         """Passes over ``state`` joined side by side (``batch.concat``) while they fit one block of the planner's,
@@ -180,11 +193,12 @@ class Runner:
         return runs
 
     def placed(self, state: State, qs: QuestionSet, deadline: float | None = None) -> list[tuple]:
-        """``qs``'s passes after ``state`` as (parts, batch, the state the batch continues): what ``Engine.passes``
-        shows (a long question's trunk prefilled onto the state, and cached)."""
-        plan = self.planner.place(qs, state.num_tokens)
-        return [(cp.parts, with_mask(batch), run_state) for cp, (batch, run_state, _) in
-                zip(qs.passes, self._runs(state, [(qs, plan)], deadline))]
+        """``qs``'s passes after ``state`` as (parts, batch with its mask, the state the batch continues): what
+        ``Engine.passes`` shows (a long question's trunk prefilled onto the state, and cached)."""
+        longer: dict = {}
+        return [(cp.parts, with_mask(batch),
+                 state if cp.over is None else self._longer(state, qs, cp.over, longer, deadline))
+                for cp, batch in zip(qs.passes, self.planner.place(qs, state.num_tokens))]
 
     def logprobs(self, state: State, encoded, deadline: float | None = None) -> tuple[list, list | None]:
         """(per question, its options' summed log-likelihoods; per question, head scores or None) of token ids of

@@ -131,8 +131,7 @@ def pack(questions: Sequence[QuestionTokens], past_len: int, max_tokens: int | N
         q = questions[i]
         trunk_end = trie.insert(q.trunk, below=roots[task_of[i]])[-1]
         path_of = {opt: trie.insert(opt, below=trunk_end) for opt in sorted(q.options)}  # in canonical order
-        for path in path_of.values():
-            scored.update(dict.fromkeys(path))
+        scored.update(dict.fromkeys(node for path in path_of.values() for node in path))
         paths[i] = [path_of[opt] for opt in q.options]
     task_root = {node: task for task, node in roots.items()}  # also: the nodes never packed
     if max_tokens is not None:
@@ -219,9 +218,3 @@ def option_logprobs(batch: PackedBatch, target_logprob: np.ndarray) -> list[np.n
     """Per question, the summed log-likelihood of each option: [question] -> [K] float64."""
     lp = target_logprob.astype(np.float64)
     return [np.array([lp[r].sum() for r in q]) for q in batch.option_readouts]
-
-
-def option_head_scores(batch: PackedBatch, head_score: np.ndarray) -> list[np.ndarray]:
-    """Per question, each option's decision-head score: the value at its last read-out row."""
-    hs = head_score.astype(np.float64)
-    return [np.array([hs[r[-1]] for r in q]) for q in batch.option_readouts]

@@ -27,8 +27,8 @@ class _CacheCollector:
         sets = self.engine.question_sets
         yield CounterMetricFamily("onepass_question_set_cache_hits", "Question sets found compiled (no tokenising or "
                                   "packing)", value=sets.hits)
-        yield CounterMetricFamily("onepass_question_set_cache_misses", "Question sets compiled (tokenised and packed)",
-                                  value=sets.misses)
+        yield CounterMetricFamily("onepass_question_set_cache_misses", "Question-set lookups that found none (the "
+                                  "set compiled, or refused)", value=sets.misses)
         yield GaugeMetricFamily("onepass_question_set_cache_bytes", "Bytes held by compiled question sets",
                                 value=sets.bytes)
         yield GaugeMetricFamily("onepass_question_set_cache_sets", "Compiled question sets held", value=len(sets))
