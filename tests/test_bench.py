@@ -165,7 +165,7 @@ def test_bench_engine_kinds_backends_stages_and_plots(tiny_engine_dir, workload,
         assert warm["requests"] == cold["requests"] == 20 and not warm["failures"]
         assert warm["stages"]["prefill"]["p99"] == FLOOR_MS  # every warm state came from the cache
         assert cold["stages"]["prefill"]["p50"] > FLOOR_MS  # every cold one was prefilled
-        assert set(runs[(backend, "prefill", "closed")]["stages"]) == {"prefill"}
+        assert set(runs[(backend, "prefill", "closed")]["stages"]) == {"prefill", "host"}
     assert report["workload"]["states"] == 3 and report["machine"]["cores"] == os.cpu_count()
     assert report["targets"][0]["manifest_sha256"] and not report["interrupted"]
     text = (out / "bench.md").read_text()

@@ -244,8 +244,8 @@ def test_sum_mean_and_prior_read_outs_compute_what_they_claim(engine, monkeypatc
     null = engine.option_logprobs(engine.manifest.prompt.null_state, encoded)[0]
     want = {"sum": softmax(lp), "mean": softmax(lp / lengths), "prior": softmax(lp - null)}
     calls = []
-    real = engine.option_logprobs
-    monkeypatch.setattr(engine, "option_logprobs", lambda state, enc: calls.append(state) or real(state, enc))
+    real = engine.runner.logprobs  # how the prior read-out scores the null state
+    monkeypatch.setattr(engine.runner, "logprobs", lambda state, enc, **k: calls.append(state) or real(state, enc, **k))
     for _ in range(2):
         for readout, probs in want.items():
             got = engine.ask(TICKET, q, readout=readout)["team"].probabilities
