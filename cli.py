@@ -67,7 +67,7 @@ def _server_config(args):
     return ServerConfig.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                  max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
                                  batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
-                                 request_timeout_s=args.request_timeout,
+                                 request_timeout_s=args.request_timeout, client_header=args.client_header,
                                  docs=getattr(args, "docs", None))
 
 

@@ -52,6 +52,9 @@ def _http(p) -> None:
     p.add_argument("--batch-window-ms", type=float, default=SERVER.batch_window_ms,
                    help="requests about one state within it share a pass")
     p.add_argument("--max-batch", type=int, default=SERVER.max_batch, help="requests about one state in one pass")
+    p.add_argument("--client-header", default=SERVER.client_header, metavar="NAME",
+                   help="the header that tells clients apart for fair turns in the engine queue (e.g. authorization, "
+                        "x-api-key; default: the peer address)")
     p.add_argument("--cache-mib", type=int, default=ENGINE.cache_mib, help="state cache size in MiB (per replica)")
 
 

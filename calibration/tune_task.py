@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..runtime.core import manifest as mf
@@ -104,11 +105,12 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
         shutil.rmtree(work, ignore_errors=True)
     chosen, found, judged = outcome.chosen, outcome.found, outcome.judged
     log(outcome.candidates_line())
+    adapter = _adapter(model, name) if chosen.name.startswith("tuned") else TaskAdapter(name, 0, {})
+    chosen, adapter = named_as_it_answers(chosen, adapter, log)
     if chosen.name == "base" and not config.keep_base:
         raise NothingLearned(f"on the {judged} rows neither calibrating nor tuning beat the engine's own answers, so "
                              f"no task was written. Give more labelled rows, or pass --keep-base to store the task "
                              "anyway (it then answers as the engine)")
-    adapter = _adapter(model, name) if chosen.name.startswith("tuned") else TaskAdapter(name, 0, {})
     seconds = outcome.seconds
     card = {"calibration": chosen.calibration.to_dict() if chosen.calibration else None,
             "questions": sorted({question_key(r.question.type, encoder.instructions(r.question),
@@ -124,6 +126,24 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
         path = task_store.write_task(engine_dir, base, adapter, card)
     log(f"task {name!r} ({chosen.name}, rank {adapter.rank}) written to {path} in {time.perf_counter() - t0:.0f} s")
     return task_store.read_card(engine_dir, name)
+
+
+def named_as_it_answers(chosen, adapter: TaskAdapter, log=print) -> tuple:
+    """(chosen, adapter), a tuned candidate whose adapter changes nothing (``no_op``: the best held-out weights were
+    the untrained ones) named for what it is: the engine's own answers, "base" (or "base+calibrate" with its
+    calibration), and no adapter. Never written as "tuned"."""
+    if not chosen.name.startswith("tuned") or not no_op(adapter):
+        return chosen, adapter
+    chosen = dataclasses.replace(chosen, name=chosen.name.replace("tuned", "base"))
+    log(f"training moved no weight of the adapter (every LoRA B factor is still 0: the untrained weights did best): "
+        f"it answers as the engine, so it counts as {chosen.name!r}; train longer (more rows or epochs, a larger "
+        "--max-steps) to tune the task")
+    return chosen, TaskAdapter(adapter.name, 0, {})
+
+
+def no_op(adapter: TaskAdapter) -> bool:
+    """Whether the adapter changes no output: every B factor exactly 0 (LoRA starts there; too few steps leave it)."""
+    return all(not np.any(b) for _, b in adapter.factors.values())
 
 
 def _adapter(model, name: str) -> TaskAdapter:

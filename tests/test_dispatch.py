@@ -142,9 +142,9 @@ class _HeldEngine(FakeEngine):
         return [RuntimeError("not answered: the test only checks admission")] * len(prepared)
 
 
-def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> list:
-    """Submit (state, questions, seconds to the deadline) requests on ``loop``: for each, "ok" when it was queued
-    (its future appended to ``futures``) or the QueueFull message."""
+def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list, client=None) -> list:
+    """Submit (state, questions, seconds to the deadline) requests of ``client`` on ``loop``: for each, "ok" when it
+    was queued (its future appended to ``futures``) or the QueueFull message."""
     from onepass.runtime.server.dispatch import QueueFull
 
     async def main():
@@ -152,7 +152,7 @@ def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> li
         for state, questions, left in requests:
             try:
                 futures.append(dispatcher.submit(dispatcher.engine.prepare(state, questions),
-                                                 time.monotonic() + left))
+                                                 time.monotonic() + left, client=client))
                 out.append("ok")
             except QueueFull as err:
                 out.append(str(err))
@@ -160,26 +160,38 @@ def _admitted(dispatcher: Dispatcher, loop, requests: list, futures: list) -> li
     return loop.run_until_complete(main())
 
 
+def _exact(dispatcher: Dispatcher, per_pass: float, per_work: float) -> None:
+    """The dispatcher's cost model fitted on groups that cost exactly ``per_pass`` a pass and ``per_work`` a
+    token-equivalent, enough of them that its spread is 1 (every prediction was right)."""
+    for i in range(40):
+        work = 1000.0 * (1 + i % 2)
+        dispatcher.observe(1, work, per_pass + per_work * work)
+    assert dispatcher.cost.spread() == pytest.approx(1.0)
+    assert (dispatcher.cost.per_pass, dispatcher.cost.per_work) == pytest.approx((per_pass, per_work))
+
+
 def _many(n: int) -> dict:
     return {f"q{i}": Noul(f"Does the ticket mention product number {i} or anything about its delivery date?")
             for i in range(n)}
 
 
-@pytest.mark.parametrize("ahead, refused", [(2000, True), (1, False)], ids=["2000-questions-ahead", "control-1"])
-def test_admission_counts_the_tokens_ahead_not_only_the_passes(ahead, refused):
-    """With 2 ms per pass and 0.1 ms per token measured, a 2000-question request ahead (one pass, ~60k tokens,
-    ~6 s) makes a request with a 1 s deadline a 429 at once; the pass count alone (2 passes, 4 ms) would admit it.
-    Control: the same request behind a one-question request is admitted."""
+@pytest.mark.parametrize("ahead, client, refused", [(2000, None, True), (1, None, False), (2000, "other", False)],
+                         ids=["2000-questions-ahead", "control-1", "another-client"])
+def test_admission_counts_the_work_ahead_of_the_client(ahead, client, refused):
+    """With 2 ms per pass and 0.1 ms per token measured, a 2000-question request ahead of the same client (one pass,
+    ~60k tokens, ~6 s) makes a request with a 1 s deadline a 429 at once; the pass count alone (2 passes, 4 ms)
+    would admit it. Controls: the same request behind a one-question request is admitted, and so is another
+    client's, which is served before the 2000 questions (fair turns)."""
     engine, loop, futures = _HeldEngine(), asyncio.new_event_loop(), []
     dispatcher = Dispatcher(engine, max_queue=64, window_s=0.0, max_batch=16)
-    dispatcher.seconds_per_pass, dispatcher.seconds_per_token = 0.002, 0.0001
+    _exact(dispatcher, 0.002, 0.0001)
     try:
         first = _admitted(dispatcher, loop, [("another state", _many(1), 60)], futures)  # taken by the worker
         deadline = time.monotonic() + 10
         while not engine.calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        got = _admitted(dispatcher, loop, [("a state", _many(ahead), 60), ("a third state", _many(1), 1.0)],
-                        futures)
+        got = _admitted(dispatcher, loop, [("a state", _many(ahead), 60)], futures)
+        got += _admitted(dispatcher, loop, [("a third state", _many(1), 1.0)], futures, client)
     finally:
         engine.release.set()
         loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))  # every queued request answered
@@ -192,18 +204,46 @@ def test_admission_counts_the_tokens_ahead_not_only_the_passes(ahead, refused):
         assert got[1] == "ok"
 
 
-def test_seconds_per_token_are_measured_on_passes_of_enough_tokens():
-    dispatcher = Dispatcher(_HeldEngine(), max_queue=4, window_s=0.0, max_batch=4)
-    try:
-        dispatcher.measured(0.1, 10)  # a small pass: fixed costs dominate, no per-token measurement
-        assert dispatcher.seconds_per_pass == 0.1 and dispatcher.seconds_per_token == 0
-        dispatcher.measured(2.0, 1000)
-        dispatcher.measured(3.0, 1000)
-        assert dispatcher.seconds_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.003)
-        assert dispatcher.pass_seconds(1, 10) == pytest.approx(dispatcher.seconds_per_pass)  # the floor
-        assert dispatcher.pass_seconds(1, 100000) == pytest.approx(100000 * dispatcher.seconds_per_token)
-    finally:
-        dispatcher.close()
+def test_the_cost_model_is_fitted_per_pass_and_per_work_and_large_requests_cannot_inflate_a_small_one():
+    """Groups of several sizes costing 20 ms a pass and 0.4 ms a token-equivalent (with +-10% noise): the fit finds
+    both, and its error is small. Four large groups measured 30% slow (4.8 s each) move a 12-token request's
+    pessimistic estimate by a few milliseconds; the control, an average of whole group times (what admission used
+    before), puts it at over a second: past a 1 s deadline."""
+    import random
+
+    from onepass.runtime.server.cost import CostModel
+
+    rng, cost, times = random.Random(0), CostModel(), []
+    for _ in range(40):
+        work = rng.choice([20, 300, 3000, 9000])
+        seconds = (0.02 + 0.0004 * work) * rng.uniform(0.9, 1.1)
+        cost.measured(1, work, seconds)
+        times.append(seconds)
+    assert cost.per_pass == pytest.approx(0.02, rel=0.15) and cost.per_work == pytest.approx(0.0004, rel=0.05)
+    assert cost.error_p90() < 0.12 and 1.0 < cost.spread() < 1.15
+    before = cost.pessimistic(1, 12)
+    for _ in range(4):
+        cost.measured(1, 9000, 4.8)
+        times.append(4.8)
+    assert cost.pessimistic(1, 12) < before + 0.01 < 0.1
+    assert sum(times[-8:]) / 8 > 1.0  # the control: the recent average of whole pass times
+
+
+def test_the_cost_model_keeps_both_costs_non_negative_and_fits_one_alone():
+    """Groups whose time is a fixed cost only (every size 50 ms) fit no cost per work, and the reverse; a fit never
+    goes negative (noise that an unconstrained fit would follow below zero)."""
+    from onepass.runtime.server.cost import CostModel
+
+    fixed, per_work = CostModel(), CostModel()
+    for work in (10, 100, 1000, 10000) * 5:
+        fixed.measured(1, work, 0.05)
+        per_work.measured(1, work, 0.001 * work)
+    assert fixed.per_pass == pytest.approx(0.05) and fixed.per_work == pytest.approx(0.0, abs=1e-12)
+    assert per_work.per_pass == pytest.approx(0.0, abs=1e-12) and per_work.per_work == pytest.approx(0.001)
+    skewed = CostModel()
+    for work, seconds in ((10, 0.001), (1000, 0.5), (2000, 1.3), (20, 0.0005)):
+        skewed.measured(1, work, seconds)
+    assert skewed.per_pass >= 0 and skewed.per_work >= 0
 
 
 def test_admission_counts_exact_tokens_and_a_request_that_cannot_fit_is_refused_at_once():
@@ -218,8 +258,7 @@ def test_admission_counts_exact_tokens_and_a_request_that_cannot_fit_is_refused_
         q = {"q": Noul("Is it?")}
         short = engine.prepare("a short state", q)
         assert dispatcher.work_tokens(short) == short.packed_tokens + 3 == 6 + 3  # 2 words, 2 options; 3 words
-        dispatcher.measured(0.1)
-        dispatcher.calibrate(0.3, 300)  # 1 ms per token
+        _exact(dispatcher, 0.1, 0.001)  # 0.1 s a pass, 1 ms per token
         with pytest.raises(NeverFits, match="5506 tokens of work.*its deadline allows"):
             dispatcher.submit(engine.prepare("word " * 5500, q), time.monotonic() + 2.0)  # 5.5 s of work, 2 s to go
         with pytest.raises(QueueFull, match="arrived slowly"):  # fits its 3 s budget, not the 0.1 s left of it
@@ -266,7 +305,7 @@ def test_admission_weighs_attention_and_a_long_questions_trunk(tiny_engine_dir):
 
     dispatcher = Dispatcher(engine, max_queue=4, window_s=0.0, max_batch=4)
     try:
-        dispatcher.calibrate(1.0, 1000)  # 1 ms per token-equivalent
+        _exact(dispatcher, 0.0, 0.001)  # 1 ms per token-equivalent
         budget = 1.2 * (n + packed) / 1000  # the tokens alone fit it, with 20% to spare
         assert (p.work + p.state_work) / 1000 > budget
         with pytest.raises(NeverFits, match="tokens of work.*its deadline allows"):

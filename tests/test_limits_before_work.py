@@ -77,7 +77,7 @@ def test_a_queued_request_whose_pass_would_end_after_its_deadline_is_dropped_wit
 
     engine = _Engine(hold_s=1.8)
     dispatcher = Dispatcher(engine, max_queue=8, window_s=0.0, max_batch=4)
-    dispatcher.measured(1.0)
+    dispatcher.observe(1, 0.0, 1.0)  # a pass of 1 s
 
     async def main():
         a = dispatcher.submit(engine.prepare("state A", {"q": Noul("a?")}), time.monotonic() + 60)
@@ -473,8 +473,8 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
         result = tiny.run("The parcel arrived late.", questions)
         seen, ran = [], []
         real_submit, real_group = server.cascade_dispatcher.submit, tiny.run_group
-        server.cascade_dispatcher.submit = lambda prepared, deadline, budget=None: seen.append(deadline) or \
-            real_submit(prepared, deadline, budget)
+        server.cascade_dispatcher.submit = lambda prepared, deadline, budget=None, client=None: \
+            seen.append(deadline) or real_submit(prepared, deadline, budget, client)
         tiny.run_group = lambda *a, **k: ran.append(1) or real_group(*a, **k)
         request = types.SimpleNamespace(state=types.SimpleNamespace(deadline=time.monotonic() + 60), headers={})
         out = asyncio.run(server.escalate(request, "The parcel arrived late.", questions, result, {}))

@@ -136,3 +136,22 @@ def test_the_ignorable_table_is_unicodes_default_ignorable_code_points():
     every = "".join(chr(cp) for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF)
     expected = set(regex.findall(r"\p{Default_Ignorable_Code_Point}", every))
     assert expected and {ch for ch in every if ignorable(ch)} == expected
+
+
+@pytest.mark.parametrize("key, meant", [("Task", "task"), ("tasks", "task"), ("Criteria", "criteria"),
+                                        ("criterias", "criteria"), ("instruction", "instructions"),
+                                        ("intructions", "instructions"), ("tpye", "type")])
+def test_a_near_miss_of_a_question_key_is_refused_naming_the_key_meant(key, meant):
+    """A misspelt key was ignored silently (the question was answered without its task or criteria): another case,
+    a plural or singular, one edit or swap of a known key is a 422 naming the key meant and the field. Control: a key
+    unlike any (an id a client adds) is still left alone."""
+    from onepass.runtime.core.errors import InvalidRequest
+    from onepass.runtime.core.questions import from_wire
+
+    body = {"type": "noul", "instructions": "Is it late?", key: "x"}
+    if key == "tpye":
+        body = {"tpye": "noul", "type": "noul", "instructions": "Is it late?"}
+    with pytest.raises(InvalidRequest, match=f"unknown key '{key}'; did you mean '{meant}'") as err:
+        from_wire("q", body)
+    assert err.value.field == f"questions.q.{key}"
+    assert from_wire("q", {"type": "noul", "instructions": "Is it late?", "note": "x"}).instructions == "Is it late?"

@@ -214,17 +214,32 @@ def test_unknown_paths_and_methods_answer_in_the_error_format(url):
     for method, path, status, says in (("GET", "/v1/systemone", 405, "GET is not allowed on /v1/systemone"),
                                        ("DELETE", "/v1/systemone", 405, "allowed: POST"),
                                        ("POST", "/v1/systemonex", 404, "nothing at POST /v1/systemonex"),
-                                       ("POST", "/v1/systemone/", 404, "the service answers POST /v1/systemone")):
+                                       ("POST", "/v1/systemone/", 404, "the service answers POST /v1/systemone"),
+                                       ("POST", "/v1%2Fsystemone", 404, "has an encoded slash"),
+                                       ("POST", "/v1%2fsystemone", 404, "has an encoded slash"),
+                                       ("POST", "/v1/systemone%5C", 404, "has an encoded slash or backslash"),
+                                       ("HEAD", "/v1/systemone", 405, "")):
         data = json.dumps({"state": "x", "questions": QUESTIONS}).encode() if method == "POST" else None
         req = urllib.request.Request(url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as caught:  # urllib follows no 307 for a POST: it raises it
             urllib.request.urlopen(req, timeout=60)
+        assert caught.value.code == status and caught.value.headers["x-typesafe-request-id"]
+        if method == "HEAD":  # no body to a HEAD
+            continue
         body = json.loads(caught.value.read())
-        assert caught.value.code == status, body
         assert says in body["error"]["message"] and body["error"]["field"] is None
-        assert caught.value.headers["x-typesafe-request-id"]
     assert post(url, {"state": "x", "questions": QUESTIONS})[0] == 200
+
+
+def test_the_probes_answer_head_with_their_status_and_no_body(url):
+    """HEAD /healthz, /readyz and /metrics (what some probes send) answer their GET's status with no body (they
+    were 405). The control: GET still has the body."""
+    for path in ("/healthz", "/readyz", "/metrics"):
+        req = urllib.request.Request(url + path, method="HEAD")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200 and resp.read() == b"", path
+    assert json.loads(get(url, "/healthz")[2]) == {"status": "ok"}
 
 
 def test_bodies_over_the_size_limit_are_413(engine):
@@ -334,7 +349,7 @@ def tiny_url(tiny_engine_dir):
 def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     """One HTTP request, one of each step: parse_request once, each question built once, the state made text once
     (then carried as a StateText: the dispatcher's grouping and the engine read it as it is) and tokenised once,
-    grouped once (by the dispatcher; the engine's run_group does not group again, run_many is not called) and
+    grouped once (by the dispatcher's queue; the engine's run_group does not group again, run_many is not called) and
     packed once (its questions tokenised once and one tree mask for its one pass, when the set is compiled). A set
     compiled a second time is kept: the same body a third time is neither tokenised nor packed."""
     from onepass.runtime.backends import batch as batch_module
@@ -342,7 +357,6 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     from onepass.runtime.core import prompt
     from onepass.runtime.core import wire as wire_module
     from onepass.runtime.server import app as app_module
-    from onepass.runtime.server import dispatch
 
     calls: dict = {}
 
@@ -365,7 +379,6 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
     count(app_module, "parse_request")
     count(wire_module, "from_wire")
     count(prompt.PromptEncoder, "state")
-    count(dispatch, "_by_state")
     count(engine_module.Engine, "run_group")
     count(engine_module.Engine, "run_many")
     count(prompt.PromptEncoder, "question")
@@ -375,13 +388,12 @@ def test_a_request_is_parsed_grouped_and_packed_once(tiny_url, monkeypatch):
                           "b": QUESTIONS["team"]}}
     status, _, _ = post(tiny_url, body)
     assert status == 200
-    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "question": 2, "_by_state": 1,
+    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "question": 2,
                      "run_group": 1, "interval_mask": 1}, calls
     assert post(tiny_url, body)[0] == 200
     calls.clear()
     assert post(tiny_url, body)[0] == 200
-    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "_by_state": 1,
-                     "run_group": 1}, calls
+    assert calls == {"parse_request": 1, "from_wire": 2, "state text": 1, "state": 1, "run_group": 1}, calls
 
 
 def test_fuzzed_bodies_never_yield_5xx(tiny_url):

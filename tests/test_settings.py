@@ -25,7 +25,7 @@ FLAGS = {
     "keep_alive": (TransportLimits, "keep_alive_s"), "max_header_bytes": (TransportLimits, "max_header_bytes"),
     "max_connections": (TransportLimits, "max_connections"),
     "max_connections_per_client": (TransportLimits, "max_connections_per_client"),
-    "framing_penalty": (TransportLimits, "framing_penalty_s"),
+    "framing_penalty": (TransportLimits, "framing_penalty_s"), "client_header": (ServerConfig, "client_header"),
 }
 CLUSTER_OWN = {"threads": 1}  # a replica's one Ray CPU: one thread, the cluster's documented default
 
@@ -93,3 +93,33 @@ def test_engine_settings_are_checked_when_made(bad, match):
         EngineConfig(**bad)
     assert dataclasses.replace(EngineConfig(), limits={"max_questions": 8}).limits == {"max_questions": 8}
     assert EngineConfig(threads=0).threads is None  # --threads 0: the backend's own choice, as it always was
+
+
+@pytest.mark.parametrize("make, bad, match", [
+    (EngineConfig, {"limits": {"max_options": 1}}, "max_options must be an integer of at least 2"),
+    (EngineConfig, {"limits": {"max_request_tokens": 0}}, "max_request_tokens must be an integer of at least 64"),
+    (EngineConfig, {"limits": {"max_state_tokens": 10}}, "max_state_tokens must be an integer of at least 64"),
+    (TransportLimits, {"max_header_bytes": 10}, "max_header_bytes must be at least 1024"),
+    (ServerConfig, {"max_body_bytes": 10}, "max_body_bytes must be at least 1024"),
+    (ServerConfig, {"client_header": "x api key"}, "client_header must be an HTTP header name"),
+])
+def test_settings_under_their_usable_minimum_are_refused_at_start(make, bad, match):
+    """A setting below which every request would be refused is an error when the server starts (--max-header-bytes
+    10, --max-options 1 were accepted, --max-request-tokens 0 silently meant the default). The controls: each at
+    its minimum is accepted."""
+    with pytest.raises(ValueError, match=match):
+        make(**bad)
+    (name, value), = (bad["limits"] if "limits" in bad else bad).items()
+    least = {"max_options": 2, "max_request_tokens": 64, "max_state_tokens": 64, "max_header_bytes": 1024,
+             "max_body_bytes": 1024, "client_header": "x-api-key"}[name]
+    made = make(**({"limits": {name: least}} if "limits" in bad else {name: least}))
+    assert (made.limits[name] if "limits" in bad else getattr(made, name)) == least
+
+
+def test_serve_refuses_an_unusable_flag_in_one_line(tmp_path, capsys):
+    """`onepass serve --max-header-bytes 10` is a one-line error and exit 2, before any engine is loaded."""
+    from onepass.cli import main
+
+    assert main(["serve", "--engine", str(tmp_path / "none"), "--max-header-bytes", "10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_header_bytes must be at least 1024" in err[0], err

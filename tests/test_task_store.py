@@ -398,3 +398,24 @@ def test_the_mcp_tools_name_a_task_and_an_unknown_one_is_an_error_naming_the_tas
         want = engine.ask(STATE, {"q": Noul("Is this fraud?", task="fraud")})["q"].noul
     assert good["noul"] == pytest.approx(want, abs=1e-6)
     assert "its tasks are fraud, urgency" in bad["error"]
+
+
+def test_a_tuned_candidate_whose_adapter_changes_nothing_is_never_written_as_tuned():
+    """Training that kept its untrained weights (every LoRA B factor 0: --max-steps 12 did) answers exactly as the
+    engine: it is named base (or base + calibrate, its calibration kept) and stored with no adapter. Control: one
+    non-zero factor is a tuned adapter, named and kept as such."""
+    from onepass.calibration.candidates import Candidate
+    from onepass.calibration.tune_task import named_as_it_answers, no_op
+    from onepass.runtime.core.tasks import TaskAdapter
+
+    zero = TaskAdapter("t", 2, {(1, "q"): (np.ones((2, 8), np.float32), np.zeros((8, 2), np.float32))})
+    moved = TaskAdapter("t", 2, {(1, "q"): (np.ones((2, 8), np.float32), np.eye(8, 2, dtype=np.float32) * 1e-6)})
+    assert no_op(zero) and not no_op(moved)
+    said = []
+    for name, want in (("tuned", "base"), ("tuned+calibrate", "base+calibrate")):
+        chosen = Candidate(name, None, 0.5, 0.7)
+        got, adapter = named_as_it_answers(chosen, zero, said.append)
+        assert got.name == want and adapter.rank == 0 and not adapter.factors and got.nll == chosen.nll
+    assert len(said) == 2 and "every LoRA B factor is still 0" in said[0]
+    kept, adapter = named_as_it_answers(Candidate("tuned", None, 0.5, 0.7), moved, said.append)
+    assert kept.name == "tuned" and adapter is moved and len(said) == 2

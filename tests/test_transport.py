@@ -441,3 +441,20 @@ def test_connections_past_the_cap_must_send_their_head_at_once_so_probes_get_thr
         for s in held:
             s.close()
     assert all(a.startswith(b"HTTP/1.1 408") for a in reserve), {a[:40] for a in reserve}
+
+
+def test_what_h11_cannot_parse_is_a_400_in_the_error_format(served):
+    """A request line h11 refuses is answered 400 in the {"error": {message, field}} body every other refusal has
+    (uvicorn's own was text/plain), counted as malformed. The control: a well-formed request on the same server."""
+    url, port, _, _ = served
+    before = _metric(url, "onepass_transport_refusals_total")
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /healthz HTTP/1.1 extra words\r\nHost: x\r\n\r\n")
+    answer = _read_all(s, 10)
+    s.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower(), answer[:300]
+    assert "not valid HTTP/1.1" in json.loads(body)["error"]["message"]
+    key = 'onepass_transport_refusals_total{reason="malformed"}'
+    assert _metric(url, "onepass_transport_refusals_total")[key] == before.get(key, 0) + 1
+    assert _healthz(url) < 30

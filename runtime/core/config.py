@@ -11,6 +11,10 @@ from .state_cache import DEFAULT_CACHE_MIB
 
 #: the engine limits a deployment may lower (``Engine.with_limits``; never raise past the export's)
 LIMITS = ("max_state_tokens", "max_packed_tokens", "max_questions", "max_options", "max_request_tokens")
+#: the least each limit may be lowered to: below it every request is refused (a state's template alone is some 30
+#: tokens, a question some 10 plus its options, a choice has two options at least)
+USABLE = {"max_state_tokens": 64, "max_packed_tokens": 64, "max_questions": 1, "max_options": 2,
+          "max_request_tokens": 64}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,10 @@ class EngineConfig:
         unknown = sorted(set(self.limits) - set(LIMITS))
         if unknown:
             raise ValueError(f"unknown limits {unknown}; known: {', '.join(LIMITS)}")
+        for name, value in self.limits.items():
+            if value is not None and (not isinstance(value, int) or value < USABLE[name]):
+                raise ValueError(f"{name} must be an integer of at least {USABLE[name]} (below it every request is "
+                                 f"refused), got {value!r}")
 
     @property
     def cache_bytes(self) -> int:

@@ -242,12 +242,43 @@ def to_wire(question: Question) -> dict:
     return body
 
 
+QUESTION_KEYS = ("type", "instructions", "criteria", "task")
+
+
+def near_miss(key: str, known: Sequence[str]) -> str | None:
+    """The known key ``key`` was likely meant as (another case, a plural or singular, one character added, dropped,
+    changed or two swapped), or None."""
+    low = key.lower()
+    for name in known:
+        if low in (name, name + "s") or low + "s" == name or _one_edit(low, name):
+            return name
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one insertion, deletion or substitution, or one swap of neighbours."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
 def from_wire(qid: str, body) -> Question:
     """Build a question from its TypeSafe JSON form ``{type, instructions, criteria}`` and, as an extension, ``task``
-    (the engine's tuned task that answers it)."""
+    (the engine's tuned task that answers it). Other keys are left alone, but a near miss of one of these ("Task",
+    "tasks", "criterias") is refused: silently ignored, it would answer another question than the one meant."""
     path = f"questions.{qid}"
     if not isinstance(body, Mapping):
         raise InvalidRequest("a question must be an object with type, instructions and criteria", path)
+    for key in body:
+        meant = near_miss(key, QUESTION_KEYS) if isinstance(key, str) and key not in QUESTION_KEYS else None
+        if meant is not None:
+            raise InvalidRequest(f"unknown key {shown(key)}; did you mean {meant!r}? A question's keys are "
+                                 f"{', '.join(QUESTION_KEYS)}", f"{path}.{cut(key, 40)}")
     kind = body.get("type")
     if kind == "box":
         raise InvalidRequest("box questions need a vision model; this engine answers noul, choice and score",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -113,30 +114,35 @@ class Server:
         self.cascade_dispatcher = None if cascade is None else Dispatcher(
             cascade, config.max_queue, config.batch_window_ms / 1000.0, config.max_batch, on_batch=self.on_batch,
             on_drop=self.metrics.deadline_drops.inc)
+        self.metrics.watch_cost(self.dispatcher.cost)
         self.names = {engine.name, *config.aliases}
         self.teaching = None if teacher is None else TeacherLink(teacher, self.metrics)
 
     def warm_up(self) -> None:
-        """Run one small request so the first user request does not pay for lazy initialisation; its time
-        seeds the dispatcher's estimate of seconds per pass."""
+        """Run small requests so the first user request does not pay for lazy initialisation, then time passes of
+        several sizes into the dispatcher's cost model (a fixed cost per pass and a cost per token-equivalent: both
+        known before the first request, so admission refuses at once what cannot fit its deadline, and a small
+        request is not charged like a large one)."""
         from ..core.questions import Noul
 
-        questions = {"q": Noul("Is this a warm-up?")}
-        self.engine.run("Warm-up.", questions)
-        start = time.monotonic()  # a new state, so the estimate includes a prefill as most requests do
-        self.engine.run("A second warm-up, about another state.", questions)
-        self.dispatcher.measured(time.monotonic() - start)
-        # a state of some 300 tokens: the seconds per estimated token are known before the first request, so
-        # admission refuses at once what cannot fit its deadline (a 5,500-word state with a 2 s deadline)
-        # (timed on its second state, of the same length: a first pass of a shape may include a CUDA-graph capture;
-        # about 15 tokens a sentence, as many as the engine's state limit leaves room for, up to 18)
+        one = {"q": Noul("Is this a warm-up?")}
+        eight = {f"q{i}": Noul(f"Is this warm-up number {i} about the text above?") for i in range(8)}
+        self.engine.run("Warm-up.", one)
+        # a state of some 300 tokens: about 15 tokens a sentence, as many as the engine's state limit leaves room for
         sentences = max(1, min(18, (self.engine.manifest.limits.max_state_tokens - 40) // 20))
-        for word in ("third", "fourth"):
-            text = f"A {word} warm-up, long enough to time the work per token of a state. " * sentences
+        def long(word: str) -> str:
+            return f"A {word} warm-up, long enough to time the work per token of a state. " * sentences
+        # each new state is prefilled (its work counted); a shape's first pass may capture a CUDA graph: each size
+        # is timed twice, and the second counts most in the fit (a relative least squares over recent groups)
+        for text, questions in (("A second warm-up, about another state.", one), ("A third warm-up.", one),
+                                ("A third warm-up.", eight), (long("fourth"), one), (long("fifth"), one),
+                                (long("fifth"), eight)):
+            prepared = self.engine.prepare(text, questions)
+            fresh = not self.engine.cache.holds(prepared.ids)
             start = time.monotonic()
-            self.engine.run(text, questions)
-        prepared = self.engine.prepare(text, questions)
-        self.dispatcher.calibrate(time.monotonic() - start, prepared.work + prepared.state_work)
+            self.engine.run_group([prepared])
+            self.dispatcher.observe(prepared.passes, prepared.work + (prepared.state_work if fresh else 0.0),
+                                    time.monotonic() - start)
         self.memory.mark()  # the size the server returns to when idle after heavy requests
         self.ready = True
 
@@ -178,6 +184,16 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode("utf-8", "replace"),
                                                                  self.config.api_key.encode("utf-8")):
             raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    def client_of(self, request: Request) -> tuple:
+        """Whose request it is, for the engine queue's fair turns: the configured header's value (``onepass serve
+        --client-header``, e.g. an API key; kept as a digest) where the request has it, else the peer address."""
+        name = self.config.client_header
+        value = request.headers.get(name) if name else None
+        if value:
+            return "header", hashlib.blake2b(value.encode("utf-8", "replace"), digest_size=16).digest()
+        peer = getattr(request, "client", None)
+        return "address", peer.host if peer else ""
 
     def deadline_source(self, request: Request) -> str:
         """Which deadline a request has, for the errors that say it was too short."""
@@ -275,7 +291,7 @@ class Server:
         """Queue a prepared request on ``dispatcher`` and await its Result; every refusal and failure as its typed
         error (QueueFull, NeverFits, DeadlineExceeded, the engine's; InternalError for a fault, counted and logged)."""
         try:
-            future = dispatcher.submit(prepared, deadline, budget=budget)
+            future = dispatcher.submit(prepared, deadline, budget=budget, client=self.client_of(request))
         except QueueFull as err:
             raise QueueFull(f"the server is busy: {err}; retry later (the deadline: {self.deadline_source(request)})",
                             err.retry_after_s) from None
@@ -401,6 +417,7 @@ async def _observed(server: Server, request: Request, call_next):
     start = request.state.arrived = time.monotonic()
     request.state.timing = {}
     try:
+        _plain_path(request)
         response = await call_next(request)
     except (HTTPError, OnepassError) as err:
         response = error_response(err, server.config.retry_after_s)
@@ -417,6 +434,16 @@ async def _observed(server: Server, request: Request, call_next):
             server.config.retry_after_s)
     _account(server, request, response, rid, (time.monotonic() - start) * 1000)
     return response
+
+
+def _plain_path(request: Request) -> None:
+    """NotFound for a path holding an encoded slash or backslash (%2F, %5C): routes match the decoded path, so
+    "/v1%2Fsystemone" would be answered as the API, past a filter in front that matches paths as sent."""
+    raw = (request.scope.get("raw_path") or b"").lower()
+    if b"%2f" in raw or b"%5c" in raw:
+        where = request.scope.get("root_path", "") + "/v1/systemone"
+        raise NotFound(f"the path {cut(raw.decode('latin-1'), ECHO_CHARS)} has an encoded slash or backslash; paths "
+                       f"are matched as sent: the service answers POST {where}")
 
 
 def _account(server: Server, request: Request, response, rid: str, ms: float) -> None:
@@ -470,16 +497,16 @@ def _routes(app: FastAPI, server: Server) -> None:
                 "max_levels": MAX_LEVELS, "max_body_bytes": cfg.max_body_bytes,
                 "max_queue": cfg.max_queue, "request_timeout_s": cfg.request_timeout_s}
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: a probe that wants the status alone
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])  # HEAD: a probe that wants the status alone
     async def readyz():
         if not server.ready:  # a probe's answer, not a refusal: its own body, the table's status
             return JSONResponse({"status": "warming up"}, status_code=status_of(NotReady("warming up")))
         return {"status": "ready", "engine": engine.name, "backend": engine.backend.name}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: a probe that wants the status alone
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)

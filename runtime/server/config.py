@@ -6,10 +6,13 @@ from here (the engine's own: ``core.config.EngineConfig``)."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 from dataclasses import dataclass, field
 
 DEFAULT_ALIASES = ("jev-latest", "jev", "default")
+MIN_BODY_BYTES = 1024  # the least --max-body-bytes
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class ServerConfig:
     retry_after_s: int = 1
     request_timeout_s: float = 10.0  # default deadline (the official SDK's timeout); clients may send their own
     docs: bool = False  # /docs and /openapi.json (served without the API key): off unless asked for
+    # the header that tells clients apart for the engine queue's fair turns (e.g. "authorization", "x-api-key");
+    # None: the peer address (clients behind one proxy address then share one turn)
+    client_header: str | None = None
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -34,12 +40,18 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_queue", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_body_bytes < MIN_BODY_BYTES:
+            raise ValueError(f"max_body_bytes must be at least {MIN_BODY_BYTES} (a one-question request takes a few "
+                             f"hundred bytes: below it every request is refused), got {self.max_body_bytes}")
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError("batch_window_ms must be within 0..1000")
         if not 0 < self.request_timeout_s <= 600:
             raise ValueError("request_timeout_s must be within (0, 600]")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.client_header is not None and not _TOKEN.fullmatch(self.client_header):
+            raise ValueError(f"client_header must be an HTTP header name (letters, digits, '-'), got "
+                             f"{self.client_header!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "ServerConfig":
@@ -50,6 +62,7 @@ class ServerConfig:
 
 
 PROBE_RESERVE = 8  # connections admitted past the cap for the probes alone (/healthz, /readyz, /metrics)
+MIN_HEADER_BYTES = 1024  # the least --max-header-bytes: the official SDK's heads are some 400 bytes
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,10 @@ class TransportLimits:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_header_bytes < MIN_HEADER_BYTES:
+            raise ValueError(f"max_header_bytes must be at least {MIN_HEADER_BYTES} (a client's request line and "
+                             f"usual headers take a few hundred bytes: below it every request is refused), got "
+                             f"{self.max_header_bytes}")
         for name in ("max_connections", "max_connections_per_client"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set: counters and histograms live in files shared by processes
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -32,6 +33,27 @@ class _CacheCollector:
         yield GaugeMetricFamily("onepass_question_set_cache_bytes", "Bytes held by compiled question sets",
                                 value=sets.bytes)
         yield GaugeMetricFamily("onepass_question_set_cache_sets", "Compiled question sets held", value=len(sets))
+
+
+class _CostCollector:
+    """Reads the engine queue's cost model at scrape time."""
+
+    def __init__(self, cost):
+        self.cost = cost
+
+    def collect(self):
+        c = self.cost
+        yield GaugeMetricFamily("onepass_cost_model_seconds_per_pass", "The fitted fixed cost of one engine pass",
+                                value=c.per_pass)
+        yield GaugeMetricFamily("onepass_cost_model_seconds_per_work", "The fitted cost of one token-equivalent of "
+                                "work (tokens through the weights, attention entries at their FLOP cost)",
+                                value=c.per_work)
+        yield GaugeMetricFamily("onepass_cost_model_spread", "The high quantile of actual / predicted that admission "
+                                "multiplies a prediction by", value=c.spread())
+        error = c.error_p90()
+        if error is not None:
+            yield GaugeMetricFamily("onepass_cost_model_error_p90", "The p90 of |predicted - actual| / actual over "
+                                    "the recent groups", value=error)
 
 
 class _TransportCollector:
@@ -102,6 +124,14 @@ class Metrics:
             depth = Gauge("onepass_queue_depth", "Requests waiting for or in the engine", registry=self.registry)
             depth.set_function(queue_depth)
         self.registry.register(_CacheCollector(engine))
+
+    def watch_cost(self, cost) -> None:
+        """Export the engine queue's cost model (``cost.CostModel``): its coefficients, the spread admission allows
+        for, the p90 of its relative error, and every measured group's actual / predicted time."""
+        self.registry.register(_CostCollector(cost))
+        ratio = Histogram("onepass_cost_model_ratio", "A measured engine group's actual / predicted seconds (1: the "
+                          "cost model was exact)", buckets=RATIO_BUCKETS, registry=self.registry)
+        cost.listener = lambda predicted, actual: ratio.observe(actual / predicted)
 
     def watch_transport(self, stats) -> None:
         """Export a :class:`~onepass.runtime.server.transport.TransportStats` (``onepass serve``'s transport)."""
