@@ -155,3 +155,22 @@ def test_the_command_reports_per_data_set_and_records_with_write(copy, tmp_path,
     recorded = mf.load(copy).guarantees[guarantee.BF16]
     assert recorded["datasets"]["tickets"]["questions"] == 2 * len(QUESTIONS)
     assert Engine.load(copy).backend.name == "openvino-cpu"  # recorded, and too small to unlock bf16
+
+
+def test_closeness_takes_the_largest_change_of_a_questions_options_not_their_average():
+    """A question of four options where one probability moves by 0.3 and the others by 0.1 each: its |dp| is 0.3
+    (the bound is on any answer probability), and the data set's max is the largest over questions. Controls: the
+    mean over the options (0.15) or the first option alone (0.1) would both pass a 0.2 bound that this misses."""
+    import numpy as np
+
+    from onepass.runtime.tools.guarantee import Closeness
+
+    closeness = Closeness()
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    q = np.array([0.3, 0.6, 0.1, 0.0])
+    closeness.add("d", p, q)
+    closeness.add("d", np.array([0.6, 0.4]), np.array([0.55, 0.45]))
+    got = closeness.datasets()["d"]
+    assert got["max_abs_dp"] == pytest.approx(0.3) and got["mean_abs_dp"] == pytest.approx((0.3 + 0.05) / 2)
+    assert got["argmax_agreement"] == pytest.approx(0.5)  # the first question's answer moved to option 2
+    assert np.abs(p - q).mean() < 0.2 and abs(p[0] - q[0]) < 0.2  # the controls: what an average would have said

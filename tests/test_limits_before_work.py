@@ -492,8 +492,9 @@ def test_the_cascade_goes_through_admission_with_the_requests_deadline(tiny):
 
 def test_the_server_refuses_a_question_over_its_token_bound_while_parsing(tiny, monkeypatch):
     """A question's text over its token bound is 413 from the parse step (before admission, which could answer a
-    retryable 429 while others are queued), having tokenised about the bound, not the whole text; one under it
-    is parsed having tokenised its text once (no guard's pass: shorter in bytes than the bound)."""
+    retryable 429 while others are queued), having tokenised at most about the bound, not the whole text (here
+    nothing: its length alone is over what 4096 tokens can hold); one under it is parsed having tokenised its text
+    once (no guard's pass: shorter in bytes than the bound)."""
     import json
 
     from onepass.runtime.server.app import Server
@@ -510,10 +511,45 @@ def test_the_server_refuses_a_question_over_its_token_bound_while_parsing(tiny, 
         with pytest.raises(HTTPError) as err:
             server.parse(body(over))
         assert err.value.status == 413 and "more than 4096 tokens" in err.value.message
-        assert 0 < counter.chars < 0.2 * len(over) and server.dispatcher.depth == 0
+        assert counter.chars < 0.2 * len(over) and server.dispatcher.depth == 0  # by its length, or the bound's
         counter.chars = 0
         text = "Is the customer asking for a refund? " * 20
         server.parse(body(text))
-        assert counter.chars < 1.5 * len(text)  # tokenised once (with the template's spaces), no guard's pass
+        assert 0 < counter.chars < 1.5 * len(text)  # tokenised once (with the template's spaces), no guard's pass
+    finally:
+        server.dispatcher.close()
+
+
+def test_counts_and_lengths_are_checked_before_the_body_is_validated_or_tokenised(tiny, monkeypatch):
+    """A body over the questions' count, a question's option count or the state's length (more characters than the
+    state limit's tokens can cover) is 413 before any question is built or any text tokenised (parse_request and the
+    tokenizer never called); the control: a body within them is parsed and tokenised."""
+    import json
+
+    from onepass.runtime.core import wire
+    from onepass.runtime.server import app as app_module
+    from onepass.runtime.server.app import Server
+    from onepass.runtime.server.config import ServerConfig
+    from onepass.runtime.server.errors import HTTPError
+
+    server = Server(tiny.with_limits(max_questions=8, max_options=4), ServerConfig())
+    built = []
+    monkeypatch.setattr(app_module, "parse_request", lambda data: built.append(1) or wire.parse_request(data))
+    counter = _CountingTokenizer(server.engine.encoder._untrusted)
+    monkeypatch.setattr(server.engine.encoder, "_untrusted", counter)
+    noul = {"type": "noul", "instructions": "Is it late?"}
+    limit = server.engine.manifest.limits.max_state_tokens * server.engine.encoder.token_chars
+    try:
+        for body, says in (({"state": "x", "questions": {f"q{i}": noul for i in range(9)}}, "9 questions"),
+                           ({"state": "x", "questions": {"q": {"type": "choice", "instructions": "Which?",
+                                                               "criteria": [f"o{i}" for i in range(5)]}}},
+                            "5 options"),
+                           ({"state": "a" * (limit + 1), "questions": {"q": noul}}, "the state is more than")):
+            with pytest.raises(HTTPError) as err:
+                server.parse(json.dumps(body).encode())
+            assert err.value.status == 413 and says in err.value.message, err.value.message
+        assert built == [] and counter.chars == 0
+        server.parse(json.dumps({"state": "The parcel arrived late.", "questions": {"q": noul}}).encode())
+        assert built == [1] and counter.chars > 0
     finally:
         server.dispatcher.close()

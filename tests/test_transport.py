@@ -280,8 +280,9 @@ def _send_until_closed(sock: socket.socket, pieces) -> None:
 
 def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(served):
     """6 MB of framing for 1 MB of data cost the event loop 7.7 s and /healthz up to 1.6 s: now the body is refused
-    (400, counted) once its chunks average under 1 KiB past the free 256, and the address reconnecting at once is
-    refused (429) for a while. Control: a body of 1 KiB chunks from another address passes."""
+    (400, counted) once its chunks average under 1 KiB past the free 1,024, and the address reconnecting at once is
+    admitted only a few new connections a second for a while (429 past them). Control: a body of 1 KiB chunks from
+    another address passes."""
     url, port, _, _ = served
     before = _metric(url, "onepass_transport_refusals_total")
     s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.7", 0))
@@ -299,10 +300,18 @@ def test_a_1_mb_body_in_1_byte_chunks_is_refused_early_while_healthz_answers(ser
     after = _metric(url, "onepass_transport_refusals_total")
     key = 'onepass_transport_refusals_total{reason="small_chunks"}'
     assert after[key] == before.get(key, 0) + 1
-    again = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.7", 0))
-    answer = _read_all(again, 10)  # reconnecting at once: that address is refused for a while, others are not
-    again.close()
-    assert answer.startswith(b"HTTP/1.1 429") and b"retry-after" in answer.lower(), answer[:200]
+    # reconnecting at once, that address is admitted a few new connections a second (a neighbour behind it keeps
+    # service), and the rest are refused for a while: 429, read by the client, not reset
+    again = [socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.7", 0))
+             for _ in range(8)]
+    for sock in again:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answers = [_read_all(sock, 10) for sock in again]
+    for sock in again:
+        sock.close()
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+    assert refused and all(b"retry-after" in a.lower() for a in refused), [a[:60] for a in answers]
+    assert any(a.startswith(b"HTTP/1.1 200") for a in answers), [a[:60] for a in answers]
 
     body = json.dumps({"state": "I was charged twice. " + " " * 200_000, "questions": {"q": NOUL}}).encode()
     framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1024]), body[i:i + 1024]) for i in range(0, len(body), 1024))
@@ -458,3 +467,186 @@ def test_what_h11_cannot_parse_is_a_400_in_the_error_format(served):
     key = 'onepass_transport_refusals_total{reason="malformed"}'
     assert _metric(url, "onepass_transport_refusals_total")[key] == before.get(key, 0) + 1
     assert _healthz(url) < 30
+
+
+def _keepalive(port: int, address: str, headers: str = "") -> socket.socket:
+    """A connection from ``address`` that has had one GET /healthz answered and stays open (keep-alive)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+    assert _ask(s, headers).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def _ask(sock: socket.socket, headers: str = "") -> bytes:
+    """One GET /healthz on ``sock`` (kept alive): the answer's head and body (what came within 10 s)."""
+    sock.settimeout(10)
+    try:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        out = b""
+        while b"\r\n\r\n" not in out or len(out.partition(b"\r\n\r\n")[2]) < _length(out):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+    except (socket.timeout, ConnectionResetError, BrokenPipeError) as err:
+        return f"{type(err).__name__}".encode()
+
+
+def _length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def _offend(port: int, address: str, headers: str = "") -> bytes:
+    """An ambiguous-framing POST (Content-Length and Transfer-Encoding) from ``address``: the abuse penalised."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+    s.sendall(f"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n{headers}Content-Length: 5\r\n"
+              "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
+    answer = _read_all(s, 10)
+    s.close()
+    return answer
+
+
+@pytest.mark.timeout(120)
+def test_the_penalty_reaches_the_abusers_connections_and_spares_its_neighbours_new_ones(served):
+    """An abuser behind one address keeps keep-alive connections and sends ambiguous framing: its connections open at
+    that moment answer their next request 429 (read by the client, not a reset), while a neighbour behind the same
+    address, opening a connection a request at 2 a second, is answered (it was refused 17 of 17). Control: the same
+    keep-alive connections of an address that did not offend are answered."""
+    _, port, _, _ = served
+    abuser = [_keepalive(port, "127.0.0.20") for _ in range(4)]
+    calm = [_keepalive(port, "127.0.0.21") for _ in range(4)]
+    assert _offend(port, "127.0.0.20").startswith(b"HTTP/1.1 400")
+    refused = [_ask(s) for s in abuser]
+    assert all(a.startswith(b"HTTP/1.1 429") and b"retry-after" in a.lower() for a in refused), refused
+    assert all(_ask(s).startswith(b"HTTP/1.1 200") for s in calm)  # the control
+    neighbour = []
+    for _ in range(10):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.20", 0))
+        neighbour.append(_ask(s, "Connection: close\r\n"))
+        s.close()
+        time.sleep(0.5)
+    for s in abuser + calm:
+        s.close()
+    assert sum(a.startswith(b"HTTP/1.1 200") for a in neighbour) >= 9, [a[:40] for a in neighbour]
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_engine_dir, tmp_path_factory):
+    """``onepass serve`` telling clients apart by their X-Api-Key header."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("keyed") / "serve.log"
+    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--client-header", "x-api-key")
+    yield url, port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_with_a_client_header_the_penalty_reaches_the_abusers_key_on_any_connection(keyed):
+    """Where clients are told apart by a header, the penalty is the abuser's key: its requests are refused 429 on its
+    existing keep-alive connections and on new ones, while a neighbour with another key on the same address keeps
+    every connection, old and new. Control: the abuser's key is served again once the penalty has passed."""
+    _, port = keyed
+    abuser, neighbour = "X-Api-Key: abuser\r\n", "X-Api-Key: neighbour\r\n"
+    old_abuser = _keepalive(port, "127.0.0.30", abuser)
+    old_neighbour = _keepalive(port, "127.0.0.30", neighbour)
+    assert _offend(port, "127.0.0.30", abuser).startswith(b"HTTP/1.1 400")
+    assert _ask(old_abuser, abuser).startswith(b"HTTP/1.1 429")
+    fresh = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.30", 0))
+    assert _ask(fresh, abuser).startswith(b"HTTP/1.1 429")
+    fresh.close()
+    assert _ask(old_neighbour, neighbour).startswith(b"HTTP/1.1 200")
+    for _ in range(6):  # new connections of the neighbour, at once: not throttled (the key, not the address)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.30", 0))
+        assert _ask(s, neighbour).startswith(b"HTTP/1.1 200")
+        s.close()
+    time.sleep(2.5)  # the penalty (2 s) has passed
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.30", 0))
+    assert _ask(s, abuser).startswith(b"HTTP/1.1 200")
+    s.close()
+    old_abuser.close()
+    old_neighbour.close()
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_body_in_small_writes_is_served_and_each_body_on_a_connection_has_its_own_budget(served):
+    """A 4 KB JSON body written in 12-byte chunks (341 chunks; a streaming JSON writer's) is answered 200 and its
+    address is not penalised; then the same body in 5-byte chunks (~800) on the same keep-alive connection is
+    answered too: the chunk count starts afresh for each request (carried over, 341 + 800 would pass the budget of
+    1,024 and one per KiB). Control: a body in 1-byte chunks past the budget is still refused."""
+    url, port, _, _ = served
+    body = json.dumps({"state": "I was charged twice. " * 180, "questions": {"q": NOUL}}).encode()
+    assert 3500 < len(body) < 4500
+    s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=("127.0.0.40", 0))
+    for size in (12, 5):
+        s.sendall(_chunked_head())
+        s.sendall(_chunked(body, size))
+        s.settimeout(30)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            answer += s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    s.close()
+    assert _ask(socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.40", 0)),
+                "Connection: close\r\n").startswith(b"HTTP/1.1 200")  # not penalised
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.41", 0))
+    s.sendall(_chunked_head())
+    _send_until_closed(s, (b"1\r\n \r\n" * 512 for _ in range(8)))
+    assert _read_all(s, 10).startswith(b"HTTP/1.1 400")
+    s.close()
+
+
+@pytest.mark.timeout(120)
+def test_each_read_timeout_holds_its_own_bound_from_both_sides(served):
+    """The head within the header timeout (1 s) and the body within the body timeout (2 s), each from its own start:
+    a body sent over 1.5 s (slower than the header timeout, within its own) is answered 200; a body that stalls is
+    refused 408 no earlier than the body timeout."""
+    _, port, _, _ = served
+    body = json.dumps({"state": "The parcel arrived late.", "questions": {"q": NOUL}}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=("127.0.0.42", 0))
+    s.sendall(f"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              f"{len(body)}\r\nConnection: close\r\n\r\n".encode())
+    for i in range(3):
+        time.sleep(0.5)
+        s.sendall(body[i * len(body) // 3:(i + 1) * len(body) // 3])
+    assert _read_all(s, 20).startswith(b"HTTP/1.1 200")
+    s.close()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=("127.0.0.43", 0))
+    s.sendall(f"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+    t0 = time.monotonic()
+    answer = _read_all(s, 20)
+    waited = time.monotonic() - t0
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"body" in answer, answer[:200]
+    assert waited >= BODY_TIMEOUT - 0.1  # not the header timeout's 1 s
+
+
+@pytest.mark.timeout(120)
+def test_an_addresss_connection_share_is_given_back_when_its_connections_close(capped):
+    """Connect up to an address's share (15 of the cap's 60), close them all: the address connects again and is
+    served, and the open-connections gauge is back where it was (a slip in the bookkeeping would lock the address
+    out, or leak the count). Control: past the share, the address is refused (503) while they are open."""
+    url, port = capped
+    gauge = _metric(url, "onepass_connections_open")["onepass_connections_open"]
+    held = [_keepalive(port, "127.0.0.50") for _ in range(15)]
+    extra = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.50", 0))
+    assert _read_all(extra, 10).startswith(b"HTTP/1.1 503")  # the control: over the share
+    extra.close()
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 10
+    while _metric(url, "onepass_connections_open")["onepass_connections_open"] > gauge and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(url, "onepass_connections_open")["onepass_connections_open"] == gauge
+    again = [_keepalive(port, "127.0.0.50") for _ in range(15)]
+    for s in again:
+        s.close()

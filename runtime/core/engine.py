@@ -158,6 +158,11 @@ class Engine:
         caller's objects become later changes none of its answers."""
         return self.planner.hold(questions)
 
+    def check_wire(self, body) -> None:
+        """The limits a request body meets or not before any of it is validated or tokenised (counts, lengths):
+        LimitExceeded, cheaply, for a body that will be refused (:meth:`Planner.check_wire`)."""
+        self.planner.check_wire(body)
+
     def check_counts(self, questions: Mapping[str, Question]) -> None:
         """The limits that need no tokenizer: questions per request, options per question."""
         self.planner.check_counts(questions)

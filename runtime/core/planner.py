@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..backends.batch import PackedBatch, with_mask
-from .errors import InvalidRequest, LimitExceeded
+from .errors import InvalidRequest, LimitExceeded, cut
 from .prompt import PromptEncoder, state_text
 from .question_set import KEEP_MASK_BYTES, CompiledPass, QuestionSet, content_key, layout_of, option_map
 from .questions import Question
@@ -281,6 +281,29 @@ class Planner:
                 f"the state is {len(ids)} tokens (template included); this engine allows at most {limit}. "
                 "Shorten the state or export an engine with a larger --max-state-tokens", "state")
         return ids
+
+    def check_wire(self, body) -> None:
+        """What a request body (the wire's JSON, not validated yet) can be checked against before any of it is
+        validated or tokenised: its questions per request, each question's options (counted as sent) and a state
+        longer than its token limit can be (``PromptEncoder.longer_than``). A body that will be refused for these
+        costs little; the rest is checked where the request is parsed and prepared."""
+        if not isinstance(body, Mapping):
+            return
+        questions, limits = body.get("questions"), self.limits
+        if isinstance(questions, Mapping):
+            if len(questions) > limits.max_questions:
+                raise LimitExceeded(f"{len(questions)} questions; this engine allows at most {limits.max_questions} "
+                                    "per request", "questions")
+            for qid, q in questions.items():
+                crit = q.get("criteria") if isinstance(q, Mapping) else None
+                if isinstance(crit, (Mapping, list)) and len(crit) > limits.max_options:
+                    raise LimitExceeded(f"{len(crit)} options; this engine allows at most {limits.max_options}",
+                                        f"questions.{cut(str(qid), 40)}.criteria")
+        state = body.get("state")
+        if isinstance(state, str) and self.encoder.longer_than(state, limits.max_state_tokens):
+            raise LimitExceeded(f"the state is more than {limits.max_state_tokens} tokens; this engine allows at most "
+                                f"{limits.max_state_tokens}. Shorten the state or export an engine with a larger "
+                                "--max-state-tokens", "state")
 
     def check_counts(self, questions: Mapping[str, Question]) -> None:
         """The limits that need no tokenizer: questions per request, options per question."""

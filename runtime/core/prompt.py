@@ -8,6 +8,7 @@ text so a caller can never close the template's turns.
 
 from __future__ import annotations
 
+import functools
 import string
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -134,6 +135,16 @@ class PromptEncoder:
         self._trusted_memo: dict[str, tuple] = {}  # text -> ids; dict get/set are atomic under the GIL
         self._untrusted_memo: dict[str, tuple] = {}
 
+    @functools.cached_property
+    def token_chars(self) -> int:
+        """The most characters one token covers (in the byte-level vocabulary, a character is a byte): a text of
+        more than ``limit * token_chars`` characters is more than ``limit`` tokens, known without tokenising it."""
+        return max(len(token) for token in self._untrusted.get_vocab())
+
+    def longer_than(self, text: str, limit: int) -> bool:
+        """Whether ``text`` is more than ``limit`` tokens by its length alone (no tokenising; False when unsure)."""
+        return len(text) > limit * self.token_chars
+
     def surely_over(self, text: str, limit: int) -> bool:
         """True when ``text`` is certainly more than ``limit`` tokens, found without tokenising all of it.
 
@@ -143,6 +154,8 @@ class PromptEncoder:
         """
         if len(text) <= COUNT_CHUNK:
             return False
+        if self.longer_than(text, limit):
+            return True
         count, pieces, start = 0, 0, 0
         while start < len(text):
             end = min(len(text), start + COUNT_CHUNK)

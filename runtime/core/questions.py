@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
@@ -60,6 +61,8 @@ def check_visible(name: str, what: str, field_path: str | None) -> None:
     Cf: zero-width spaces and joiners, bidi controls, the BOM, soft hyphens, tags; and U+034F): two names that
     differ only by one look the same to a person; or a control character (Cc: NUL, tab, newline, ...): a name is one
     line of text, and a newline in an option name would write a line of its own into the prompt's option list."""
+    if name.isascii() and name.isprintable():  # no ASCII printable character is Cf, Cc or ignorable: the common case
+        return
     for i, ch in enumerate(name):
         category = unicodedata.category(ch)
         if category == "Cf" or ch == "\u034f":
@@ -98,10 +101,12 @@ IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x11
              (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF))
 
 
+_IGNORABLE = re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in IGNORABLE) + "]")
+
+
 def ignorable(ch: str) -> bool:
     """Whether ``ch`` is a default-ignorable code point (displays as nothing)."""
-    cp = ord(ch)
-    return any(lo <= cp <= hi for lo, hi in IGNORABLE)
+    return _IGNORABLE.match(ch) is not None
 
 
 def distinct(names: list, what: str, field_path: str | None) -> None:
@@ -109,7 +114,7 @@ def distinct(names: list, what: str, field_path: str | None) -> None:
     once the characters that display as nothing (:data:`IGNORABLE`) are removed."""
     seen: dict = {}
     for name in names:
-        key = unicodedata.normalize("NFC", "".join(ch for ch in name if not ignorable(ch)))
+        key = name if name.isascii() else unicodedata.normalize("NFC", _IGNORABLE.sub("", name))
         if key in seen and seen[key] != name:
             raise InvalidRequest(f"{what} {shown(seen[key])} and {shown(name)} are the same text after Unicode "
                                  "normalisation (NFC), or but for characters that display as nothing (variation "

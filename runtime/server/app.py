@@ -230,6 +230,7 @@ class Server:
             model = data.get("model") if isinstance(data, dict) else None
             if isinstance(model, str) and model not in self.names:
                 raise UnknownModel(f"model {clip(model)} is not served here; available: {sorted(self.names)}", "model")
+            self.engine.check_wire(data)  # counts and lengths first: a body refused for them costs little
             state, questions = parse_request(data)  # the one parse: form and values (SystemOneBody documents them)
             return data, state, self.engine.prepare(state, questions)
         except OnepassError as err:

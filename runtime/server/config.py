@@ -77,6 +77,7 @@ class TransportLimits:
     max_connections_per_client: int | None = None  # None: a quarter of the cap (at least 1)
     max_body_bytes: int = 1 << 20  # the server's body limit; a chunked body's framing is held near it
     framing_penalty_s: float = 2.0  # an address that sent abusive framing is refused (429) this long; 0: never
+    client_header: str | None = None  # the header that tells clients apart (ServerConfig's): penalties reach its key
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes"):

@@ -95,8 +95,9 @@ def serve(engine_dir: str, config: ServerConfig, transport: TransportLimits | No
     setup = None if teacher is None else teacher_setup(engine, min_confidence=min_confidence, **teacher)
     app = create_app(engine, config, cascade=second, min_confidence=min_confidence if second else None,
                      teacher=setup)
-    run_uvicorn(app, socks, dataclasses.replace(transport, max_body_bytes=config.max_body_bytes))  # the framing
-    # cap follows the body limit
+    # the framing cap follows the body limit; a penalty reaches the client key the engine queue tells clients by
+    run_uvicorn(app, socks, dataclasses.replace(transport, max_body_bytes=config.max_body_bytes,
+                                                client_header=config.client_header))
 
 
 def check_second_opinion(cascade: str | None, min_confidence: float | None, teacher: dict | None) -> None:

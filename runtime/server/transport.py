@@ -20,11 +20,16 @@ protocol with what it lacks:
   a chunked body's framing (chunk sizes, extensions, trailers) may add at most an eighth of the body limit (at least
   64 KiB) to its data (413);
 * **400 for ambiguous framing**: Content-Length and Transfer-Encoding together (RFC 9112 6.3);
-* **a penalty for abusive framing**: after chunks averaging under ``TINY_CHUNK_BYTES``, framing past its cap, or
-  ambiguous framing, the address's new connections are answered 429 for ``framing_penalty_s`` (2 s; 0: off). A
-  refused connection costs the server about 4 ms, a penalised one 0.3 ms, so reconnecting at once no longer buys
-  the same work again. Behind a proxy that puts many clients on one address, raise the per-address share to the
-  cap and turn the penalty off (the proxy re-frames bodies anyway);
+* **a penalty for abusive framing that reaches the abuser**: after chunks averaging under ``TINY_CHUNK_BYTES``,
+  framing past its cap, or ambiguous framing, the connection is answered and closed, and for ``framing_penalty_s``
+  (2 s; 0: off) the offender is penalised: by its client key where the server tells clients apart by a header
+  (``client_header``: every request with that key is a 429, on any connection, other keys are served), else by its
+  address: the address's other connections open at that moment are answered 429 on their next request (the
+  abuser's keep-alive connections), and its new connections are admitted at ``PENALISED_RATE`` a second (a
+  neighbour behind the same address keeps service; an abuser reconnecting at once buys little);
+* **a refusal is read, not reset**: a refused connection is half-closed after its answer and what the client
+  already sent is read and dropped (up to ``DRAIN_BYTES``, ``DRAIN_S``) before it is closed: closing with unread
+  bytes made the kernel reset it, and the client saw a reset instead of the 429;
 * **a fair connection cap**: one client address holds at most ``per_client()`` connections (a quarter of the
   cap by default; more are answered 503 and closed at once), beyond the cap a request is answered 503 unless it
   is a probe (``/healthz``, ``/readyz``, ``/metrics``): ``PROBE_RESERVE`` connections are admitted past the cap
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import math
 import socket
@@ -58,11 +64,17 @@ PROBE_HEAD_S = 1.0  # ... each with this long to send its head (a probe sends it
 FREE_CHUNKS = 1024
 MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
 TINY_CHUNK_BYTES = 4  # refused chunks averaging under this are an attack, not a writer's small writes: penalised
+PENALISED_RATE = 4.0  # new connections a second (and a burst of as many) a penalised address is admitted
+DRAIN_S, DRAIN_BYTES = 1.0, 1 << 16  # a refused connection is read (and dropped) this long, this much, then closed
+MAX_DRAINING = 64  # connections draining at once; past it a refused one is closed at once
+# the refusals of a client that may still be sending (its request or body), drained; a cap's or a timeout's are not
+DRAINED = frozenset({"penalized", "small_chunks", "body_framing", "ambiguous_length", "head_too_large", "malformed"})
 
 
 class TransportStats:
-    """What the transport refused, by reason, the connections open by client address, and the addresses penalised
-    for abusive framing (read by ``/metrics``; touched on the event loop only)."""
+    """What the transport refused, by reason, the connections open by client address, the client keys and addresses
+    penalised for abusive framing, and the connections draining after a refusal (read by ``/metrics``; touched on
+    the event loop only)."""
 
     REASONS = ("per_client", "capacity", "penalized", "head_timeout", "body_timeout", "head_too_large",
                "small_chunks", "body_framing", "ambiguous_length", "malformed")
@@ -70,7 +82,10 @@ class TransportStats:
     def __init__(self, clock=time.monotonic):
         self.refused = dict.fromkeys(self.REASONS, 0)
         self.by_client: collections.Counter = collections.Counter()
-        self._penalties: dict = {}  # address -> monotonic time its penalty ends
+        self.conns: dict = {}  # address -> its open connections (GuardedH11Protocol)
+        self.draining = 0
+        self._penalties: dict = {}  # ("key", digest) or ("address", host) -> monotonic time its penalty ends
+        self._buckets: dict = {}  # penalised address -> (tokens, monotonic time) of its new connections
         self._clock = clock
 
     @property
@@ -78,22 +93,47 @@ class TransportStats:
         """Client connections open (those refused at once not counted)."""
         return sum(self.by_client.values())
 
-    def penalize(self, host: str, seconds: float) -> None:
-        """Refuse ``host``'s new connections for ``seconds``."""
-        self._penalties[host] = self._clock() + seconds
+    def penalize(self, who: tuple, seconds: float) -> None:
+        """Penalise ``who`` (``("key", digest)`` or ``("address", host)``) for ``seconds``."""
+        self._penalties[who] = self._clock() + seconds
         if len(self._penalties) > 10_000:  # bounded: drop the ended ones
             now = self._clock()
             self._penalties = {h: t for h, t in self._penalties.items() if t > now}
 
-    def penalty(self, host: str) -> float:
-        """Seconds left of ``host``'s penalty (0: none)."""
-        until = self._penalties.get(host)
+    def penalty(self, who: tuple) -> float:
+        """Seconds left of ``who``'s penalty (0: none)."""
+        until = self._penalties.get(who)
         if until is None:
             return 0.0
         left = until - self._clock()
         if left <= 0:
-            del self._penalties[host]
+            del self._penalties[who]
+            self._buckets.pop(who[1], None)
         return max(0.0, left)
+
+    def offended(self, conn: "GuardedH11Protocol", seconds: float) -> None:
+        """``conn`` sent abusive framing: its client key (or, without one, its address) is penalised for ``seconds``,
+        and the other connections open now of that key (or address) answer their next request 429."""
+        who = conn.client_key or ("address", conn.host)
+        self.penalize(who, seconds)
+        for other in self.conns.get(conn.host, ()):
+            if other is not conn and (conn.client_key is None or other.client_key == conn.client_key):
+                other.suspect = True
+
+    def admit_new(self, host: str) -> float:
+        """0 to admit a new connection from ``host``; else the seconds left of its address's penalty (a penalised
+        address is admitted ``PENALISED_RATE`` new connections a second)."""
+        left = self.penalty(("address", host))
+        if not left:
+            return 0.0
+        now = self._clock()
+        tokens, then = self._buckets.get(host, (PENALISED_RATE, now))
+        tokens = min(PENALISED_RATE, tokens + (now - then) * PENALISED_RATE)
+        if tokens < 1:
+            self._buckets[host] = (tokens, now)
+            return left
+        self._buckets[host] = (tokens - 1, now)
+        return 0.0
 
 
 def _error_body(message: str) -> bytes:
@@ -122,7 +162,8 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase, self._host, self._received, self._head_s = None, None, 0, self.limits.header_timeout_s
         self._chunks = self._body_bytes = self._body_from = 0
-        self._chunked = False
+        self._chunked = self.suspect = self._draining = False
+        self._drained, self.client_key = 0, None  # client_key: ("key", digest) of the client header, once read
         # h11's events, counted and checked before uvicorn handles them (uvicorn <0.55 calls self.conn.next_event()
         # in handle_events; tests/test_transport.py fails if that changes)
         self.conn.next_event = self._next_event
@@ -133,17 +174,23 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._host = host
         self.stats.by_client[host] += 1
+        self.stats.conns.setdefault(host, set()).add(self)
         if len(self.connections) > self.limits.connections():  # admitted for the probes: a head at once, or out
             self._head_s = min(PROBE_HEAD_S, self._head_s)
         self.app = self._admit(self.app)
         self._arm("head")
 
+    @property
+    def host(self) -> str:
+        """The client's address."""
+        return self.client[0] if self.client else ""
+
     def _refusal(self, host: str) -> tuple | None:
         """The refusal of a new connection from ``host`` (``_refuse``'s arguments), or None to admit it."""
-        if penalty := self.stats.penalty(host):
+        if penalty := self.stats.admit_new(host):
             return (429, "Too Many Requests", "this client address sent a body in abusive framing (counted in "
-                    f"/metrics); its new connections are refused for {self.limits.framing_penalty_s:g} s",
-                    "penalized", max(1, math.ceil(penalty)))
+                    f"/metrics); for {self.limits.framing_penalty_s:g} s it may open {PENALISED_RATE:g} new "
+                    "connections a second", "penalized", max(1, math.ceil(penalty)))
         held = self.stats.by_client[host]
         if held >= self.limits.per_client():
             return (503, "Service Unavailable", f"this client address holds {held} connections, the most one address "
@@ -155,10 +202,18 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._draining:
+            self._draining = False
+            self.stats.draining -= 1
         if self._host is not None:
             self.stats.by_client[self._host] -= 1
             if not self.stats.by_client[self._host]:
                 del self.stats.by_client[self._host]
+            mine = self.stats.conns.get(self._host)
+            if mine is not None:
+                mine.discard(self)
+                if not mine:
+                    del self.stats.conns[self._host]
             self._host = None
         super().connection_lost(exc)
 
@@ -184,6 +239,11 @@ class GuardedH11Protocol(H11Protocol):
         self._refuse(400, "Bad Request", f"the request is not valid HTTP/1.1: {msg[:200]}", "malformed")
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:  # answered and half-closed: what still comes is read and dropped
+            self._drained += len(data)
+            if self._drained > DRAIN_BYTES:
+                self.transport.close()
+            return
         if self.conn.their_state is h11.IDLE and self._head_too_long(data):
             self._refuse(431, "Request Header Fields Too Large", f"the request's head is over "
                          f"{self.limits.max_header_bytes} bytes; send smaller headers", "head_too_large")
@@ -215,6 +275,10 @@ class GuardedH11Protocol(H11Protocol):
                 return h11.NEED_DATA
         elif type(event) is h11.Request:
             names = {name for name, _ in event.headers}  # h11 gives them lower-cased
+            self.client_key = self._key_of(event.headers)
+            if refusal := self._penalised():
+                self._refuse(*refusal)
+                return h11.NEED_DATA
             if b"transfer-encoding" in names and b"content-length" in names:
                 self._refuse(400, "Bad Request", "the request has both Transfer-Encoding and Content-Length; send one",
                              "ambiguous_length", penalize=True)
@@ -223,6 +287,26 @@ class GuardedH11Protocol(H11Protocol):
             self._chunked = b"transfer-encoding" in names
             self._body_from = self._received - len(self.conn.trailing_data[0])  # the bytes up to the body's first
         return event
+
+    def _key_of(self, headers) -> tuple | None:
+        """("key", a digest of the client header's value) where the server tells clients apart by a header and the
+        request has it, else None."""
+        name = self.limits.client_header
+        if not name:
+            return None
+        wanted = name.lower().encode("latin-1")
+        value = next((v for n, v in headers if n == wanted), None)
+        return ("key", hashlib.blake2b(value, digest_size=16).digest()) if value else None
+
+    def _penalised(self) -> tuple | None:
+        """The refusal (``_refuse``'s arguments) of a request on a connection marked when its client offended, or
+        of a request whose client key is penalised; None to go on."""
+        left = self.stats.penalty(self.client_key) if self.client_key else 0.0
+        if not (self.suspect or left):
+            return None
+        who = "this client key" if left else "a connection of this client address"
+        return (429, "Too Many Requests", f"{who} sent a body in abusive framing (counted in /metrics); retry in a "
+                f"moment on a new connection", "penalized", max(1, math.ceil(left or self.limits.framing_penalty_s)))
 
     def _head_too_long(self, data: bytes) -> bool:
         """Whether the head being received (up to its blank line; body bytes after it do not count) is over the
@@ -252,7 +336,7 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm()
 
     def _arm(self, phase: str) -> None:
-        if self._phase == phase:
+        if self._phase == phase or self._draining:  # a draining connection keeps its closing timer
             return
         self._disarm()
         seconds = self._head_s if phase == "head" else self.limits.body_timeout_s
@@ -271,21 +355,42 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refuse(self, status: int, reason: str, message: str, why: str, retry_after: int | None = None,
                 penalize: bool = False) -> None:
-        """Answer ``status`` and close (counted as ``why``; with ``penalize``, the address's new connections are
-        refused for the framing penalty), unless the app already started its own response."""
+        """Answer ``status`` and close (counted as ``why``; with ``penalize``, the offender is penalised:
+        ``TransportStats.offended``), unless the app already started its own response. A refusal of a client that may
+        be sending still (``DRAINED``) is drained before it closes (``_drain``); the others (the connection cap, a
+        client too slow to send) give their socket back at once."""
         self._disarm()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._draining:
             return
         self.stats.refused[why] += 1
         if penalize and self.client and self.limits.framing_penalty_s:
-            self.stats.penalize(self.client[0], self.limits.framing_penalty_s)
+            self.stats.offended(self, self.limits.framing_penalty_s)
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response byte sent yet (an app's early 413,
             # complete or under way, is left as it is)
             self.transport.write(_raw_response(status, reason, message, retry_after))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() now says the client is gone
             self.cycle.message_event.set()
-        self.transport.close()
+        if why in DRAINED:
+            self._drain()
+        else:
+            self.transport.close()
+
+    def _drain(self) -> None:
+        """Close once what the client already sent is read: half-closed now (the client reads the answer, then the
+        end), what still comes read and dropped up to ``DRAIN_BYTES`` and ``DRAIN_S``, then closed (at once when the
+        client closes its side, or when ``MAX_DRAINING`` connections already drain)."""
+        if self.stats.draining >= MAX_DRAINING or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        try:
+            self.transport.write_eof()
+        except OSError:
+            self.transport.close()
+            return
+        self._draining = True
+        self.stats.draining += 1
+        self._timer = self.loop.call_later(DRAIN_S, self.transport.close)
 
 
 def uvicorn_options(limits: TransportLimits, stats: "TransportStats") -> dict:
