@@ -25,8 +25,9 @@ protocol with what it lacks:
   (2 s; 0: off) the offender is penalised: by its client key where the server tells clients apart by a header
   (``client_header``: every request with that key is a 429, on any connection, other keys are served), else by its
   address: the address's other connections open at that moment are answered 429 on their next request (the
-  abuser's keep-alive connections), and its new connections are admitted at ``PENALISED_RATE`` a second (a
-  neighbour behind the same address keeps service; an abuser reconnecting at once buys little);
+  abuser's keep-alive connections), and its requests in chunked framing (the abuse's way) are 429, while its new
+  connections and requests that give a Content-Length are served (a neighbour behind the same address keeps
+  service: it was refused 17 of 17 when the whole address was);
 * **a refusal is read, not reset**: a refused connection is half-closed after its answer and what the client
   already sent is read and dropped (up to ``DRAIN_BYTES``, ``DRAIN_S``) before it is closed: closing with unread
   bytes made the kernel reset it, and the client saw a reset instead of the 429;
@@ -64,7 +65,6 @@ PROBE_HEAD_S = 1.0  # ... each with this long to send its head (a probe sends it
 FREE_CHUNKS = 1024
 MIN_CHUNK_BYTES = 1024  # ... and one more per this many bytes of data: a 1 MiB body in 1 KiB chunks passes
 TINY_CHUNK_BYTES = 4  # refused chunks averaging under this are an attack, not a writer's small writes: penalised
-PENALISED_RATE = 4.0  # new connections a second (and a burst of as many) a penalised address is admitted
 DRAIN_S, DRAIN_BYTES = 1.0, 1 << 16  # a refused connection is read (and dropped) this long, this much, then closed
 MAX_DRAINING = 64  # connections draining at once; past it a refused one is closed at once
 # the refusals of a client that may still be sending (its request or body), drained; a cap's or a timeout's are not
@@ -85,7 +85,6 @@ class TransportStats:
         self.conns: dict = {}  # address -> its open connections (GuardedH11Protocol)
         self.draining = 0
         self._penalties: dict = {}  # ("key", digest) or ("address", host) -> monotonic time its penalty ends
-        self._buckets: dict = {}  # penalised address -> (tokens, monotonic time) of its new connections
         self._clock = clock
 
     @property
@@ -108,7 +107,6 @@ class TransportStats:
         left = until - self._clock()
         if left <= 0:
             del self._penalties[who]
-            self._buckets.pop(who[1], None)
         return max(0.0, left)
 
     def offended(self, conn: "GuardedH11Protocol", seconds: float) -> None:
@@ -119,21 +117,6 @@ class TransportStats:
         for other in self.conns.get(conn.host, ()):
             if other is not conn and (conn.client_key is None or other.client_key == conn.client_key):
                 other.suspect = True
-
-    def admit_new(self, host: str) -> float:
-        """0 to admit a new connection from ``host``; else the seconds left of its address's penalty (a penalised
-        address is admitted ``PENALISED_RATE`` new connections a second)."""
-        left = self.penalty(("address", host))
-        if not left:
-            return 0.0
-        now = self._clock()
-        tokens, then = self._buckets.get(host, (PENALISED_RATE, now))
-        tokens = min(PENALISED_RATE, tokens + (now - then) * PENALISED_RATE)
-        if tokens < 1:
-            self._buckets[host] = (tokens, now)
-            return left
-        self._buckets[host] = (tokens - 1, now)
-        return 0.0
 
 
 def _error_body(message: str) -> bytes:
@@ -187,10 +170,6 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refusal(self, host: str) -> tuple | None:
         """The refusal of a new connection from ``host`` (``_refuse``'s arguments), or None to admit it."""
-        if penalty := self.stats.admit_new(host):
-            return (429, "Too Many Requests", "this client address sent a body in abusive framing (counted in "
-                    f"/metrics); for {self.limits.framing_penalty_s:g} s it may open {PENALISED_RATE:g} new "
-                    "connections a second", "penalized", max(1, math.ceil(penalty)))
         held = self.stats.by_client[host]
         if held >= self.limits.per_client():
             return (503, "Service Unavailable", f"this client address holds {held} connections, the most one address "
@@ -276,12 +255,12 @@ class GuardedH11Protocol(H11Protocol):
         elif type(event) is h11.Request:
             names = {name for name, _ in event.headers}  # h11 gives them lower-cased
             self.client_key = self._key_of(event.headers)
-            if refusal := self._penalised():
-                self._refuse(*refusal)
-                return h11.NEED_DATA
-            if b"transfer-encoding" in names and b"content-length" in names:
+            if b"transfer-encoding" in names and b"content-length" in names:  # an offense, penalised or not
                 self._refuse(400, "Bad Request", "the request has both Transfer-Encoding and Content-Length; send one",
                              "ambiguous_length", penalize=True)
+                return h11.NEED_DATA
+            if refusal := self._penalised(b"transfer-encoding" in names):
+                self._refuse(*refusal)
                 return h11.NEED_DATA
             self._chunks = self._body_bytes = 0
             self._chunked = b"transfer-encoding" in names
@@ -298,15 +277,22 @@ class GuardedH11Protocol(H11Protocol):
         value = next((v for n, v in headers if n == wanted), None)
         return ("key", hashlib.blake2b(value, digest_size=16).digest()) if value else None
 
-    def _penalised(self) -> tuple | None:
-        """The refusal (``_refuse``'s arguments) of a request on a connection marked when its client offended, or
-        of a request whose client key is penalised; None to go on."""
-        left = self.stats.penalty(self.client_key) if self.client_key else 0.0
-        if not (self.suspect or left):
+    def _penalised(self, chunked: bool) -> tuple | None:
+        """The refusal (``_refuse``'s arguments) of a request on a connection marked when its client offended, of a
+        request whose client key is penalised, or of a ``chunked`` one from a penalised address without a key; None
+        to go on."""
+        key = self.stats.penalty(self.client_key) if self.client_key else 0.0
+        address = self.stats.penalty(("address", self.host)) if chunked and self.client_key is None else 0.0
+        if not (self.suspect or key or address):
             return None
-        who = "this client key" if left else "a connection of this client address"
-        return (429, "Too Many Requests", f"{who} sent a body in abusive framing (counted in /metrics); retry in a "
-                f"moment on a new connection", "penalized", max(1, math.ceil(left or self.limits.framing_penalty_s)))
+        if key or self.suspect:
+            who = "this client key" if key else "a connection of this client address"
+            message = f"{who} sent a body in abusive framing (counted in /metrics); retry in a moment"
+        else:
+            message = ("this client address sent a body in abusive chunked framing (counted in /metrics); for a "
+                       "moment its requests must give a Content-Length")
+        left = key or address or self.limits.framing_penalty_s
+        return 429, "Too Many Requests", message, "penalized", max(1, math.ceil(left))
 
     def _head_too_long(self, data: bytes) -> bool:
         """Whether the head being received (up to its blank line; body bytes after it do not count) is over the
