@@ -53,8 +53,9 @@ def _http(p) -> None:
                    help="requests about one state within it share a pass")
     p.add_argument("--max-batch", type=int, default=SERVER.max_batch, help="requests about one state in one pass")
     p.add_argument("--client-header", default=SERVER.client_header, metavar="NAME",
-                   help="the header that tells clients apart for fair turns in the engine queue (e.g. authorization, "
-                        "x-api-key; default: the peer address)")
+                   help="the header that tells clients apart for fair turns in the engine queue and for penalties "
+                        "(e.g. x-api-key, set by a trusted proxy: its value is taken as the client's identity; "
+                        "default: the peer address)")
     p.add_argument("--cache-mib", type=int, default=ENGINE.cache_mib, help="state cache size in MiB (per replica)")
 
 

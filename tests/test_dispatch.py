@@ -469,3 +469,45 @@ def test_a_failing_idle_housekeeping_never_stops_the_engine_thread():
         assert dispatcher.alive
     finally:
         dispatcher.close()
+
+
+def test_a_fault_of_the_engine_thread_s_own_answers_its_group_and_the_thread_goes_on(monkeypatch):
+    """Every waiting request gets an answer whatever fails on the engine thread: the answers are sent before the
+    measurements and metrics (an on_batch that raises loses none), and a fault before the pass (here in the check
+    that drops hopeless requests) answers the group with it; the thread keeps serving. Control: the engine thread is
+    alive after."""
+    from fake_engine import FakeEngine
+
+    def broken(size):
+        raise RuntimeError("a metrics backend fault")
+
+    dispatcher = Dispatcher(FakeEngine(), max_queue=8, window_s=0.0, max_batch=4, on_batch=broken)
+    try:
+        first = _submit_all(dispatcher, [("state one", {"q": Noul("a?")})])
+        monkeypatch.setattr(dispatcher, "_drop_late", lambda group: (_ for _ in ()).throw(RuntimeError("model")))
+        second = _submit_all(dispatcher, [("state two", {"q": Noul("b?")})])
+        monkeypatch.undo()
+        third = _submit_all(dispatcher, [("state three", {"q": Noul("c?")})])
+    finally:
+        alive = dispatcher.alive
+        dispatcher.close()
+    assert first == ["state one"] and third == ["state three"] and alive
+    assert isinstance(second[0], RuntimeError) and "model" in str(second[0])
+
+
+def test_the_warm_up_s_sizes_keep_both_costs_known_when_every_later_group_has_one_size():
+    """Seeded at warm-up with groups of several sizes, then 70 groups of one size (the window holds nothing else):
+    the cost per token-equivalent is still known, so a 20,000-token request is predicted near its true 0.4 s. The
+    control, the same groups without the warm-up's: the window alone cannot tell the two costs apart and gives the
+    work no cost (a 0.004 s prediction)."""
+    from onepass.runtime.server.cost import CostModel
+
+    seeded, bare = CostModel(), CostModel()
+    for work in (20, 300, 3000):
+        seeded.seed(1, work, 0.002 + 0.00002 * work)
+    for model in (seeded, bare):
+        for _ in range(70):
+            model.measured(1, 100, 0.002 + 0.00002 * 100)
+    assert seeded.seconds(1, 20000) == pytest.approx(0.402, rel=0.01)
+    assert bare.seconds(1, 20000) < 0.01
+    assert seeded.spread() == pytest.approx(1.0, abs=1e-6)  # the warm-up's own errors are not counted

@@ -143,3 +143,27 @@ def test_the_dispatcher_admits_and_serves_a_ninth_client_after_the_pass_in_servi
         loop.close()
     assert answers[-1] == "a quiet question"
     assert engine.order[1] == "a quiet question"  # right after the pass that was in service
+
+
+def test_a_heavy_request_about_the_same_state_does_not_ride_ahead_with_a_light_one():
+    """A queued a light and a heavy request about one state, B a light one about another: the first take is A's
+    light one alone (the heavy one's finish tag is past B's), then B's, then A's heavy one; ``ahead`` says the same
+    (B's request has only A's light one before it)."""
+    queue = FairQueue(key=lambda item: item[0])
+    queue.put("a", ("state 1", "a light"), 0.01)
+    queue.put("a", ("state 1", "a heavy"), 5.0)
+    assert queue.ahead("b", 0.01) == pytest.approx(0.01)
+    queue.put("b", ("state 2", "b light"), 0.01)
+    assert [queue.take(8, 0.0) for _ in range(3)] == [[("state 1", "a light")], [("state 2", "b light")],
+                                                        [("state 1", "a heavy")]]
+
+
+def test_a_request_the_fair_order_keeps_waiting_is_taken_by_its_latest_start():
+    """One-shot clients start at the virtual time, so a stream of them finishes before a heavy request forever; a
+    request that would start after its latest start (its deadline less its cost) if the next fair one went first is
+    taken first. Control: without a deadline, the newcomer goes first."""
+    for latest, first in ((time.monotonic() + 1.0, "heavy"), (float("inf"), "newcomer")):
+        queue = FairQueue(key=lambda item: item)
+        queue.put("h", "heavy", 5.0, latest=latest)
+        queue.put("n", "newcomer", 2.0)
+        assert queue.take(1, 0.0) == [first]

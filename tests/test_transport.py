@@ -652,3 +652,59 @@ def test_an_addresss_connection_share_is_given_back_when_its_connections_close(c
     again = [_keepalive(port, "127.0.0.50") for _ in range(15)]
     for s in again:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_closes_even_when_its_client_stays_silent(served):
+    """A request h11 cannot parse is answered 400 and the connection is drained for at most about a second, then
+    closed by the server, even with a client that neither sends nor closes (the drain's timer was cancelled by the
+    read timeouts' bookkeeping, and such a connection stayed open for good): the draining gauge is 1, then 0."""
+    url, port, _, _ = served
+    gauge = "onepass_connections_draining"
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.44", 0))
+    s.sendall(b"GET /healthz HTTP/1.1 extra words\r\nHost: x\r\n\r\n")
+    s.settimeout(10)
+    assert s.recv(65536).startswith(b"HTTP/1.1 400")  # the client neither sends nor closes from here
+    assert _metric(url, gauge)[gauge] == 1
+    deadline = time.monotonic() + 10
+    while _metric(url, gauge)[gauge] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _metric(url, gauge)[gauge]
+    s.close()
+    assert left == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_with_expect_100_continue_is_no_internal_error(served):
+    """A chunked body announced with Expect: 100-continue, refused for its chunks: a 400, and no internal error
+    counted (the app's receive() answered the 100 Continue on the half-closed connection and raised)."""
+    url, port, _, _ = served
+    before = _metric(url, "onepass_internal_errors_total").get("onepass_internal_errors_total", 0)
+    for body, source in ((b"1\r\n \r\n" * 1100 + b"0\r\n\r\n", "127.0.0.45"),  # too many chunks (penalised)
+                         (b"zz\r\nabc\r\n", "127.0.0.46")):  # a bad chunk size
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+        s.sendall(_chunked_head("Expect: 100-continue\r\n") + body)  # at once: refused before the app reads
+        answer = _read_all(s, 10)
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+    time.sleep(0.5)
+    assert _metric(url, "onepass_internal_errors_total").get("onepass_internal_errors_total", 0) == before
+
+
+@pytest.mark.timeout(120)
+def test_the_server_stops_cleanly_while_a_refused_connection_drains(tiny_engine_dir, tmp_path):
+    """SIGTERM while a refusal made at a request's head is draining: the server shuts down gracefully, with no
+    traceback (uvicorn's shutdown sent h11 an event its state refused, and the process died in it before the app's
+    own shutdown ran)."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    _, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime")
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 400")
+    proc.terminate()
+    proc.wait(timeout=30)  # uvicorn re-raises the SIGTERM it handled, after its graceful shutdown
+    s.close()
+    text = log.read_text()
+    assert "Traceback" not in text and "LocalProtocolError" not in text, text[-2000:]
+    assert "Application shutdown complete" in text, text[-2000:]

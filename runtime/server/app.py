@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import json
 import logging
@@ -40,12 +39,13 @@ from ..core.questions import MAX_LEVELS, without_task
 from ..core.errors import OnepassError, cut
 from .body import ECHO_CHARS, clip, decode, parse_json, read_raw
 from .config import ServerConfig
-from .dispatch import Dispatcher
+from .dispatch import STUCK_S, Dispatcher
 from .errors import (CLIENT_CLOSED, BodyTimeout, DeadlineExceeded, HTTPError, InternalError, MalformedBody, NeverFits,
                      NotFound, NotReady, QueueFull, Unauthorized, UnknownModel, error_response, http_error, status_of)
 from .memory import MemoryFloor, release_free_memory
 from .metrics import Metrics
 from .teaching import TeacherLink, TeacherSetup
+from .transport import client_digest
 
 access_log = logging.getLogger("onepass.access")
 REQUEST_ID = "x-typesafe-request-id"
@@ -133,7 +133,7 @@ class Server:
         def long(word: str) -> str:
             return f"A {word} warm-up, long enough to time the work per token of a state. " * sentences
         # each new state is prefilled (its work counted); a shape's first pass may capture a CUDA graph: each size
-        # is timed twice, and the second counts most in the fit (a relative least squares over recent groups)
+        # is timed twice
         for text, questions in (("A second warm-up, about another state.", one), ("A third warm-up.", one),
                                 ("A third warm-up.", eight), (long("fourth"), one), (long("fifth"), one),
                                 (long("fifth"), eight)):
@@ -142,7 +142,7 @@ class Server:
             start = time.monotonic()
             self.engine.run_group([prepared])
             self.dispatcher.observe(prepared.passes, prepared.work + (prepared.state_work if fresh else 0.0),
-                                    time.monotonic() - start)
+                                    time.monotonic() - start, warm_up=True)
         self.memory.mark()  # the size the server returns to when idle after heavy requests
         self.ready = True
 
@@ -190,8 +190,8 @@ class Server:
         --client-header``, e.g. an API key; kept as a digest) where the request has it, else the peer address."""
         name = self.config.client_header
         value = request.headers.get(name) if name else None
-        if value:
-            return "header", hashlib.blake2b(value.encode("utf-8", "replace"), digest_size=16).digest()
+        if value:  # starlette decodes header values as latin-1: encoded back, the bytes the transport saw
+            return "key", client_digest(value.encode("latin-1"))
         peer = getattr(request, "client", None)
         return "address", peer.host if peer else ""
 
@@ -300,7 +300,11 @@ class Server:
             raise NeverFits(f"{err} (the deadline: {self.deadline_source(request)}): shorten the state or the "
                             f"questions, or allow more time with {TIMEOUT_HEADER} (at most "
                             f"{MAX_CLIENT_TIMEOUT_S:g} s)") from None
-        result = await future
+        try:  # the dispatcher answers by the deadline; this bounds a wait on an engine thread that died meanwhile
+            result = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()) + STUCK_S)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no answer within the request's deadline (+{STUCK_S:g} s): is the engine thread "
+                                   "alive? (/healthz says)") from None
         if isinstance(result, DeadlineExceeded):
             raise DeadlineExceeded(f"{result}; retry later or with a longer {TIMEOUT_HEADER}")
         if isinstance(result, OnepassError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_ALIASES = ("jev-latest", "jev", "default")
 MIN_BODY_BYTES = 1024  # the least --max-body-bytes
-_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'+*.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
 
 
 @dataclass(frozen=True)

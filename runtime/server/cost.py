@@ -8,7 +8,8 @@ through the weights and attention entries at their FLOP cost; a state's prefill 
 fitted by least squares of the *relative* error over a window of recent groups (every size weighs the same: a
 request of 12 tokens is predicted as well as one of 4,000), both coefficients kept non-negative. So large requests
 cannot inflate a small request's estimate, as an average of whole pass times did (four 4.8 s requests pushed a
-12-token request's estimate past its 1 s deadline). The window is seeded at warm-up with passes of several sizes.
+12-token request's estimate past its 1 s deadline). The warm-up's passes of several sizes (``seed``) stay in every
+fit beside the window: a window of same-size groups alone cannot tell the two costs apart.
 
 The model knows how wrong it is: every group's actual / predicted ratio is kept over the same window, and
 admission asks for the ratio's high quantile (``pessimistic``): a request whose pessimistic time does not fit its
@@ -36,19 +37,25 @@ class CostModel:
 
     def __init__(self, window: int = WINDOW):
         self._seen: collections.deque = collections.deque(maxlen=window)  # (passes, work, seconds)
+        self._anchors: list = []  # the warm-up's groups of several sizes: in every fit
         self._ratios: collections.deque = collections.deque(maxlen=window)  # actual / predicted, before each refit
         self._lock = threading.Lock()
-        self.per_pass, self.per_work = 0.0, 0.0
+        self._coef = (0.0, 0.0)  # (per_pass, per_work): one tuple, read whole by the event loop
         self.listener = None  # called (predicted, actual) for every measured group with a prediction (the metrics)
 
     @property
-    def fitted(self) -> bool:
-        """Whether anything was measured (before that, every estimate is 0 s: nothing is refused for time)."""
-        return bool(self._seen)
+    def per_pass(self) -> float:
+        return self._coef[0]
+
+    @property
+    def per_work(self) -> float:
+        return self._coef[1]
 
     def seconds(self, passes: float, work: float) -> float:
-        """The predicted seconds of ``passes`` passes holding ``work`` token-equivalents."""
-        return self.per_pass * passes + self.per_work * work
+        """The predicted seconds of ``passes`` passes holding ``work`` token-equivalents (0 before anything was
+        measured: nothing is refused for time then)."""
+        per_pass, per_work = self._coef
+        return per_pass * passes + per_work * work
 
     def spread(self) -> float:
         """The high quantile of actual / predicted: a prediction times it is what admission weighs against a
@@ -63,6 +70,14 @@ class CostModel:
         """The prediction times the low quantile: a request is surely too slow for its budget above it."""
         return self.seconds(passes, work) * self._quantile(LOW, 1.0 / MIN_SPREAD)
 
+    def seed(self, passes: float, work: float, seconds: float) -> None:
+        """A warm-up group: kept in every fit (the window may later hold one size only), its error not counted (the
+        fit is still forming)."""
+        if seconds > 0 and passes > 0:
+            with self._lock:
+                self._anchors.append((float(passes), float(work), float(seconds)))
+                self._coef = _fit([*self._anchors, *self._seen])
+
     def measured(self, passes: float, work: float, seconds: float) -> None:
         """Fold one group's measured time in: its error against the prediction, then the refit."""
         if seconds <= 0 or passes <= 0:
@@ -72,7 +87,7 @@ class CostModel:
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
             self._seen.append((float(passes), float(work), float(seconds)))
-            self.per_pass, self.per_work = _fit(self._seen)
+            self._coef = _fit([*self._anchors, *self._seen])
         if predicted > 0 and self.listener is not None:
             self.listener(predicted, seconds)
 

@@ -36,6 +36,7 @@ from .fairness import FairQueue
 __all__ = ["DeadlinePassed", "Dispatcher", "EngineStopped", "NeverFits", "QueueFull"]
 
 RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
+STUCK_S = 5.0  # past its deadline a request is answered by the engine thread; past this, by its waiter (a dead thread)
 
 log = logging.getLogger("onepass.dispatch")
 
@@ -85,10 +86,11 @@ class Dispatcher:
         """Whether the engine thread is running (health checks)."""
         return self._thread.is_alive()
 
-    def observe(self, passes: float, work: float, seconds: float) -> None:
+    def observe(self, passes: float, work: float, seconds: float, warm_up: bool = False) -> None:
         """One group's measured time (``passes`` passes, ``work`` token-equivalents) into the cost model: the
-        engine thread's own groups, and the server's warm-up passes of several sizes."""
-        self.cost.measured(passes, work, seconds)
+        engine thread's own groups, and the server's warm-up passes of several sizes (``warm_up``: kept in every
+        fit, their errors not counted)."""
+        (self.cost.seed if warm_up else self.cost.measured)(passes, work, seconds)
 
     def work_tokens(self, prepared: Prepared) -> float:
         """A request's tokens of work (token-equivalents, ``Planner.work``: attention included): its passes'; its
@@ -110,17 +112,18 @@ class Dispatcher:
             raise EngineStopped("the engine thread is stopped (closed, or it failed): nothing can be answered")
         with self._lock:
             tokens = self.work_tokens(prepared)
-            self._admit(prepared, tokens, deadline, budget, client)
+            own = self._admit(prepared, tokens, deadline, budget, client)
             self._depth += 1
             self._states[prepared.key] += 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        cost = self.cost.seconds(prepared.passes, tokens) or tokens * 1e-9  # its weight in the fair order
-        self._queue.put(client, _Item(prepared, deadline, loop, future, tokens, client), cost)
+        self._queue.put(client, _Item(prepared, deadline, loop, future, tokens, client), own,
+                        latest=deadline - self.cost.pessimistic(prepared.passes, tokens))
         return future
 
-    def _admit(self, prepared: Prepared, tokens: float, deadline: float, budget: float | None, client) -> None:
-        """Refuse (NeverFits, QueueFull) a request that cannot or likely would not end before its deadline."""
+    def _admit(self, prepared: Prepared, tokens: float, deadline: float, budget: float | None, client) -> float:
+        """Refuse (NeverFits, QueueFull) a request that cannot or likely would not end before its deadline; else
+        its predicted seconds (its weight in the fair order)."""
         now = time.monotonic()
         left = deadline - now
         allowance = left if budget is None else budget
@@ -134,11 +137,12 @@ class Dispatcher:
         if self._depth >= self.max_queue:
             raise QueueFull(f"{self._depth} requests are waiting (limit {self.max_queue})", alone)
         own = self.cost.seconds(prepared.passes, tokens) or tokens * 1e-9  # its weight in the fair order
-        ahead = self.cost.spread() * (self._queue.ahead(client, own) + max(0.0, self._busy_until - now))
+        ahead = self.cost.spread() * self._queue.ahead(client, own) + max(0.0, self._busy_until - now)
         if ahead + alone > left:
             raise QueueFull(f"about {ahead:.2f} s of work is queued ahead of this request, which needs about "
                             f"{alone:.2f} s of its own ({tokens:.0f} tokens): more than the {max(0.0, left):.2f} s "
                             "left before its deadline", ahead + alone - left)
+        return own
 
     def close(self) -> None:
         """Stop the worker after the work already queued; later submits raise EngineStopped."""
@@ -161,9 +165,10 @@ class Dispatcher:
         return keep
 
     def _run(self, group: list) -> None:
+        """Answer one group (one state's requests): every future resolved first, then the measurements."""
         start = time.monotonic()
         passes, work = max(item.prepared.passes for item in group), sum(item.tokens for item in group)
-        self._busy_until = start + self.cost.seconds(passes, work)
+        self._busy_until = start + self.cost.pessimistic(passes, work)
         try:
             # grouped once, by the queue: the engine answers the group about its one state without grouping again
             results = self.engine.run_group([item.prepared for item in group],
@@ -171,20 +176,33 @@ class Dispatcher:
         except Exception as err:  # noqa: BLE001 - run_group isolates requests; this is a last guard
             results = [err] * len(group)
         self._busy_until = 0.0
+        seconds = time.monotonic() - start
+        for item, result in zip(group, results):
+            item.loop.call_soon_threadsafe(_resolve, item.future, result)
         stopped = sum(isinstance(result, DeadlinePassed) for result in results)  # between passes or prefill chunks
         if not stopped:  # a group cut short did less than its work: its time would lower the estimate
-            self.observe(passes, work, time.monotonic() - start)
+            self.observe(passes, work, seconds)
         self.on_batch(len(group))
         for _ in range(stopped):  # dropped for their deadline too, if later
             self.on_drop()
-        for item, result in zip(group, results):
-            item.loop.call_soon_threadsafe(_resolve, item.future, result)
 
-    def _work(self) -> None:
-        while (group := self._queue.take(self.max_batch, self.window_s)) is not None:
+    def _serve(self, group: list) -> bool:
+        """Drop the group's hopeless requests and run the rest (whether any ran); a fault of this thread's own (not
+        the engine's) answers every request of the group not answered yet with it, and the thread goes on."""
+        try:
             kept = self._drop_late(group)  # one state's requests: one pass
             if kept:
                 self._run(kept)
+            return bool(kept)
+        except Exception as err:  # noqa: BLE001 - a waiting request is answered, whatever failed here
+            log.exception("the engine thread failed on a group of %d requests", len(group))
+            for item in group:
+                item.loop.call_soon_threadsafe(_resolve, item.future, err)
+            return False
+
+    def _work(self) -> None:
+        while (group := self._queue.take(self.max_batch, self.window_s)) is not None:
+            kept = self._serve(group)
             with self._lock:
                 self._depth -= len(group)
                 for item in group:

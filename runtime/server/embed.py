@@ -24,12 +24,11 @@ from collections.abc import Mapping
 from ..core.engine import Engine
 from ..core.questions import Answer, Question
 from .config import ServerConfig
-from .dispatch import Dispatcher
+from .dispatch import STUCK_S, Dispatcher
 from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
 
 __all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]
 SERVER = ServerConfig()  # the defaults: those of `onepass serve`, one source for both
-STUCK_S = 5.0  # past its deadline a request is answered DeadlinePassed by the engine thread; past this, by ask()
 
 
 class AsyncEngine:

@@ -10,15 +10,19 @@ client's one-question request behind eight passes: 41 of 46 refused); heavy clie
 turn, each by the work it asks for; and a client that just ran heavy work keeps its finish tag until the virtual
 time passes it: it cannot jump ahead by going quiet for a moment.
 
-Requests about one state are still answered together: ``take`` returns the request with the smallest tag and
-every queued request about the same state (up to a batch), whichever clients sent them, waiting up to the batch
-window for more. Touched from the event loop (``put``, ``ahead``) and the engine thread (``take``), under one lock.
+A client the fair order keeps behind newcomers (a stream of one-shot clients starts at the virtual time, ahead of
+a heavy request's finish tag) is served by its deadline: a request that would otherwise start after its latest
+start (its deadline less its predicted seconds) is taken first. Requests about one state are still answered
+together: ``take`` returns the request taken and every queued request about the same state whose finish tag is not
+past any other state's (up to a batch), whichever clients sent them, waiting up to the batch window for more.
+Touched from the event loop (``put``, ``ahead``) and the engine thread (``take``), under one lock.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,10 +37,12 @@ class _Entry:
     start: float = field(compare=False)
     cost: float = field(compare=False)
     item: object = field(compare=False)
+    latest: float = field(default=math.inf, compare=False)  # monotonic time by which it must start to end in time
 
 
 class FairQueue:
-    """Items of several clients in start-time fair order; ``key(item)`` groups items that run together."""
+    """Items of several clients in fair order (the smallest virtual finish tag first, an item about to miss its
+    latest start before it); ``key(item)`` groups items that run together."""
 
     def __init__(self, key=lambda item: item):
         self._key = key
@@ -48,15 +54,17 @@ class FairQueue:
         self._closed = False
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
 
-    def put(self, client, item, cost: float) -> None:
-        """Queue ``item`` of ``client`` weighing ``cost`` (its predicted seconds)."""
+    def put(self, client, item, cost: float, latest: float = math.inf) -> None:
+        """Queue ``item`` of ``client`` weighing ``cost`` (its predicted seconds), to start by ``latest`` (monotonic
+        seconds: its deadline less its cost)."""
         with self._cond:
             start = max(self._virtual, self._finish.get(client, 0.0))
             finish = self._finish[client] = start + max(cost, 0.0)
             self._queues.setdefault(client, collections.deque()).append(
-                _Entry(finish, next(self._seq), start, cost, item))
+                _Entry(finish, next(self._seq), start, cost, item, latest))
             self._cond.notify_all()
 
     def ahead(self, client, cost: float) -> float:
@@ -81,7 +89,7 @@ class FairQueue:
                 if self._closed:
                     return None
                 self._cond.wait()
-            first = self._pop(min(self._queues, key=lambda c: self._queues[c][0]))
+            first = self._pop(self._next())
             taken, until = [first.item], time.monotonic() + window_s
             key = self._key(first.item)
             while len(taken) < limit:
@@ -93,6 +101,16 @@ class FairQueue:
             self._forget_idle()
             return taken
 
+    def _next(self):
+        """The client whose oldest item is taken now: the smallest finish tag, unless taking it first would make
+        another client's oldest item start after its latest start while it still can make it (a client the fair
+        order keeps behind new arrivals is then served by its deadline, never starved)."""
+        now = time.monotonic()
+        fair = min(self._queues, key=lambda c: self._queues[c][0])
+        urgent = min(self._queues, key=lambda c: self._queues[c][0].latest)
+        late = self._queues[urgent][0].latest
+        return urgent if urgent != fair and now <= late < now + self._queues[fair][0].cost else fair
+
     def _pop(self, client) -> _Entry:
         entry = self._queues[client].popleft()
         if not self._queues[client]:
@@ -101,8 +119,13 @@ class FairQueue:
         return entry
 
     def _matching(self, key, limit: int) -> list:
-        """Queued items with ``key`` (removed), in tag order, at most ``limit``."""
-        found = sorted((e, c) for c, q in self._queues.items() for e in q if self._key(e.item) == key)[:limit]
+        """Queued items with ``key`` (removed), in tag order, at most ``limit``: those whose finish tag is not past
+        any item about another state (they would run before it anyway); a heavier one waits for its own turn
+        instead of riding ahead of the others with a light one."""
+        others = min((e.finish for q in self._queues.values() for e in q if self._key(e.item) != key),
+                     default=math.inf)
+        found = sorted((e, c) for c, q in self._queues.items() for e in q
+                       if self._key(e.item) == key and e.finish <= others)[:limit]
         for entry, client in found:
             self._queues[client].remove(entry)
             if not self._queues[client]:

@@ -72,6 +72,8 @@ class _TransportCollector:
             refused.add_metric([reason], n)
         yield refused
         yield GaugeMetricFamily("onepass_connections_open", "Client connections open", value=self.stats.open)
+        yield GaugeMetricFamily("onepass_connections_draining", "Refused connections being read to their end before "
+                                "they close (so the client reads the refusal, not a reset)", value=self.stats.draining)
         yield GaugeMetricFamily("onepass_connection_clients", "Client addresses with a connection open",
                                 value=len(self.stats.by_client))
 

@@ -114,9 +114,16 @@ class TransportStats:
         and the other connections open now of that key (or address) answer their next request 429."""
         who = conn.client_key or ("address", conn.host)
         self.penalize(who, seconds)
+        until = self._clock() + seconds
         for other in self.conns.get(conn.host, ()):
-            if other is not conn and (conn.client_key is None or other.client_key == conn.client_key):
-                other.suspect = True
+            if other is not conn and other.client_key == conn.client_key:  # None == None: the address's unkeyed
+                other.suspect = until
+
+
+def client_digest(value: bytes) -> bytes:
+    """What a client header's value is kept as (never the value itself: it may be a key): the transport's penalties
+    and the engine queue's fair turns read the same digest."""
+    return hashlib.blake2b(value, digest_size=16).digest()
 
 
 def _error_body(message: str) -> bytes:
@@ -145,8 +152,10 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase, self._host, self._received, self._head_s = None, None, 0, self.limits.header_timeout_s
         self._chunks = self._body_bytes = self._body_from = 0
-        self._chunked = self.suspect = self._draining = False
+        self._chunked = self._draining = False
         self._drained, self.client_key = 0, None  # client_key: ("key", digest) of the client header, once read
+        self.suspect = 0.0  # monotonic time until which its next request is refused (its client offended)
+        self._drain_timer: asyncio.TimerHandle | None = None
         # h11's events, counted and checked before uvicorn handles them (uvicorn <0.55 calls self.conn.next_event()
         # in handle_events; tests/test_transport.py fails if that changes)
         self.conn.next_event = self._next_event
@@ -184,6 +193,7 @@ class GuardedH11Protocol(H11Protocol):
         if self._draining:
             self._draining = False
             self.stats.draining -= 1
+            self._drain_timer.cancel()
         if self._host is not None:
             self.stats.by_client[self._host] -= 1
             if not self.stats.by_client[self._host]:
@@ -275,7 +285,7 @@ class GuardedH11Protocol(H11Protocol):
             return None
         wanted = name.lower().encode("latin-1")
         value = next((v for n, v in headers if n == wanted), None)
-        return ("key", hashlib.blake2b(value, digest_size=16).digest()) if value else None
+        return ("key", client_digest(value)) if value else None
 
     def _penalised(self, chunked: bool) -> tuple | None:
         """The refusal (``_refuse``'s arguments) of a request on a connection marked when its client offended, of a
@@ -283,9 +293,10 @@ class GuardedH11Protocol(H11Protocol):
         to go on."""
         key = self.stats.penalty(self.client_key) if self.client_key else 0.0
         address = self.stats.penalty(("address", self.host)) if chunked and self.client_key is None else 0.0
-        if not (self.suspect or key or address):
+        suspect = self.suspect > time.monotonic()
+        if not (suspect or key or address):
             return None
-        if key or self.suspect:
+        if key or suspect:
             who = "this client key" if key else "a connection of this client address"
             message = f"{who} sent a body in abusive framing (counted in /metrics); retry in a moment"
         else:
@@ -304,6 +315,8 @@ class GuardedH11Protocol(H11Protocol):
         return buffered.find(b"\r\n\r\n", 0, limit) < 0 and buffered.find(b"\n\n", 0, limit) < 0  # h11 takes both
 
     def on_response_complete(self) -> None:
+        if self._draining:  # refused: nothing more is read or answered on it
+            return
         self._disarm()
         super().on_response_complete()  # may start a pipelined request already buffered: follow it
         if not self.transport.is_closing():
@@ -311,7 +324,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _follow(self) -> None:
         """Which read is under way now: a head (bytes of it buffered), a body, or none (the app's turn)."""
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._draining:
             return
         state = self.conn.their_state
         if state is h11.SEND_BODY:
@@ -345,9 +358,9 @@ class GuardedH11Protocol(H11Protocol):
         ``TransportStats.offended``), unless the app already started its own response. A refusal of a client that may
         be sending still (``DRAINED``) is drained before it closes (``_drain``); the others (the connection cap, a
         client too slow to send) give their socket back at once."""
-        self._disarm()
         if self.transport.is_closing() or self._draining:
             return
+        self._disarm()
         self.stats.refused[why] += 1
         if penalize and self.client and self.limits.framing_penalty_s:
             self.stats.offended(self, self.limits.framing_penalty_s)
@@ -355,7 +368,8 @@ class GuardedH11Protocol(H11Protocol):
             # complete or under way, is left as it is)
             self.transport.write(_raw_response(status, reason, message, retry_after))
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.disconnected = True  # the app's receive() now says the client is gone
+            self.cycle.disconnected = True  # the app's receive() now says the client is gone ...
+            self.cycle.waiting_for_100_continue = False  # ... and sends no "100 Continue" on a half-closed socket
             self.cycle.message_event.set()
         if why in DRAINED:
             self._drain()
@@ -376,7 +390,19 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._draining = True
         self.stats.draining += 1
-        self._timer = self.loop.call_later(DRAIN_S, self.transport.close)
+        self._drain_timer = self.loop.call_later(DRAIN_S, self.transport.close)
+
+    def shutdown(self) -> None:  # uvicorn's graceful shutdown: a refused connection is simply closed
+        if self._draining:
+            self.transport.close()
+            return
+        super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self._draining:
+            self.transport.close()
+            return
+        super().timeout_keep_alive_handler()
 
 
 def uvicorn_options(limits: TransportLimits, stats: "TransportStats") -> dict:
