@@ -167,3 +167,20 @@ def test_a_request_the_fair_order_keeps_waiting_is_taken_by_its_latest_start():
         queue.put("h", "heavy", 5.0, latest=latest)
         queue.put("n", "newcomer", 2.0)
         assert queue.take(1, 0.0) == [first]
+
+
+def test_a_request_taken_but_still_in_its_batch_window_is_counted_ahead():
+    """While ``take`` waits its batch window for more requests about the state it took, that request is neither
+    queued nor in service: its cost is still ahead of a request admitted meanwhile (one admitted in those 2 ms was
+    told nothing was ahead, and waited behind a 37 s pass). ``release`` hands the count to the engine thread."""
+    queue = FairQueue(key=lambda item: item)
+    queue.put("a", "big", 40.0)
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.extend(queue.take(4, 0.5)))
+    worker.start()
+    time.sleep(0.1)  # the big one is popped; the window is still open
+    assert queue.ahead("b", 0.3) == pytest.approx(40.0)
+    worker.join(5)
+    assert taken == ["big"] and queue.ahead("b", 0.3) == pytest.approx(40.0)
+    queue.release()
+    assert queue.ahead("b", 0.3) == 0.0

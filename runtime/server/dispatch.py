@@ -168,14 +168,12 @@ class Dispatcher:
         """Answer one group (one state's requests): every future resolved first, then the measurements."""
         start = time.monotonic()
         passes, work = max(item.prepared.passes for item in group), sum(item.tokens for item in group)
-        self._busy_until = start + self.cost.pessimistic(passes, work)
         try:
             # grouped once, by the queue: the engine answers the group about its one state without grouping again
             results = self.engine.run_group([item.prepared for item in group],
                                             deadline=max(item.deadline for item in group))
         except Exception as err:  # noqa: BLE001 - run_group isolates requests; this is a last guard
             results = [err] * len(group)
-        self._busy_until = 0.0
         seconds = time.monotonic() - start
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
@@ -202,7 +200,11 @@ class Dispatcher:
 
     def _work(self) -> None:
         while (group := self._queue.take(self.max_batch, self.window_s)) is not None:
+            passes, work = max(item.prepared.passes for item in group), sum(item.tokens for item in group)
+            self._busy_until = time.monotonic() + self.cost.pessimistic(passes, work)  # ahead of new requests now ...
+            self._queue.release()  # ... and no longer in the queue's count
             kept = self._serve(group)
+            self._busy_until = 0.0
             with self._lock:
                 self._depth -= len(group)
                 for item in group:

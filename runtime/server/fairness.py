@@ -49,6 +49,7 @@ class FairQueue:
         self._queues: dict = {}  # client -> deque of _Entry
         self._finish: dict = {}  # client -> the finish tag of its last request
         self._virtual = 0.0
+        self._taking = 0.0  # the cost of the items the last take popped, until ``release``: counted as ahead
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -72,7 +73,13 @@ class FairQueue:
         not above the one it would get (they are taken first)."""
         with self._cond:
             finish = max(self._virtual, self._finish.get(client, 0.0)) + max(cost, 0.0)
-            return sum(e.cost for q in self._queues.values() for e in q if e.finish <= finish)
+            return self._taking + sum(e.cost for q in self._queues.values() for e in q if e.finish <= finish)
+
+    def release(self) -> None:
+        """The items the last ``take`` popped are counted elsewhere now (the engine thread's pass in service): no
+        longer ahead in the queue."""
+        with self._cond:
+            self._taking = 0.0
 
     def close(self) -> None:
         """Wake every ``take``: once the queue is empty it returns None."""
@@ -81,9 +88,9 @@ class FairQueue:
             self._cond.notify_all()
 
     def take(self, limit: int, window_s: float) -> list | None:
-        """The item with the smallest finish tag and the queued items with the same key (any client, in tag order),
-        at most ``limit`` in all, waiting up to ``window_s`` for more of that key; None once closed and empty.
-        Blocks until an item is queued."""
+        """The item taken next (``_next``) and the queued items with the same key (any client, in tag order), at most
+        ``limit`` in all, waiting up to ``window_s`` for more of that key; None once closed and empty. Blocks until an
+        item is queued. Their cost stays ahead of new items until ``release``."""
         with self._cond:
             while not self._queues:
                 if self._closed:
@@ -91,6 +98,7 @@ class FairQueue:
                 self._cond.wait()
             first = self._pop(self._next())
             taken, until = [first.item], time.monotonic() + window_s
+            self._taking = first.cost  # while the window waits, ahead of any request admitted meanwhile
             key = self._key(first.item)
             while len(taken) < limit:
                 taken += self._matching(key, limit - len(taken))
@@ -126,6 +134,7 @@ class FairQueue:
                      default=math.inf)
         found = sorted((e, c) for c, q in self._queues.items() for e in q
                        if self._key(e.item) == key and e.finish <= others)[:limit]
+        self._taking += sum(e.cost for e, _ in found)
         for entry, client in found:
             self._queues[client].remove(entry)
             if not self._queues[client]:
