@@ -39,16 +39,22 @@ HEADER_TIMEOUT, BODY_TIMEOUT = 1.0, 2.0
 NOUL = {"type": "noul", "instructions": "Does the customer ask for a refund?"}
 
 
-@pytest.fixture(scope="module")
-def served(tiny_engine_dir, tmp_path_factory):
-    """``onepass serve`` of the tiny engine with short read timeouts; yields (url, port, process, log path)."""
+def _serving(engine, folder, *flags: str):
+    """``onepass serve`` of ``engine`` on ONNX Runtime with ``flags``, until the generator is closed; yields (url,
+    port, process, log path)."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("transport") / "serve.log"
-    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--header-timeout",
-                              str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))
+    log = folder / "serve.log"
+    url, proc = serve_process(engine, port, log, "--backend", "onnxruntime", *flags)
     yield url, port, proc, log
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine_dir, tmp_path_factory):
+    """``onepass serve`` of the tiny engine with short read timeouts; yields (url, port, process, log path)."""
+    yield from _serving(tiny_engine_dir, tmp_path_factory.mktemp("transport"), "--header-timeout",
+                        str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))
 
 
 def _post(url: str, raw: bytes, headers: dict | None = None, timeout: float = 30):
@@ -361,12 +367,8 @@ def test_a_body_trickled_past_the_deadline_is_refused_at_the_deadline(served):
 @pytest.fixture(scope="module")
 def capped(tiny_engine_dir, tmp_path_factory):
     """``onepass serve`` with a cap of 60 connections (15 per client address by default)."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("capped") / "serve.log"
-    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--max-connections", "60")
-    yield url, port
-    proc.terminate()
-    proc.wait(timeout=30)
+    for url, port, _, _ in _serving(tiny_engine_dir, tmp_path_factory.mktemp("capped"), "--max-connections", "60"):
+        yield url, port
 
 
 def _hold(port: int, address: str, n: int) -> list:
@@ -539,12 +541,9 @@ def test_the_penalty_reaches_the_abusers_connections_and_spares_its_neighbours_n
 @pytest.fixture(scope="module")
 def keyed(tiny_engine_dir, tmp_path_factory):
     """``onepass serve`` telling clients apart by their X-Api-Key header."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("keyed") / "serve.log"
-    url, proc = serve_process(tiny_engine_dir, port, log, "--backend", "onnxruntime", "--client-header", "x-api-key")
-    yield url, port
-    proc.terminate()
-    proc.wait(timeout=30)
+    for url, port, _, _ in _serving(tiny_engine_dir, tmp_path_factory.mktemp("keyed"), "--client-header",
+                                    "x-api-key"):
+        yield url, port
 
 
 @pytest.mark.timeout(120)
