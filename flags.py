@@ -131,8 +131,8 @@ def parser() -> argparse.ArgumentParser:
                     help="of the block weights and GEMMs (the rest stays fp32); bf16: TensorRT or PyTorch only")
     ex.add_argument("--adapter", default="default",
                     help="LoRA merged into the weights: 'default' (shipped for the default model: two adapters, "
-                         "asking in the compact prompt form), 'default-chat' (the chat-form adapter alone, the default "
-                         "until 2026-12-06: 1.56x slower, accuracy within two standard errors), 'none', or a "
+                         "asking in the compact prompt form), 'default-chat' (the chat-form adapter alone: "
+                         "1.56x slower, accuracy within two standard errors), 'none', or a "
                          "folder from `onepass tune`")
     ex.add_argument("--head", help="a decision head (.pt, benchmarks/decision_head.py) exported into the graph")
     ex.add_argument("--prompt", choices=sorted(FORMS), default=None,

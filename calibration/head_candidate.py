@@ -12,8 +12,8 @@ chosen head is exported into the graph (the engine's read-out becomes ``head``),
 What is fitted is the average of ``SEEDS`` heads (seeds ``--seed`` and the next four), merged into one wider head
 (:func:`merged`), tempered as one.
 
-The head learns a correction of the *calibrated* zero-shot read-out, not of the raw one (:class:`Prior`; issue 44's
-"the untuned read-out as a prior the fit shrinks towards"): the base's option scores with the bias that calibrating
+The head learns a correction of the *calibrated* zero-shot read-out, not of the raw one (:class:`Prior`:
+the untuned read-out as a prior the fit shrinks towards): the base's option scores with the bias that calibrating
 them on the same rows finds (a temperature and a bias per question, per level or on yes) are the offset its MLP adds
 to. The raw read-out of a base model is often far from the label prior (tweets, 3 options: 0.16 zero-shot, 0.53
 calibrated), and a head of 50 rows spent its capacity undoing that. Measured at 50 rows on five data sets

@@ -9,7 +9,7 @@ N`` adds, per state, N questions of *other* data sets of the rows (seeded), unla
 teacher's answer alone: the student learns how the teacher answers questions that do not fit the text, not only the
 trained tasks, where labels and a teacher fitted to them agree.
 
-Used by `make train-default-compact` (issue 46): continued on labels alone in the compact prompt form, the chat-form
+Used by `make train-default-compact`: continued on labels alone in the compact prompt form, the chat-form
 adapter kept the chat form's separation but not its lean on tasks it was never trained on
 (benchmarks/results/prompt_forms_continued.md); the chat engine's own answers carry that lean. The questions about
 one state are asked in one request (each answer equals asking it alone; the engine's limits apply to it, so an

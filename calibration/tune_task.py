@@ -1,4 +1,4 @@
-"""`onepass tune --task NAME --engine DIR --data rows.jsonl`: a tuned task added to an engine in place (issue 45).
+"""`onepass tune --task NAME --engine DIR --data rows.jsonl`: a tuned task added to an engine in place.
 
 The task's LoRA is trained on the question and option tokens only: the state's K/V come from the engine's own weights
 (``PackedScorer(state_weights=...)``), as the engine serves it, with the state prefilled once for every task. The

@@ -19,9 +19,9 @@ from ..runtime.core.manifest import sha256_file
 
 ADAPTERS = Path(__file__).parent / "adapters"
 # The chat-form adapter, trained by `make train-default` on the decision mixture: the default stack's lower half, and
-# alone (`--adapter default-chat`) the default engine until 2026-12-06
+# alone (`--adapter default-chat`) the chat-form engine
 CHAT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
-# Trained on top of CHAT_ADAPTER in the compact prompt form (issue 46: a third fewer packed tokens, 1.56x faster
+# Trained on top of CHAT_ADAPTER in the compact prompt form (a third fewer packed tokens, 1.56x faster
 # warm) from the labels and the chat engine's answers (`make train-default-compact`): the default engine is both,
 # asking in the compact form. Accuracy kept within two standard errors of the chat engine's on 1,950 rows (as served
 # -0.2 points, SE 0.9; calibrated +1.0, SE 0.9: benchmarks/results/prompt_forms_taught.md)
@@ -45,8 +45,8 @@ def resolve(spec: str | None, model_spec) -> list[Path]:
                                    "or a folder from `onepass tune` with --model")
         return [CHAT_ADAPTER]
     if spec == "default-compact":
-        raise ModelSourceError("--adapter default-compact was removed on 2026-12-06: the compact form is the default "
-                               "now ('default'); 'default-chat' gives the chat-form engine")
+        raise ModelSourceError("--adapter default-compact is no longer a name: the compact form is the "
+                               "default ('default'); 'default-chat' gives the chat-form engine")
     path = COMPACT_ADAPTER if spec in (None, "default") else Path(spec).resolve()  # recorded: found from any folder
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise ModelSourceError(f"{path} is not a LoRA adapter folder ({CONFIG} + {WEIGHTS}); give one written by "
@@ -106,8 +106,8 @@ def check_stack(adapter: Path, below) -> None:
         under = lambda shas: ", ".join(str(s)[:12] + "..." for s in shas) or "no adapter"  # noqa: E731
         raise ModelSourceError(f"adapter {adapter} was trained on top of {under(wanted)} and would be merged on top "
                                f"of {under(merged)}; merge the adapters it was trained on first (`onepass export "
-                               "--adapter` finds them from its card; an engine exported before 2026-12-06 with "
-                               "`--adapter DIR` merged DIR alone: export it again)")
+                               "--adapter` finds them from its card; an engine whose manifest records only "
+                               "DIR merged DIR alone: export it again)")
 
 
 def provenance(adapter: Path) -> dict:

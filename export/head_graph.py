@@ -1,4 +1,4 @@
-"""A decision head added to an engine's graph without exporting the decoder again (issue 44).
+"""A decision head added to an engine's graph without exporting the decoder again.
 
 A head engine is its base engine plus a few nodes after the read-out rows' final-normed hidden states (the input of
 the vocabulary MatMul): standardise, the head's MLP, ``head_score`` [R]. Exporting the whole decoder for that took

@@ -197,13 +197,13 @@ def test_async_engine_merges_concurrent_asks_about_one_state_and_answers_as_alon
 
 
 def test_async_engine_raises_the_typed_errors(tiny):
-    from onepass.runtime.server.embed import AsyncEngine, DeadlinePassed, NeverFits
+    from onepass.runtime.server.embed import AsyncEngine, DeadlineExceeded, NeverFits
 
     async def main():
         async with AsyncEngine(tiny.with_limits(max_questions=2)) as engine:
             with pytest.raises(LimitExceeded, match="at most 2"):
                 await engine.ask(TICKET, QUESTIONS)
-            with pytest.raises((DeadlinePassed, NeverFits)):
+            with pytest.raises((DeadlineExceeded, NeverFits)):
                 await engine.ask(TICKET + " A new one.", {"q": Noul("Is it urgent?")}, timeout_s=1e-6)
             return await engine.ask(TICKET, {"q": Noul("Is it urgent?")})
 

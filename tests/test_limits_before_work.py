@@ -73,7 +73,7 @@ def test_a_queued_request_whose_pass_would_end_after_its_deadline_is_dropped_wit
     """Passes take 1 s (measured). A is running (held 1.8 s); B, about another state with a 2.5 s deadline, was
     admitted (2 passes = 2 s of work < 2.5 s). When B's turn comes at ~1.8 s its pass would end at ~2.8 s: B is
     dropped (503) and never run. Ignoring the pass's own time, the worker would have run it (finishing too late)."""
-    from onepass.runtime.server.dispatch import DeadlinePassed, Dispatcher
+    from onepass.runtime.server.dispatch import DeadlineExceeded, Dispatcher
 
     engine = _Engine(hold_s=1.8)
     dispatcher = Dispatcher(engine, max_queue=8, window_s=0.0, max_batch=4)
@@ -89,7 +89,7 @@ def test_a_queued_request_whose_pass_would_end_after_its_deadline_is_dropped_wit
         _, b = asyncio.run(main())
     finally:
         dispatcher.close()
-    assert isinstance(b, DeadlinePassed)
+    assert isinstance(b, DeadlineExceeded)
     assert engine.ran == ["state A"]  # B's pass never ran
 
 

@@ -58,7 +58,7 @@ class Backend(ABC):
     cuda_graphs = False
     graphs = None
     slots = None
-    # a task-slot graph's feeds (``contract.TaskFeeds``; issue 45): None where the graph has no task slots or the
+    # a task-slot graph's feeds (``contract.TaskFeeds``): None where the graph has no task slots or the
     # backend does not feed them; the backend starts with no task (the base pass) and the engine sets its tasks here
     tasks = None
     runs_tasks = False  # whether the backend feeds a task-slot graph's task inputs at all

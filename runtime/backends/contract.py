@@ -87,7 +87,7 @@ def input_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> list[Tenso
     return specs
 
 
-#: A task-slot graph's extra inputs (issue 45, ``TaskDecoder``): the per-token task mask and each task block's factors.
+#: A task-slot graph's extra inputs (``TaskDecoder``): the per-token task mask and each task block's factors.
 TASK_MASK, TASK_RANK = "task_mask", "task_rank"
 
 

@@ -24,7 +24,7 @@ device). Passes larger than the workspace's ``workspace_tokens`` rows run eagerl
 stream, fp16/bf16 block GEMMs, fp32 attention): eagerly, no buckets, no graphs. It is what an engine's golden file
 was written with (the bf16 export check uses it) and the "before" of the GPU check.
 
-An engine with tuned tasks (issue 45) is served by its slot graph, whose extra inputs are the tasks' factors and a
+An engine with tuned tasks is served by its slot graph, whose extra inputs are the tasks' factors and a
 per-token task mask (``contract.TaskFeeds``). The fused pass has no task slots, so such an engine runs on the
 reference decoder wrapped in ``TaskDecoder`` (the module the slot graph was exported from), on CPU or CUDA, with
 the same feeds as ONNX Runtime and OpenVINO.

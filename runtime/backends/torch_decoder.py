@@ -274,7 +274,7 @@ class PackedDecoder(nn.Module):
 
 @dataclass(frozen=True)
 class TaskSlots:
-    """The tuned tasks' low-rank updates of one block, side by side (issue 45): for each adapted projection,
+    """The tuned tasks' low-rank updates of one block, side by side: for each adapted projection,
     A [in, K] and B [K, out] hold every task's rank-r factors in its own K-slots (the scale folded into B), and
     ``mask`` [N, K] is 1 on the slots of each token's task (0 everywhere for a token of no task, e.g. the state's)."""
 

@@ -22,7 +22,7 @@ from .tree import QuestionTokens
 Piece = tuple  # (text, trusted)
 
 
-OLD_OPTION_LINE = "- {name}: {description}\n"  # engines exported before 2026-12-02: see option_line
+OLD_OPTION_LINE = "- {name}: {description}\n"  # the option line of older engines' manifests: see option_line
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class PromptTemplate:
 
 
 # Named prompt forms (`onepass export --prompt`). "chat" is the template's default above (a base model without an
-# adapter asks in it); the default engine asks in "compact" (issue 46, its adapter's card), which writes each
+# adapter asks in it); the default engine asks in "compact" (its adapter's card), which writes each
 # question inside the user's turn, ending "Answer:" with no turn closed and opened, and no hint that only repeats
 # what the options say ("Answer yes or no.", "Answer in a few words.", "Answer with one option."): 147 fewer packed
 # tokens on the README ticket's 13 questions (421 -> 274). An adapter is trained for one form: its card records it,

@@ -242,7 +242,7 @@ def to_wire(question: Question) -> dict:
         body["criteria"] = list(question.criteria)
     elif question.criteria:
         body["criteria"] = dict(question.criteria)
-    if question.task is not None:  # an extension of the wire (issue 45): only where a task is named
+    if question.task is not None:  # an extension of the wire: only where a task is named
         body["task"] = question.task
     return body
 

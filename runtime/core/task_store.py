@@ -1,4 +1,4 @@
-"""Tuned tasks stored beside an engine (issue 45): ``DIR/tasks/NAME/`` per task, ``DIR/tasks/slots/`` the graph with
+"""Tuned tasks stored beside an engine: ``DIR/tasks/NAME/`` per task, ``DIR/tasks/slots/`` the graph with
 task slots that answers them. The engine's own files are never touched: a task is an add-on, written and removed
 whole (a directory renamed into place), and read back verified (hashes, and the engine it was tuned on).
 

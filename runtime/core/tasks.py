@@ -1,4 +1,4 @@
-"""Tuned tasks as low-rank updates fed with the pass (issue 45). Pure numpy.
+"""Tuned tasks as low-rank updates fed with the pass. Pure numpy.
 
 A task is a LoRA adapter trained with the state's K/V from the base weights (``PackedScorer(state_weights=...)``):
 it acts on its own question and option tokens only, so several tasks can share one prefill of a state and one

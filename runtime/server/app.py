@@ -1,8 +1,9 @@
 """The HTTP app: TypeSafe System One (`POST /v1/systemone`, `GET /v1/models`) plus health and metrics.
 
 Status codes: 400 malformed body, 401 bad API key, 404 unknown model, 413 body or state over
-the limits, 422 invalid questions or values (with the field path), 429 queue full or deadline
-unreachable, 503 deadline passed while queued (both with Retry-After). Error bodies are
+the limits or a request whose own work surely exceeds its deadline, 422 invalid questions or values (with the field
+path), 429 busy (the work queued ahead would likely make it late), 503 deadline passed while queued (both with
+Retry-After). Error bodies are
 ``{"error": {"message", "field"}}`` (422 also carries a FastAPI-style ``detail`` list); bad
 input never yields a 5xx, and an unexpected fault is a logged 500 with the request id.
 

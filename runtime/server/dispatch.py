@@ -3,9 +3,10 @@
 The HTTP layer never runs inference on the event loop: it submits a request and awaits a future. Requests queue per
 client (the peer address, or a configured header such as an API key) and the worker takes them in start-time fair
 order (:mod:`onepass.runtime.server.fairness`): a quiet client's request waits for about the pass in service, not
-behind the heavy requests other clients keep queued. With a request it takes every queued request about the same state (any client's,
-waiting up to the batch window for more) and hands them to ``Engine.run_group``: they share one packed pass, each as
-its own subtrees, and a failing request fails only itself.
+behind the heavy requests other clients keep queued. With a request it takes every queued request about the same
+state (the same digest of the state's token ids, any client's, waiting up to the batch window for more) and hands
+them to ``Engine.run_group``: they share one packed pass, each as its own subtrees, and a failing request fails only
+itself.
 
 Every request carries a deadline (monotonic seconds). Admission weighs a request's work against it with a cost
 model fitted on the passes measured (:mod:`onepass.runtime.server.cost`: a fixed cost per pass plus a cost per
@@ -30,10 +31,10 @@ from dataclasses import dataclass
 from ..core.engine import Engine
 from ..core.planner import Prepared
 from .cost import CostModel
-from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
+from .errors import DeadlineExceeded, EngineStopped, NeverFits, QueueFull
 from .fairness import FairQueue
 
-__all__ = ["DeadlinePassed", "Dispatcher", "EngineStopped", "NeverFits", "QueueFull"]
+__all__ = ["DeadlineExceeded", "Dispatcher", "EngineStopped", "NeverFits", "QueueFull"]
 
 RECENT_STATES = 256  # states answered lately (the engine's state cache likely holds them: no prefill counted)
 STUCK_S = 5.0  # past its deadline a request is answered by the engine thread; past this, by its waiter (a dead thread)
@@ -104,7 +105,7 @@ class Dispatcher:
 
     def submit(self, prepared: Prepared, deadline: float, budget: float | None = None, client=None) -> asyncio.Future:
         """Queue one prepared request of ``client``; the future resolves to a Result, an exception, or
-        DeadlinePassed. ``budget``: the request's whole time allowance (its deadline minus its arrival; default: the
+        DeadlineExceeded. ``budget``: the request's whole time allowance (its deadline minus its arrival; default: the
         time left now). A request whose own work surely exceeds its budget is NeverFits (no retry can help); one
         that would likely not end before its deadline behind what is queued ahead of it (or that spent its time
         arriving) is QueueFull, retryable."""
@@ -151,13 +152,13 @@ class Dispatcher:
         self._thread.join(timeout=30)
 
     def _drop_late(self, group: list) -> list:
-        """Answer DeadlinePassed to requests that surely could not be answered in time; keep the rest."""
+        """Answer DeadlineExceeded to requests that surely could not be answered in time; keep the rest."""
         passes = max(item.prepared.passes for item in group)
         finish = time.monotonic() + self.cost.optimistic(passes, sum(item.tokens for item in group))
         keep = []
         for item in group:
             if item.deadline < finish:
-                item.loop.call_soon_threadsafe(_resolve, item.future, DeadlinePassed(
+                item.loop.call_soon_threadsafe(_resolve, item.future, DeadlineExceeded(
                     "the request's deadline would pass before the engine could answer it"))
                 self.on_drop()
             else:
@@ -177,7 +178,7 @@ class Dispatcher:
         seconds = time.monotonic() - start
         for item, result in zip(group, results):
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
-        stopped = sum(isinstance(result, DeadlinePassed) for result in results)  # between passes or prefill chunks
+        stopped = sum(isinstance(result, DeadlineExceeded) for result in results)  # between passes or prefill chunks
         if not stopped:  # a group cut short did less than its work: its time would lower the estimate
             self.observe(passes, work, seconds)
         self.on_batch(len(group))

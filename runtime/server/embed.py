@@ -11,7 +11,7 @@ awaited from the caller's event loop::
 
 Errors are the engine's typed ones (``InvalidRequest``, ``LimitExceeded``), plus ``QueueFull`` (busy: retry
 after ``retry_after_s``), ``NeverFits`` (the request alone needs more time than its timeout) and
-``DeadlinePassed`` (its timeout passed before the engine could answer: the engine's ``DeadlineExceeded``), and
+``DeadlineExceeded`` (its timeout passed before the engine could answer: the engine's own deadline error), and
 ``EngineStopped`` after ``close()`` — every one an ``OnepassError``.
 """
 
@@ -25,9 +25,9 @@ from ..core.engine import Engine
 from ..core.questions import Answer, Question
 from .config import ServerConfig
 from .dispatch import STUCK_S, Dispatcher
-from .errors import DeadlinePassed, EngineStopped, NeverFits, QueueFull
+from .errors import DeadlineExceeded, EngineStopped, NeverFits, QueueFull
 
-__all__ = ["AsyncEngine", "DeadlinePassed", "EngineStopped", "NeverFits", "QueueFull"]
+__all__ = ["AsyncEngine", "DeadlineExceeded", "EngineStopped", "NeverFits", "QueueFull"]
 SERVER = ServerConfig()  # the defaults: those of `onepass serve`, one source for both
 
 
@@ -49,12 +49,12 @@ class AsyncEngine:
         # checked, tokenised and sized once, off the caller's event loop (and off the engine thread)
         prepared = await asyncio.to_thread(self.engine.prepare, state, questions)
         if time.monotonic() >= deadline:
-            raise DeadlinePassed(f"the timeout ({seconds:g} s) passed while the request was prepared")
+            raise DeadlineExceeded(f"the timeout ({seconds:g} s) passed while the request was prepared")
         future = self.dispatcher.submit(prepared, deadline, budget=seconds)
         try:  # the dispatcher answers by the deadline; this bounds a wait on an engine thread that died meanwhile
             result = await asyncio.wait_for(future, seconds + STUCK_S)
         except asyncio.TimeoutError:
-            raise DeadlinePassed(f"no answer within {seconds:g} s (+{STUCK_S:g} s): is the engine thread alive?") \
+            raise DeadlineExceeded(f"no answer within {seconds:g} s (+{STUCK_S:g} s): is the engine thread alive?") \
                 from None
         if isinstance(result, BaseException):
             raise result

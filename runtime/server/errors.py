@@ -70,7 +70,6 @@ class InternalError(OnepassError):
     """A fault of the server's own: logged with the request id, answered 500 without its details."""
 
 
-DeadlinePassed = DeadlineExceeded  # one deadline type: passed in the queue, between passes, or after the answer
 
 # (type, status), the first that matches decides: subclasses before their bases
 STATUSES = ((ClientClosed, CLIENT_CLOSED), (Unauthorized, 401), (UnknownModel, 404), (NotFound, 404),
