@@ -24,6 +24,12 @@ NLL of the 50 rows chose base + calibrate in 7 of them (3 folds, as tune), by 0.
 (``benchmarks/results/head_choice_folds.md``). The standard error treats the fitted candidates as fixed (the refits of
 each fold add noise it does not count), so ``HEAD_Z`` is a measured setting, not a nominal error rate. Scores come from
 the trainer's own scorer (the served computation, in PyTorch), so choosing needs no export.
+
+A head can also read the hidden states after fewer blocks (``head@k``: k of the decoder's blocks; ``head`` reads after
+all of them), and an engine written with it runs only those k blocks, in every pass and every prefill. Among the heads
+the one kept is the shallowest whose NLL is not clearly worse than the best head's (lower by no more than ``DEPTH_Z``
+standard errors of the per-row difference, or within ``TIE``: :func:`chosen_head`); only it then stands against the
+other candidates, as the full-depth head would.
 """
 
 from __future__ import annotations
@@ -37,13 +43,38 @@ from ..runtime.core.readout import softmax
 from ..runtime.core.readout_calibration import Calibration, question_key
 from .fit import fit
 
-# cheapest first: a tie goes to the earlier
+# cheapest first: a tie goes to the earlier (the heads at several depths sort shallowest first, ``head`` last of them)
 ORDER = ("base", "base+calibrate", "head", "tuned", "tuned+calibrate")
 UNTUNED = ORDER[:2]  # what the head corrects
 TIE = 1e-3  # held-out NLL differences below this are ties
 HEAD_Z = 2.0  # an untuned candidate replaces the head only when its NLL is lower by more than this many standard errors
+DEPTH_Z = 1.0  # a shallower head is kept unless the best head's NLL is lower by more than this many standard errors
 RULE = (f"lowest NLL on rows the candidate was not fitted on; a dearer candidate must win by > {TIE:g}; the head is "
-        f"kept unless an untuned candidate's NLL is lower by > {HEAD_Z:g} standard errors of the per-row difference")
+        f"kept unless an untuned candidate's NLL is lower by > {HEAD_Z:g} standard errors of the per-row difference; "
+        f"of the heads at several depths, the shallowest whose NLL is within {DEPTH_Z:g} standard error of the best "
+        "head's")
+
+
+def head_name(depth: int | None) -> str:
+    """The candidate name of a head read after ``depth`` blocks (None: after every block)."""
+    return "head" if depth is None else f"head@{depth}"
+
+
+def head_depth(name: str) -> int | None:
+    """The depth a head candidate's ``name`` reads at (None: the full depth, or not a head)."""
+    return int(name[len("head@"):]) if name.startswith("head@") else None
+
+
+def is_head(name: str) -> bool:
+    return name == "head" or name.startswith("head@")
+
+
+def _rank(name: str) -> tuple:
+    """Where a candidate sorts: its place in ``ORDER``, the heads by depth (the full depth last)."""
+    if is_head(name):
+        depth = head_depth(name)
+        return ORDER.index("head"), depth if depth is not None else float("inf")
+    return ORDER.index(name), 0
 
 
 @dataclass(frozen=True)
@@ -64,22 +95,25 @@ class Candidate:
                 "calibrated_groups": groups}
 
 
-def scored_rows(scorer, chunks: list, encoder, features: bool = False) -> list[dict]:
+def scored_rows(scorer, chunks: list, encoder, features: bool = False, depths=()) -> list[dict]:
     """The rows of ``chunks`` scored by ``scorer`` (no gradient), as :func:`onepass.calibration.fit.fit` reads them:
     type, scores, label, option names, question key; ``target``: the label or the teacher's distribution. With
     ``features``, each row also carries what a decision head reads (``scorer.scores_and_features``) and its state's
-    key, from the same pass."""
+    key, from the same pass; with ``depths`` as well, ``features_at``: per block count, the same features read after
+    that many blocks (:meth:`onepass.calibration.tune.PackedScorer.scores_and_features`)."""
     out = []
     with torch.no_grad():
         for chunk in chunks:
-            scored = scorer.scores_and_features(chunk) if features else [(s, None) for s in scorer.scores(chunk)]
-            for (scores, feats), row in zip(scored, chunk.rows):
+            scored = (scorer.scores_and_features(chunk, depths) if features else
+                      [(s, None) for s in scorer.scores(chunk)])
+            for (scores, feats, *at), row in zip(scored, chunk.rows):
                 q = row.question
                 names = encoder.options(q)
                 out.append({"type": q.type, "scores": scores.double().cpu().tolist(), "label": row.label,
                             "target": row.target, "names": names, "dataset": row.dataset,
                             "qkey": question_key(q.type, encoder.instructions(q), names),
-                            **({"features": feats, "state": hash(tuple(chunk.state_ids))} if features else {})})
+                            **({"features": feats, "state": hash(tuple(chunk.state_ids))} if features else {}),
+                            **({"features_at": at[0]} if at else {})})
     return out
 
 
@@ -117,8 +151,8 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
 
     ``folds``: (base train rows, base held-out rows, tuned train rows, tuned held-out rows) of one held-out split,
     or of each fold of a cross-validation (the tuned rows then come from that fold's own run; None where no LoRA run
-    was trained: no tuned candidates). ``heads``: per fold,
-    (train rows, held-out rows) as that fold's decision head scores them (None: no head candidates). A candidate's
+    was trained: no tuned candidates). ``heads``: per fold, head candidate name -> (train rows, held-out rows) as
+    that fold's decision head at that depth scores them (None: no head candidates). A candidate's
     metrics are over every fold's held-out rows, a calibrated one's calibration fitted on that fold's training rows; a
     calibrated candidate exists only where every fold could fit one. With one fold a calibrated candidate carries
     its calibration; with several, none (the caller fits the one it writes on all the rows).
@@ -128,7 +162,8 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
         sets = [("base", base_train, base_held, True)] + ([("tuned", tuned_train, tuned_held, True)]
                                                           if tuned_held is not None else [])
         if heads is not None:
-            sets.insert(1, ("head", *heads[i], False))  # no calibrated twin (the module's docstring)
+            for name, (train, held) in sorted(heads[i].items(), key=lambda kv: _rank(kv[0]), reverse=True):
+                sets.insert(1, (name, train, held, False))  # no calibrated twin (the module's docstring)
         for name, train, held, calibrates in sets:
             keyed = [(name, None)] + ([(f"{name}+calibrate", calibrated(train, readout))] if calibrates else [])
             for key, calibration in keyed:
@@ -143,7 +178,7 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
                 t[3].extend(r.get("state") for r in held)
     return [Candidate(name, t[2] if len(folds) == 1 else None, float(np.mean(t[0])), t[1] / len(t[0]), tuple(t[0]),
                       tuple(t[3]))
-            for name, t in sorted(totals.items(), key=lambda kv: ORDER.index(kv[0])) if t is not None]
+            for name, t in sorted(totals.items(), key=lambda kv: _rank(kv[0])) if t is not None]
 
 
 def choose(found: list[Candidate], write: str = "best") -> Candidate:
@@ -153,6 +188,8 @@ def choose(found: list[Candidate], write: str = "best") -> Candidate:
     reported)."""
     if write == "tuned":
         return next(c for c in found if c.name == "tuned")
+    head = chosen_head(found)
+    found = [c for c in found if not is_head(c.name) or c is head]  # one head stands against the others
     best = found[0]
     for i, c in enumerate(found[1:], 1):
         if _replaces(c, found[:i]):
@@ -160,10 +197,20 @@ def choose(found: list[Candidate], write: str = "best") -> Candidate:
     return best
 
 
+def chosen_head(found: list[Candidate]) -> Candidate | None:
+    """Of the head candidates (several depths), the shallowest whose NLL is not clearly worse than the best head's
+    (:func:`clearly_better` at ``DEPTH_Z`` standard errors); None where there is no head candidate."""
+    heads = sorted((c for c in found if is_head(c.name)), key=lambda c: _rank(c.name))
+    if not heads:
+        return None
+    best = min(heads, key=lambda c: c.nll)
+    return next(c for c in heads if c is best or not clearly_better(best, c, DEPTH_Z))
+
+
 def _replaces(c: Candidate, earlier: list[Candidate]) -> bool:
     """Whether ``c`` replaces the choice among ``earlier``: the head unless an untuned candidate is clearly better,
     any other by a lower NLL than every earlier one's, by more than ``TIE``."""
-    if c.name == "head":
+    if is_head(c.name):
         return not any(clearly_better(u, c) for u in earlier if u.name in UNTUNED)
     return c.nll < min(u.nll for u in earlier) - TIE
 
@@ -191,18 +238,35 @@ def clustered_mean(d: np.ndarray, keys) -> tuple[float, float]:
     return float(d.mean()), se
 
 
-def clearly_better(a: Candidate, b: Candidate) -> bool:
-    """Whether ``a``'s held-out NLL is lower than ``b``'s by more than ``TIE`` and by more than ``HEAD_Z`` standard
+def clearly_better(a: Candidate, b: Candidate, z: float = HEAD_Z) -> bool:
+    """Whether ``a``'s held-out NLL is lower than ``b``'s by more than ``TIE`` and by more than ``z`` standard
     errors of the difference (:func:`paired_difference`; where no error can be taken, by ``TIE`` alone)."""
     mean, se = paired_difference(a, b)
-    return mean > TIE and (mean > HEAD_Z * se or not np.isfinite(se))
+    return mean > TIE and (mean > z * se or not np.isfinite(se))
 
 
 def kept_within_noise(found: list[Candidate], chosen: Candidate) -> str:
-    """Why a chosen head was kept where an untuned candidate's NLL is lower (what tune's log and report say); ""
-    where none is lower."""
+    """Why a chosen head was kept where an untuned candidate's or a deeper head's NLL is lower (what tune's log and
+    report say); "" where none is lower."""
+    return "; ".join(why for why in (_untuned_lower(found, chosen), _deeper_lower(found, chosen)) if why)
+
+
+def _deeper_lower(found: list[Candidate], chosen: Candidate) -> str:
+    heads = [c for c in found if is_head(c.name)]
+    if not is_head(chosen.name) or not heads:
+        return ""
+    best = min(heads, key=lambda c: c.nll)
+    if best is chosen or best.nll >= chosen.nll:
+        return ""
+    mean, se = paired_difference(best, chosen)
+    within = f"{mean / se:.2f} standard errors" if np.isfinite(se) and se > 0 else "no error measurable"
+    return (f"{chosen.name} kept: {best.name}'s NLL is lower by {mean:.4f} ({within}; more than {DEPTH_Z:g} would "
+            "keep the deeper head)")
+
+
+def _untuned_lower(found: list[Candidate], chosen: Candidate) -> str:
     lower = [c for c in found if c.name in UNTUNED and c.nll < chosen.nll]
-    if chosen.name != "head" or not lower:
+    if not is_head(chosen.name) or not lower:
         return ""
     c = min(lower, key=lambda c: c.nll)
     mean, se = paired_difference(c, chosen)

@@ -81,6 +81,12 @@ def fit_prior(rows: list[dict]) -> Prior:
     return Prior(calibration, scale)
 
 
+def at_depth(rows: list[dict], depth: int | None) -> list[dict]:
+    """``rows`` whose head features are those read after ``depth`` blocks (their ``features_at``; None: the full
+    depth, ``rows`` as they are)."""
+    return rows if depth is None else [{**r, "features": r["features_at"][depth]} for r in rows]
+
+
 def with_prior(rows: list[dict], prior: Prior) -> list[dict]:
     """``rows`` whose features carry ``prior``'s scores in place of the raw mean log-likelihoods."""
     return [{**r, "features": (r["features"][0], prior.apply(r, r["features"][1]))} for r in rows]
@@ -114,13 +120,17 @@ TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(20.0), 61))  # the grid a
 SEEDS = 5
 
 
-def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS) -> hd.HeadModel:
+def fit(rows: list[dict], seed: int = 0, seeds: int = SEEDS, depth: int | None = None) -> hd.HeadModel:
     """The average of the heads of seeds ``seed`` .. ``seed + seeds - 1`` fitted on ``rows`` (their labels, or the
     teacher's distributions where the rows carry them: :func:`option_features`, :func:`config_for`) over the prior
     fitted on them (``model.prior``), merged into one head (``model.config``: what each was trained with), its scores
     divided by the temperature the average's out-of-fold scores on ``rows`` ask for (:func:`temperature`): what the
-    engine computes (:func:`served`) is what was judged."""
-    return tempered(_fitted(rows, seed, seeds), temperature(rows, seed, seeds))
+    engine computes (:func:`served`) is what was judged. ``depth``: fitted on the features read after that many blocks
+    (:func:`at_depth`; ``model.depth`` records it, None: the full depth)."""
+    rows = at_depth(rows, depth)
+    model = tempered(_fitted(rows, seed, seeds), temperature(rows, seed, seeds))
+    model.depth = depth
+    return model
 
 
 def _fitted(rows: list[dict], seed: int, seeds: int) -> hd.HeadModel:
@@ -233,8 +243,9 @@ def _log_softmax(s: np.ndarray) -> np.ndarray:
 
 def head_rows(model: hd.HeadModel, rows: list[dict]) -> list[dict]:
     """``rows`` as the head engine scores them: each row's scores replaced by ``beta * prior + head(h)`` (the prior:
-    ``model.prior``'s, else the raw mean log-likelihoods)."""
+    ``model.prior``'s, else the raw mean log-likelihoods), read at the head's depth (``model.depth``)."""
     prior = getattr(model, "prior", None)
+    rows = at_depth(rows, getattr(model, "depth", None))
     with torch.no_grad():
         out = []
         for r in rows:

@@ -69,9 +69,12 @@ class TuneConfig:
     head_candidate: bool = True  # a decision head over the untuned engine is a candidate (write="best", method lora)
     # with a head candidate, fewer rows than this train no LoRA run: at 50 rows it never beat the head on the unseen
     # states of five data sets and cost 3-4 runs; at 200 the head alone reaches every data set's 200-row figure of
-    # every-block LoRA before issue 44 in seconds, where LoRA took 7-14 minutes (benchmarks/results/tune_user.md);
+    # every-block LoRA in seconds, where LoRA took 7-14 minutes (benchmarks/results/tune_user.md);
     # 0: LoRA always runs
     lora_min_rows: int = 300
+    # the block counts a decision head is also tried at (None: ``DEPTH_FRACTIONS`` of the model's blocks; (): the
+    # full depth only); a head chosen at one is written into an engine that runs only those blocks
+    head_depths: tuple | None = None
     seed: int = 0
     bf16: bool | None = None  # autocast; None: on CUDA only (slower than fp32 on the measured CPUs)
 
@@ -87,6 +90,8 @@ class TuneConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.head_depths is not None and any(not isinstance(d, int) or d < 1 for d in self.head_depths):
+            raise ValueError(f"head_depths must be positive block counts, got {self.head_depths!r}")
         if not isinstance(self.lora_min_rows, int) or self.lora_min_rows < 0:
             raise ValueError(f"lora_min_rows must be an integer >= 0, got {self.lora_min_rows!r}")
         if self.train_blocks is not None and (not isinstance(self.train_blocks, int) or self.train_blocks < 0):
@@ -108,7 +113,7 @@ class TuneConfig:
         return self.lr if self.lr is not None else (EVERY_BLOCK_LR if self.method == "lora" else 2e-5)
 
 
-# What `tune` chooses for the settings left open, from the number of training rows (issue 44, measured in
+# What `tune` chooses for the settings left open, from the number of training rows (measured in
 # benchmarks/results/tune_user.md). Fewer than MANY_ROWS: LoRA on the top AUTO_BLOCKS blocks only (the lower ones then
 # run once per state, PackedScorer: each of the 4 runs of a cross-validated choice costs little), a learning rate suited
 # to so few adapted blocks, and enough epochs that a few dozen rows still get MIN_STEPS optimiser steps past the 10-step
@@ -124,6 +129,19 @@ MIN_STEPS, MAX_EPOCHS, DEFAULT_EPOCHS = 30, 12, 3
 # Early stopping on fewer held-out questions than this chooses on noise (10 questions: one answer moves the NLL by
 # more than the epochs differ), so it stops nothing: every epoch runs and the best held-out snapshot is still kept.
 MIN_HELD_FOR_PATIENCE, DEFAULT_PATIENCE = 50, 2
+
+
+# The depths a decision head is tried at, as shares of the model's blocks: where the heads of 50 and 200 rows of five
+# data sets came within noise of the full depth's (benchmarks/results/depth_probe.md). Each costs the choice one more
+# head fitted per fold; the pass reads every depth at once.
+DEPTH_FRACTIONS = (0.4, 0.5, 0.6, 0.8)
+
+
+def head_depths(config: TuneConfig, layers: int, frozen: int = 0) -> tuple[int, ...]:
+    """The block counts below ``layers`` (and above the ``frozen`` blocks, whose outputs are cached) that a decision
+    head is tried at besides the full depth."""
+    grid = config.head_depths if config.head_depths is not None else [round(f * layers) for f in DEPTH_FRACTIONS]
+    return tuple(sorted({d for d in grid if frozen < d < layers}))
 
 
 def resolved(config: TuneConfig, rows: int, layers: int, held: int = MIN_HELD_FOR_PATIENCE) -> TuneConfig:
@@ -203,7 +221,7 @@ class PackedScorer:
     With ``state_weights`` (a context manager factory under which the decoder computes with the base weights, e.g.
     peft's ``disable_adapter``) the state's K/V of every block are the base weights', computed once per chunk
     without gradient: the trained parameters act on the question and option tokens only, as they would in one engine
-    whose state cache is shared by several tuned tasks (issue 45); each step then runs the packed tokens alone.
+    whose state cache is shared by several tuned tasks; each step then runs the packed tokens alone.
     """
 
     def __init__(self, decoder, readout: str, device: torch.device, bf16: bool, frozen: int = 0,
@@ -272,27 +290,55 @@ class PackedScorer:
         """Per question, its [K] option scores: prefill, one packed pass, chain-rule sums, read-out."""
         return self._outputs(chunk, hidden=False)[0]
 
-    def scores_and_features(self, chunk: Chunk) -> list[tuple]:
+    def scores_and_features(self, chunk: Chunk, depths=()) -> list[tuple]:
         """Per question, (its [K] option scores, what a decision head reads of it: (the final-normed hidden state
-        after each option [K, d] float32, each option's mean log-likelihood [K] float64), numpy), from one pass."""
-        scores, hidden = self._outputs(chunk, hidden=True)
+        after each option [K, d] float32, each option's mean log-likelihood [K] float64), numpy), from one pass.
+        With ``depths`` (block counts, each above the frozen blocks and below the decoder's), a third item: per depth
+        the same pair read after that many blocks (the final norm and the language-model head applied to the residual
+        stream there, as an engine cut at that depth computes them)."""
+        stops = sorted({int(d) for d in depths})
+        layers = self.decoder.dims.num_layers
+        if any(not self.frozen < d < layers for d in stops):
+            raise ValueError(f"depths must be in {self.frozen + 1}..{layers - 1} (above the frozen blocks, below the "
+                             f"decoder's {layers}); got {stops}")
+        reads = self._reads(chunk, stops)
         out = []
-        for s, h, tokens in zip(scores, hidden, chunk.encoded):
-            lengths = torch.tensor([len(o) for o in tokens.options], dtype=torch.float32, device=s.device)
-            mean = s if self.readout == "mean" else s / lengths
-            out.append((s, (h.detach().float().cpu().numpy(), mean.detach().double().cpu().numpy())))
+        for q, tokens in enumerate(chunk.encoded):
+            lengths = np.array([len(o) for o in tokens.options], dtype=np.float64)
+            pairs = {}
+            for depth, (scores, hidden) in reads.items():
+                s = scores[q].detach().double().cpu().numpy()
+                pairs[depth] = (hidden[q].detach().float().cpu().numpy(), s if self.readout == "mean" else s / lengths)
+            full = pairs.pop(layers)
+            out.append((reads[layers][0][q], full) + ((pairs,) if stops else ()))
         return out
 
     def _outputs(self, chunk: Chunk, hidden: bool) -> tuple[list, list]:
         """(per question its [K] option scores; with ``hidden``, per question the hidden states at its options' last
         read-out rows [K, d], else nothing)."""
+        return self._reads(chunk, (), hidden)[self.decoder.dims.num_layers]
+
+    def _reads(self, chunk: Chunk, stops, hidden: bool = True) -> dict:
+        """Block count -> what :meth:`_outputs` returns read after that many blocks, for each of ``stops`` and the
+        full depth, from one pass (the blocks above a stop continue from its residual stream)."""
         batch, state, x_state, x_packed, state_past = self._trunk(chunk)
-        top = range(self.frozen, self.decoder.dims.num_layers)
+        layers = self.decoder.dims.num_layers
+        top = range(self.frozen, layers)
         if state_past is None:
             _, presents = self._blocks(x_state, state, self.empty, top)  # the state's K/V of the top blocks, with gradient
         else:
             presents = state_past[2 * self.frozen:]  # the base weights' state K/V: no gradient, computed once
-        x, _ = self._blocks(x_packed, batch, presents, top)
+        reads, x, start = {}, x_packed, self.frozen
+        for stop in [*stops, layers]:
+            past = presents[2 * (start - self.frozen):2 * (stop - self.frozen)]
+            x, _ = self._blocks(x, batch, past, range(start, stop))
+            reads[stop] = self._read(chunk, batch, x, hidden)
+            start = stop
+        return reads
+
+    def _read(self, chunk: Chunk, batch, x, hidden: bool) -> tuple[list, list]:
+        """The read-out of residual stream ``x``: per question its [K] option scores and, with ``hidden``, the
+        final-normed hidden states at its options' last read-out rows."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             h, target = self.decoder.final(x, self._tensor(batch.readout_index), self._tensor(batch.readout_target))
         target = target.float()  # [R] log-probs of the read-out targets

@@ -14,6 +14,7 @@ the untuned candidates, and judged on the same rows as they are. With fewer rows
 the head is the only learner (``lora=False``): no LoRA run is trained, and the choice among base, base+calibrate and
 the head takes seconds (50 rows: the LoRA runs took 45-180 s and never beat the head on unseen states); it is then
 cross-validated whatever the row count (the head's fits are cheap, and the head written is fitted on every row).
+The head is a candidate at several depths (``Runs.depths``, read from the same pass): one fit per depth and fold.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 
 from ..runtime.core.errors import OnepassError
 from . import head_candidate
-from .candidates import Candidate, calibrated, candidates, choose, kept_within_noise, scored_rows
+from .candidates import Candidate, calibrated, candidates, choose, head_depth, head_name, is_head, kept_within_noise, \
+    scored_rows
 from .tune import Progress, Trainer
 
 CV_BELOW_ROWS = 100  # fewer rows than this: a cross-validated choice instead of one held-out split
@@ -81,9 +83,10 @@ def state_folds(chunks: list, folds: int, seed: int) -> list[int]:
 class Runs:
     """Trainers over one scorer and one set of parameters, each starting from the same initial weights."""
 
-    def __init__(self, scorer, params: list, config, work, fingerprint: dict, encoder, log):
+    def __init__(self, scorer, params: list, config, work, fingerprint: dict, encoder, log, depths=()):
         self.scorer, self.params, self.config, self.work = scorer, params, config, work
         self.fingerprint, self.encoder, self.log = fingerprint, encoder, log
+        self.depths = tuple(depths)  # the block counts a decision head is also tried at
         self.initial = [p.detach().clone() for p in params]
 
     def restore_initial(self) -> None:
@@ -101,8 +104,9 @@ class Runs:
                        self.log)
 
     def scored(self, chunks: list, features: bool = False) -> list[dict]:
-        """Rows of ``chunks`` scored by the weights in place now (with a decision head's ``features``)."""
-        return scored_rows(self.scorer, chunks, self.encoder, features)
+        """Rows of ``chunks`` scored by the weights in place now (with a decision head's ``features``, at the full
+        depth and at each of ``depths``)."""
+        return scored_rows(self.scorer, chunks, self.encoder, features, self.depths if features else ())
 
 
 def train_and_choose(runs: Runs, train: list, held: list, cv: bool, resume: bool, readout: str, seed: int,
@@ -123,16 +127,25 @@ def _training_rows(runs: Runs, train: list, features: bool = False) -> list[dict
     return [] if runs.config.write == "tuned" else runs.scored(train, features)
 
 
-def _head_fold(train: list[dict], held: list[dict], seed: int) -> tuple:
-    """A head fitted on ``train`` (rows with features): (the head, ``train`` and ``held`` as it scores them)."""
-    model = head_candidate.fit(train, seed)
-    return model, head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
+def _head_fold(train: list[dict], held: list[dict], seed: int, depths=()) -> dict:
+    """Heads fitted on ``train`` (rows with features), one per depth of ``depths`` and one at the full depth:
+    candidate name -> (the head, ``train`` and ``held`` as it scores them)."""
+    out = {}
+    for depth in (*depths, None):
+        model = head_candidate.fit(train, seed, depth=depth)
+        out[head_name(depth)] = model, head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
+    return out
+
+
+def _judged(fold: dict) -> dict:
+    """A fold's heads as :func:`candidates` reads them: name -> (train rows, held-out rows)."""
+    return {name: scored[1:] for name, scored in fold.items()}
 
 
 def _finish(runs: Runs, chosen: Candidate, head) -> object:
     """The head a chosen head candidate is written with (``head()``: the head judged after one held-out split, fitted
     on every training row after a cross-validated choice), the initial weights back in place; None for the others."""
-    if chosen.name != "head":
+    if not is_head(chosen.name):
         return None
     runs.restore_initial()  # the tuned weights are no part of a head engine
     return head()
@@ -152,12 +165,12 @@ def held_out_choice(runs: Runs, train: list, held: list, base: tuple, resume: bo
         if resume:
             trainer.resume()
         progress, tuned = trainer.run(), (_training_rows(runs, train), runs.scored(held))
-    fold = _head_fold(*base, runs.config.seed) if heads else None
-    found = candidates([(*base, *tuned)], readout, [fold[1:]] if heads else None)
+    fold = _head_fold(*base, runs.config.seed, runs.depths) if heads else None
+    found = candidates([(*base, *tuned)], readout, [_judged(fold)] if heads else None)
     chosen = choose(found, runs.config.write)
     if chosen.name.startswith("base"):
         runs.restore_initial()
-    head = _finish(runs, chosen, lambda: fold[0])
+    head = _finish(runs, chosen, lambda: fold[chosen.name][0])
     return Outcome(progress, found, chosen, time.perf_counter() - started, 0, progress.rows_seen, head)
 
 
@@ -189,12 +202,12 @@ def cross_validated_choice(runs: Runs, chunks: list, base: list[dict], resume: b
         trained += rows
         folds.append((pick(base, f, True), pick(base, f, False), tuned_train, tuned_held))
         if heads:
-            head_sets.append(_head_fold(folds[-1][0], folds[-1][1], seed)[1:])
+            head_sets.append(_judged(_head_fold(folds[-1][0], folds[-1][1], seed, runs.depths)))
     found = candidates(folds, readout, head_sets if heads else None)
     chosen = choose(found, runs.config.write)
     progress = Progress()
     runs.restore_initial()  # the last fold's weights are no candidate's
-    head = _finish(runs, chosen, lambda: head_candidate.fit(base, runs.config.seed))
+    head = _finish(runs, chosen, lambda: head_candidate.fit(base, runs.config.seed, depth=head_depth(chosen.name)))
     if chosen.name.startswith("tuned"):
         runs.log(f"{chosen.name} chosen: the last run trains on all {len(chunks)} chunks")
         trainer = runs.trainer(chunks, [], "checkpoint.pt")

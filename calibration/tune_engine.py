@@ -23,8 +23,8 @@ from ..runtime.core import manifest as mf
 from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
-from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
-from .candidates import RULE, TIE
+from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, head_depths, resolved
+from .candidates import RULE, TIE, is_head
 from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
@@ -150,7 +150,8 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     if resume and not lora and any(work.glob("*.pt")):
         log(f"warning: --resume finds LoRA checkpoints in {work}, but with {len(rows)} rows (under --lora-min-rows "
             f"{config.lora_min_rows}) no LoRA run is trained; pass --lora-min-rows 0 to continue that run")
-    runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log)
+    runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log,
+                head_depths(config, base.model.num_layers, frozen) if heads else ())
     log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
         + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
     outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed, heads, lora)
@@ -178,10 +179,10 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     history = progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
-               "weights": WEIGHTS_WRITTEN.get(chosen.name, "tuned")}
+               "weights": WEIGHTS_WRITTEN.get("head" if is_head(chosen.name) else chosen.name, "tuned")}
     if held and history:  # no history: no LoRA run was trained
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
-    if chosen.name in ("base+calibrate", "head"):
+    if chosen.name == "base+calibrate" or is_head(chosen.name):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
                    "tuning": {"metrics": metrics, "steps": progress.step}}
         if outcome.head is not None:
@@ -240,11 +241,12 @@ def _write_head_engine(head, choice: dict, base_dir: Path, base, spec, adapters,
     from . import head_candidate
 
     head, calibration = head_candidate.served(head)
+    depth = getattr(head, "depth", None)
     info = {"method": "tune (the decision head candidate)", "data": files, "rows": rows, "choice": choice,
             "config": {k: v for k, v in dataclasses.asdict(head.config).items() if k != "seed"},
             "seeds": head_candidate.SEEDS, "temperature": head.temperature,  # config: of each head averaged
-            "targets": head.targets}
-    head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info)
+            "targets": head.targets, "blocks_of_model": base.model.num_layers}
+    head_info = mf.HeadInfo(beta=float(head.beta.detach()), width=head.head.width, training=info, depth=depth)
     write_head_engine(base_dir, base, spec, adapters, out, name, head.head, head_info, calibration)
 
 
@@ -252,12 +254,14 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
                       calibration=None) -> None:
     """``out``: the base engine with ``head`` in its graph (and ``calibration``, of its ``head`` read-out, in its
     manifest): appended to the base's graph where it can be (seconds; ``export.head_graph``), else the decoder exported
-    again with it (about a minute)."""
+    again with it (about a minute); a head read at a depth (``head_info.depth``) is always exported again, with only
+    the blocks it reads."""
     from ..export import head_graph
 
     def finish(m):
         return dataclasses.replace(adapter_at(m, out), calibration=calibration)
-    if head_graph.can_append(base_dir, base):
+    depth = head_info.depth
+    if depth is None and head_graph.can_append(base_dir, base):
         try:
             head_graph.append_head(base_dir, base, out, name=name, head=head, head_info=head_info, finish=finish)
             return
@@ -267,7 +271,7 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
     from ..export.build import export_engine
 
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
-                  adapters=adapters, head=head, head_info=head_info, finish=finish)
+                  adapters=adapters, head=head, head_info=head_info, finish=finish, depth=depth)
 
 
 def write_calibrated_copy(base_dir: Path, out: Path, calibration, choice: dict, name: str) -> None:
@@ -385,6 +389,7 @@ def summary_lines(summary: dict, out, report_dir) -> list[str]:
     chosen = summary.get("choice", {}).get("chosen", "tuned")
     what = {"base": "the base engine (--keep-base)", "base+calibrate": "the base engine with a calibration",
             "head": "the base engine with a decision head",
-            "tuned": "tuned engine", "tuned+calibrate": "tuned engine (with a calibration)"}[chosen]
+            "tuned": "tuned engine", "tuned+calibrate": "tuned engine (with a calibration)"}.get(
+        chosen, f"the base engine's first {chosen.partition('@')[2]} blocks with a decision head")
     lines.append(f"{what} written to {out}; report in {report_dir}")
     return lines

@@ -22,7 +22,7 @@ from ..runtime.backends.engine_weights import match
 from ..runtime.backends.torch_decoder import PackedDecoder, lower_precision
 from .adapter import card, prompt_of, resolve
 from .golden import write_golden
-from .model_source import load_model
+from .model_source import cut, load_model
 from .onnx_graph import export_decoder
 
 log = logging.getLogger("onepass.export")
@@ -58,7 +58,7 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
                   limits: mf.Limits | dict | None = None, scoring: mf.Scoring | None = None,
                   prompt: PromptTemplate | None = None, head=None, head_info: mf.HeadInfo | None = None,
                   precision: str = "fp32", adapters=None, tuning: mf.TuningInfo | None = None,
-                  extra_files: dict | None = None, finish=None) -> Path:
+                  extra_files: dict | None = None, finish=None, depth: int | None = None) -> Path:
     """Compile ``model`` (None = the default SmolLM2 GGUF) into the engine directory ``out``.
 
     ``scoring`` None: the read-out the last adapter was trained for (its card's ``readout``), else the
@@ -72,18 +72,24 @@ def export_engine(out: str | Path, model: str | None = None, *, name: str | None
     is recorded in the manifest (else taken from the last adapter's card). ``extra_files``
     {name: path} are copied into the engine and hashed with the rest. ``finish``: Manifest -> Manifest, applied
     before the manifest is first written (what a caller records beside the export: a calibration, its adapter's
-    final path), so that the engine appears at ``out`` whole.
+    final path), so that the engine appears at ``out`` whole. ``depth``: the graph keeps only the model's first
+    ``depth`` blocks (:func:`onepass.export.model_source.cut`), read by ``head`` (required with it), which
+    ``head_info.depth`` records.
     """
     if precision not in mf.PRECISIONS:
         raise ValueError(f"precision must be one of {mf.PRECISIONS}, got {precision!r}")
     if (head is None) != (head_info is None):
         raise ValueError("a decision head needs its HeadInfo (and the other way round)")
+    if depth is not None and (head_info is None or head_info.depth != depth):
+        raise ValueError("an engine cut to a depth needs a decision head fitted there (head_info.depth == depth)")
     out = Path(out)
     step = _Steps(6)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     step("loading model weights")
     adapters = resolve(None, model) if adapters is None else list(adapters)
     loaded = load_model(model, adapters)
+    if depth is not None:
+        cut(loaded.model, depth)
     if tuning is None and adapters and card(adapters[-1]).get("tuning"):
         tuning = mf.TuningInfo(**card(adapters[-1])["tuning"])
     trained_for = card(adapters[-1]).get("readout") if adapters else None

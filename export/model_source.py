@@ -113,6 +113,21 @@ def load_model(spec: str | os.PathLike | None = None, adapters=()) -> LoadedMode
     return loaded
 
 
+def cut(model, depth: int):
+    """``model`` (a transformers causal LM, changed in place) keeping only its first ``depth`` decoder blocks: the
+    final norm and the language-model head then read block ``depth``'s residual stream, as a decision head fitted at
+    that depth reads it. The blocks above are dropped, not skipped: an engine exported from it holds and runs only
+    ``depth`` blocks, in its pass and in its state's prefill."""
+    blocks = model.model.layers
+    if not isinstance(depth, int) or not 1 <= depth <= len(blocks):
+        raise ValueError(f"depth must be a block count in 1..{len(blocks)}, got {depth!r}")
+    model.model.layers = type(blocks)(list(blocks)[:depth])
+    model.config.num_hidden_layers = depth
+    if getattr(model.config, "layer_types", None):  # per-block attention kinds (sliding or full), where the config has them
+        model.config.layer_types = list(model.config.layer_types)[:depth]
+    return model
+
+
 def _load_base(spec) -> LoadedModel:
     path = default_gguf() if spec is None else Path(spec)
     if path.is_file() and path.suffix == ".gguf":

@@ -388,8 +388,9 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
 
     data = _fact_rows(tmp_path, notes=notes, numbered=True)
     # LoRA from 100 rows (the default is 300): 104 rows train a run and are judged on one held-out split
+    # the full-depth head only (a head read after fewer blocks: tests/test_depth.py)
     config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25,
-                           lora_min_rows=100)
+                           lora_min_rows=100, head_depths=())
     out, report, lines = tmp_path / "tuned", tmp_path / "report", []
     summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lines.append)
     choice = summary["choice"]
@@ -713,7 +714,7 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
             return tn.Progress()
 
     monkeypatch.setattr(tc, "Trainer", Moves)
-    monkeypatch.setattr(tc, "head_candidate", SimpleNamespace(fit=lambda rows, seed: "fitted head",
+    monkeypatch.setattr(tc, "head_candidate", SimpleNamespace(fit=lambda rows, seed, depth=None: "fitted head",
                                                               head_rows=lambda model, rows: rows))
     chunks = [SimpleNamespace(state_ids=(i,), size=1) for i in range(6)]
     for winner, moved in (("base", False), ("head", False), ("tuned", True)):
@@ -790,14 +791,14 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     train, held = (_with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels[:60]), 3.0, rng) for _ in range(2))
     model = head_candidate.fit(train)
     head_train, head_held = head_candidate.head_rows(model, train), head_candidate.head_rows(model, held)
-    found = candidates([(train, held, train, held)], "mean", [(head_train, head_held)])
+    found = candidates([(train, held, train, held)], "mean", [{"head": (head_train, head_held)}])
     assert [c.name for c in found] == ["base", "base+calibrate", "head", "tuned", "tuned+calibrate"]
     by_name = {c.name: c for c in found}
     assert by_name["head"].accuracy > 0.8 and by_name["head"].nll < by_name["base"].nll - 0.1, found
     assert choose(found).name == "head"
     noise = [_with_features(_scored(rng.normal(0, 0.1, (60, 2)), labels[:60]), 0.0, rng) for _ in range(2)]
     blind = head_candidate.fit(noise[0])
-    found = candidates([(*noise, *noise)], "mean", [tuple(head_candidate.head_rows(blind, n) for n in noise)])
+    found = candidates([(*noise, *noise)], "mean", [{"head": tuple(head_candidate.head_rows(blind, n) for n in noise)}])
     by_name = {c.name: c for c in found}
     assert by_name["head"].accuracy < 0.7 and by_name["head"].nll > by_name["base"].nll - 0.05
     # the temperature comes from scores of rows each inner head did not see: noise asks for softening (over the raw

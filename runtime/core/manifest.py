@@ -78,10 +78,15 @@ class HeadInfo:
     beta: float  # weight of the zero-shot mean read-out in the option score
     width: int
     training: dict = field(default_factory=dict)  # data, tasks, recipe, measured metrics
+    # the head reads the residual stream after this many of the model's blocks, and the graph holds only those (the
+    # pass and the prefill stop there: the model's ``num_layers`` is this depth); None: after every block
+    depth: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.beta, (int, float)) or self.beta != self.beta:
             raise ValueError("head.beta must be a number")
+        if self.depth is not None and (not isinstance(self.depth, int) or self.depth < 1):
+            raise ValueError(f"head.depth must be a positive block count or null, got {self.depth!r}")
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,8 @@ class Manifest:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.scoring.readout == "head" and self.head is None:
             raise ValueError("scoring.readout is 'head' but the engine has no decision head")
+        if self.head is not None and self.head.depth not in (None, self.model.num_layers):
+            raise ValueError(f"head.depth {self.head.depth} is not the graph's block count ({self.model.num_layers})")
         if not isinstance(self.guarantees, dict) or not all(isinstance(g, dict) for g in self.guarantees.values()):
             raise ValueError("guarantees must be an object of backend name -> measured guarantee")
         if self.gate is not None:
