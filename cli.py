@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
 def cmd_distill(args) -> int:
     """Label unlabelled states with a teacher, tune on its answers, write the engine with its gate."""
     from .calibration.distill import distill, summary_lines
-    from .runtime.tools.teacher import connect
+    from .runtime.teacher.client import connect
 
     config = _tune_config(args)
     if args.task is not None:

@@ -111,7 +111,7 @@ def students(args) -> None:
 
     from onepass.calibration.distill import distill, summary_lines
     from onepass.calibration.tune import TuneConfig
-    from onepass.runtime.tools.teacher import connect
+    from onepass.runtime.teacher.client import connect
 
     for task in args.tasks:
         root = Path(args.work) / task
@@ -141,7 +141,7 @@ def students(args) -> None:
 
 
 def _probs(engine, rows: list[dict]) -> list:
-    from onepass.runtime.tools.teacher import answer_distribution
+    from onepass.runtime.teacher.client import answer_distribution
 
     out = []
     for r in rows:
@@ -156,7 +156,7 @@ def evaluate_task(args, task: str) -> dict:
 
     from onepass import Engine
     from onepass.runtime.core.cascade import Gate
-    from onepass.runtime.tools.teacher import option_keys
+    from onepass.runtime.teacher.client import option_keys
 
     root = Path(args.work) / task
     _, _, test = split(task)

@@ -46,7 +46,7 @@ def _teacher_rows(root: Path, task: str) -> Path:
     """The task's test states with the teacher engine's distributions, as tune rows (written once)."""
     from onepass import Engine
     from onepass.runtime.core.questions import from_wire
-    from onepass.runtime.tools.teacher import answer_distribution, dumps, row
+    from onepass.runtime.teacher.client import answer_distribution, dumps, row
 
     path = root / "test-teacher.jsonl"
     if not path.exists():

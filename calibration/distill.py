@@ -2,7 +2,7 @@
 
     onepass distill --engine DIR --teacher URL --states states.jsonl --questions q.json --out DIR
 
-1. **Label**: every state is asked every question of ``q.json`` by the teacher (:mod:`onepass.runtime.tools.teacher`,
+1. **Label**: every state is asked every question of ``q.json`` by the teacher (:mod:`onepass.runtime.teacher.client`,
    a System One server or an OpenAI-compatible one), ``concurrency`` states at a time, with a progress bar.
    Each state's rows are appended to ``<out>.distill/labels.jsonl`` in one write once all its answers are in,
    so an interrupted run resumes where it stopped (the states already labelled are skipped; a last line cut
@@ -43,7 +43,7 @@ from ..runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
 from ..runtime.core.prompt import state_text
 from ..runtime.core.questions import from_wire, to_wire
 from ..runtime.tools.request_files import json_lines, read_text
-from ..runtime.tools.teacher import (TeacherError, TeacherRefused, answer_distribution, dumps, option_keys,
+from ..runtime.teacher.client import (TeacherError, TeacherRefused, answer_distribution, dumps, option_keys,
                                      wire_probabilities)
 from . import metrics
 from .tune import TuneConfig

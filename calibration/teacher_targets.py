@@ -32,7 +32,7 @@ from ..runtime.core.errors import InvalidRequest, OnepassError
 from ..runtime.core.prompt import state_text
 from ..runtime.core.questions import from_wire
 from ..runtime.tools.request_files import json_lines
-from ..runtime.tools.teacher import answer_distribution, wire_probabilities
+from ..runtime.teacher.client import answer_distribution, wire_probabilities
 from .mixture import write_jsonl
 from .run import label_index
 from .tune_data import parse_row

@@ -18,7 +18,7 @@ from ..runtime.core.errors import InvalidRequest, OnepassError
 from ..runtime.core.prompt import state_text
 from ..runtime.tools.request_files import json_lines
 from ..runtime.core.questions import Noul, Question, from_wire
-from ..runtime.tools.teacher import distribution_problem, option_keys
+from ..runtime.teacher.client import distribution_problem, option_keys
 from .run import label_index
 
 

@@ -16,10 +16,10 @@ from .core.questions import Choice, ChoiceAnswer, Noul, NoulAnswer, Score, Score
 if TYPE_CHECKING:  # what type checkers see; at run time they load on first use (``__getattr__``)
     from .core.cascade import Cascade, Gate
     from .core.decide import Levels
-    from .tools.teacher import connect
+    from .teacher.client import connect
 
 _ON_FIRST_USE = {"Gate": ".core.cascade", "Cascade": ".core.cascade", "Levels": ".core.decide",
-                 "connect": ".tools.teacher"}
+                 "connect": ".teacher.client"}
 
 # what ``from onepass.runtime import *`` takes: not the names loaded on first use, which may need an extra
 __all__ = [

@@ -1,9 +1,16 @@
-"""The runtime's layers depend one way: server and tools -> core -> backends. No module in runtime/backends imports
-runtime/core (nor server or tools), and no module in runtime/core imports server or tools: the backends own the batch
-they run, the graph's I/O contract and the errors they raise; the core owns the manifest, the golden-file choice of a
-default backend and the TensorRT plans recorded in an engine. Imports are read from the source (``import``,
-``from ... import``, relative or absolute, at any depth, and ``importlib.import_module`` of a constant name), so a
-lazy import inside a function counts too. Negative controls: one back import, written each of those ways, fails."""
+"""The house's rooms depend one way, each allowed arrow written once (``ALLOWED``):
+
+    runtime.backends  <-  runtime.core  <-  runtime.teacher, runtime.tools (and the backends), runtime.server
+    runtime.server -> runtime.teacher;  export -> runtime.core, runtime.backends
+    calibration -> export and every runtime room but the server
+
+The backends own the batch they run, the graph's I/O contract and the errors they raise; the core owns the manifest,
+the engine and the request's path; the teacher client, the tools (bench, plans, guarantee) and the HTTP server stand
+on the core; export compiles a model into an engine with the runtime's own pieces; calibration (tune, distill, eval)
+fits what export writes. ``onepass.runtime`` itself (the public API, lazily), ``cli.py`` and ``flags.py`` import every
+room and are not rooms. Imports are read from the source (``import``, ``from ... import``, relative or absolute, at any
+depth, and ``importlib.import_module`` of a constant name, and any non-docstring string that names a module), so a
+lazy import inside a function counts too. Negative controls: a back import, written each of those ways, fails."""
 
 from __future__ import annotations
 
@@ -13,15 +20,31 @@ from pathlib import Path
 
 import onepass
 
-RUNTIME = Path(onepass.__file__).parent / "runtime"
-# a layer -> what of the package it may import: itself and the layers below it. Anything else of the package (a layer
-# above, the package's roots, which import every layer, the command, export) is a back import
-ALLOWED = {"backends": ("backends",), "core": ("core", "backends")}
+ROOT = Path(onepass.__file__).parent
+RUNTIME = ROOT / "runtime"
+# a room -> the other rooms it may import (itself always)
+ALLOWED = {"runtime.backends": (),
+           "runtime.core": ("runtime.backends",),
+           "runtime.teacher": ("runtime.core",),
+           "runtime.tools": ("runtime.core", "runtime.backends"),
+           "runtime.server": ("runtime.core", "runtime.teacher"),
+           "export": ("runtime.core", "runtime.backends"),
+           "calibration": ("export", "runtime.core", "runtime.backends", "runtime.teacher", "runtime.tools")}
 MODULE_NAME = re.compile(r"\bonepass\.(?:runtime|export|calibration|cli|flags)\b(?:\.\w+)*")
 
 
+def room_of(module: str) -> str | None:
+    """The room of a module name of the package (None: the package's roots, cli, flags, or onepass.runtime itself)."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "runtime" and f"runtime.{parts[2]}" in ALLOWED:
+        return f"runtime.{parts[2]}"
+    if len(parts) >= 2 and parts[1] in ALLOWED:
+        return parts[1]
+    return None
+
+
 def _module_of(path: Path) -> str:
-    parts = ["onepass", *path.relative_to(RUNTIME.parent).with_suffix("").parts]  # whatever the checkout's name
+    parts = ["onepass", *path.relative_to(ROOT).with_suffix("").parts]  # whatever the checkout's name
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -66,21 +89,42 @@ def _imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]
 
 def _back_imports(source: str, path: Path) -> list[str]:
     module = _module_of(path)
-    layer = module.split(".")[2] if module.count(".") >= 2 else None
-    if layer not in ALLOWED:
+    room = room_of(module)
+    if room is None:
         return []
-    allowed = tuple(f"onepass.runtime.{name}" for name in ALLOWED[layer])
-    return [f"{path.relative_to(RUNTIME)}:{line} imports {name}"
-            for line, name in _imports(source, module, path.name == "__init__.py")
-            if (name == "onepass" or name.startswith("onepass."))
-            and not any(name == a or name.startswith(a + ".") for a in allowed)]
+    allowed = (room, *ALLOWED[room])
+    found = []
+    for line, name in _imports(source, module, path.name == "__init__.py"):
+        if not (name == "onepass" or name.startswith("onepass.")):
+            continue
+        if room_of(name) not in allowed:
+            found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return found
 
 
-def test_the_runtime_layers_depend_one_way():
-    files = sorted(RUNTIME.glob("backends/*.py")) + sorted(RUNTIME.glob("core/*.py"))
-    assert len(files) > 30
+def _product_files() -> list[Path]:
+    return sorted(p for d in ("runtime", "export", "calibration") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_every_room_depends_one_way():
+    files = _product_files()
+    rooms = {room_of(_module_of(p)) for p in files}
+    assert rooms >= set(ALLOWED), set(ALLOWED) - rooms  # every room has files, and is checked
     found = [hit for path in files for hit in _back_imports(path.read_text(), path)]
     assert found == [], found
+
+
+def test_the_allowed_arrows_are_used_and_point_one_way():
+    """The table holds no circle (a room that may import another may not be imported by it), and each arrow of it is
+    one the code really takes: a stale arrow would let a back import in unnoticed."""
+    for room, others in ALLOWED.items():
+        for other in others:
+            assert room not in ALLOWED[other], (room, other)
+    taken = {(room_of(_module_of(p)), room_of(name)) for p in _product_files()
+             for _, name in _imports(p.read_text(), _module_of(p), p.name == "__init__.py")
+             if name.startswith("onepass.")}
+    unused = {(room, other) for room, others in ALLOWED.items() for other in others} - taken
+    assert unused == set(), unused
 
 
 def test_the_core_does_import_the_backends():
@@ -91,7 +135,8 @@ def test_the_core_does_import_the_backends():
 
 
 def test_one_back_import_fails_it():
-    """Negative controls: a back import in a backend module, written five ways, and one from core to server."""
+    """Negative controls: a back import in a backend module, written many ways; from core to server, tools or the
+    teacher; from export to calibration; from the teacher to the server; from the server to the tools."""
     backend = RUNTIME / "backends" / "ort.py"
     for source in ["from ..core.tree import pack\n", "from ..core import manifest\n", "from .. import core\n",
                    "import onepass.runtime.core.errors\n",
@@ -101,7 +146,15 @@ def test_one_back_import_fails_it():
                    "__import__('onepass.runtime.core.errors')\n", "from ... import runtime\n",
                    "import onepass.cli\n", "TABLE = {'x': ('onepass.runtime.server.app', 'App')}\n"]:
         assert _back_imports(source, backend), source
-    assert _back_imports("from ..server.errors import http_error\n", RUNTIME / "core" / "engine.py")
+    engine = RUNTIME / "core" / "engine.py"
+    for source in ["from ..server.errors import http_error\n", "from ..tools.bench import run\n",
+                   "from ..teacher.client import connect\n"]:
+        assert _back_imports(source, engine), source
+    assert _back_imports("from ..calibration.head import load\n", ROOT / "export" / "build.py")
+    assert _back_imports("from ..server.app import App\n", RUNTIME / "teacher" / "client.py")
+    assert _back_imports("from ..tools.bench import run\n", RUNTIME / "server" / "app.py")
+    assert _back_imports("from ..calibration import tune\n", RUNTIME / "server" / "app.py")
     assert _back_imports("from . import contract\n", backend) == []  # a sibling is fine
     assert _back_imports('"""See onepass.runtime.core.engine."""\n', backend) == []  # a docstring names, not imports
-    assert _back_imports("from ..backends.base import Backend\n", RUNTIME / "core" / "engine.py") == []
+    assert _back_imports("from ..backends.base import Backend\n", engine) == []
+    assert _back_imports("from ..export.build import export_engine\n", ROOT / "calibration" / "tune.py") == []

@@ -28,7 +28,7 @@ from onepass.calibration import tune as tn  # noqa: E402
 from onepass.calibration.tune_data import load_rows  # noqa: E402
 from onepass.runtime.core.questions import to_wire  # noqa: E402
 from onepass.runtime.server.records import Records  # noqa: E402
-from onepass.runtime.tools.teacher import (  # noqa: E402
+from onepass.runtime.teacher.client import (  # noqa: E402
     TeacherBadAnswer, TeacherLate, TeacherRefused, TeacherUnavailable, answer_distribution, connect,
     label_distribution, openai_prompt)
 
@@ -793,7 +793,7 @@ def test_a_call_settled_after_its_caller_stopped_is_not_printed_and_other_errors
     import asyncio
     import logging
 
-    from onepass.runtime.tools.teacher import TeacherUnavailable, _settled_calls_quiet
+    from onepass.runtime.teacher.client import TeacherUnavailable, _settled_calls_quiet
 
     loop = asyncio.new_event_loop()
     try:

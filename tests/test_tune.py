@@ -1054,7 +1054,7 @@ def test_teacher_targets_blend_the_engines_answer_asked_alone_with_the_label(tin
     from onepass.calibration.teacher_targets import crossed_rows, teach
     from onepass.calibration.tune_data import load_rows as load_tune_rows
     from onepass.runtime.core.questions import from_wire
-    from onepass.runtime.tools.teacher import answer_distribution, option_keys
+    from onepass.runtime.teacher.client import answer_distribution, option_keys
 
     rows = [{"dataset": "rain", "state": f"Note {i}: it rained {i} times.", "question": NOUL, "label": "yes"}
             for i in range(3)]

@@ -96,6 +96,10 @@ def _smoke(bin_dir: Path, engine_dir: Path) -> dict:
 def test_the_wheel_holds_the_package_and_its_type_marker_and_no_tests_or_benchmarks(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "onepass/py.typed" in names and "onepass/cli.py" in names and "onepass/runtime/core/engine.py" in names
+    packages = sorted(str(p.parent.relative_to(ROOT)) for d in ("runtime", "export", "calibration")
+                      for p in (ROOT / d).rglob("__init__.py"))
+    missing = [d for d in packages if f"onepass/{d}/__init__.py" not in names]
+    assert len(packages) >= 8 and missing == [], missing  # every room of the checkout is in the wheel
     for adapter in ("smollm2-135m-instruct", "smollm2-135m-instruct-compact"):  # the default engine merges both
         for file in ("adapter_model.safetensors", "adapter_config.json", "onepass_adapter.json"):
             assert f"onepass/export/adapters/{adapter}/{file}" in names, (adapter, file)

@@ -20,7 +20,7 @@ def check_teacher(url: str, kind: str = "systemone", shadow_rate: float = 0.0, r
                   record_max_mib: int = 1024, **client) -> None:
     """`onepass serve --teacher`'s settings checked before any engine loads (a typed error naming the flag)."""
     from .records import Records
-    from ..tools.teacher import TeacherConfig
+    from ..teacher.client import TeacherConfig
     from .teaching import check_shadow_rate
 
     TeacherConfig(url=url, kind=kind, **client)
@@ -46,7 +46,7 @@ def teacher_setup(engine: Engine, url: str, kind: str = "systemone", shadow_rate
     questions it was not distilled on), else ``min_confidence`` for every question; none: shadow mode only."""
     from ..core.cascade import Gate
     from .records import Records
-    from ..tools.teacher import connect
+    from ..teacher.client import connect
     from .teaching import TeacherSetup
 
     check_teacher(url, kind, shadow_rate, record, record_max_mib, **client)

@@ -38,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from ..core.cascade import Gate
 from ..core.errors import OnepassError
 from .records import Records
-from ..tools.teacher import (Teacher, TeacherBadAnswer, TeacherError, TeacherLate, TeacherRefused, TeacherUnavailable,
+from ..teacher.client import (Teacher, TeacherBadAnswer, TeacherError, TeacherLate, TeacherRefused, TeacherUnavailable,
                              answer_distribution, dumps, row)
 
 log = logging.getLogger("onepass.teacher")
