@@ -78,23 +78,39 @@ def _score_rows(engine: Engine, rows: list[TuneRow]) -> list[dict]:
                                 "dataset": r.dataset or "rows"} for r in rows])
 
 
-def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config: TuneConfig = TuneConfig(),
-         resume: bool = False, report_dir: str | Path | None = None, name: str | None = None, log=print,
-         validation: list[str | Path] | None = None) -> dict:
-    """Tune the base engine's decoder on ``data`` and export the tuned engine to ``out``; returns a summary.
+@dataclasses.dataclass
+class Plan:
+    """What a tune run works from, read and checked before any weight is loaded: the base engine, the rows and how
+    they are split (held-out states, or a cross-validated choice), the settings resolved for them, the chunks."""
 
-    ``validation``: JSONL files whose rows are held out instead of a ``config.holdout`` split of ``data``
-    (early stopping and the report run on them; every row of ``data`` is trained on). Use it to select
-    on tasks or data sets that are not in the training data, so that the kept weights are the ones that
-    transfer. A state on both sides is refused.
-    """
-    from ..export.adapter import CARD, CONFIG, WEIGHTS, save
-    from ..export.build import export_engine
-    from ..runtime.backends.torch_decoder import PackedDecoder
-    from ..export.model_source import engine_source, load_model
+    base_dir: Path
+    base: mf.Manifest
+    encoder: PromptEncoder
+    rows: list
+    files: list
+    heads: bool  # a decision head is a candidate
+    lora: bool  # LoRA runs are trained (else the head is the only learner)
+    cv: bool  # the choice is cross-validated over whole states
+    train_groups: list
+    held_groups: list
+    val_files: list
+    config: TuneConfig  # resolved
+    train: list  # chunks
+    held: list
 
-    t0 = time.perf_counter()
-    base_dir, out = Path(engine_dir), Path(out)
+    @property
+    def held_rows(self) -> list:
+        return [r for g in self.held_groups for r in g]
+
+    @property
+    def train_rows(self) -> int:
+        return sum(len(g) for g in self.train_groups)
+
+
+def plan(engine_dir: str | Path, data: list[str | Path], config: TuneConfig,
+         validation: list[str | Path] | None = None) -> Plan:
+    """The rows read and split, the settings resolved, every chunk encoded and checked against the engine's limits."""
+    base_dir = Path(engine_dir)
     rows, files = load_rows(data)
     base = mf.load(base_dir, verify=False)
     if base.head is not None:
@@ -120,87 +136,136 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                            f"got {len(rows)}")
     if cv:
         check_cv_states(train_groups, f" (or {CV_BELOW_ROWS} rows or more, which are split once, or --validation files)")
-    spec, adapters = engine_source(base)
-    torch.manual_seed(config.seed)
+    return Plan(base_dir, base, encoder, rows, files, heads, lora, cv, train_groups, held_groups, val_files, config,
+                train, held)
+
+
+def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config: TuneConfig = TuneConfig(),
+         resume: bool = False, report_dir: str | Path | None = None, name: str | None = None, log=print,
+         validation: list[str | Path] | None = None) -> dict:
+    """Tune the base engine's decoder on ``data`` and export the tuned engine to ``out``; returns a summary.
+
+    ``validation``: JSONL files whose rows are held out instead of a ``config.holdout`` split of ``data``
+    (early stopping and the report run on them; every row of ``data`` is trained on). Use it to select
+    on tasks or data sets that are not in the training data, so that the kept weights are the ones that
+    transfer. A state on both sides is refused.
+    """
+    from ..export.model_source import engine_source, load_model
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    p = plan(engine_dir, data, config, validation)
+    spec, adapters = engine_source(p.base)
+    torch.manual_seed(p.config.seed)
     loaded = load_model(spec, adapters)
-    if config.method == "head":
-        summary = _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, held_groups, files,
-                             config, out, name, log)
+    if p.config.method == "head":
+        summary = _tune_head(loaded, p.encoder, p.base_dir, p.base, spec, adapters, p.train_groups, p.held_groups,
+                             p.files, p.config, out, name, log)
         if report_dir is not None:
-            summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir))
+            summary["report"] = write_tune_report(p.base_dir, out, p.held_rows, Path(report_dir))
         return summary
-    device = _device()
-    model, params = _trainable(loaded.model, config)
-    model.to(device).train()
-    hf = model.base_model.model if config.method == "lora" else model
-    frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks and lora else 0
-    scorer = PackedScorer(PackedDecoder(hf, share=True), base.scoring.readout, device,
-                          config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
-    work = out.with_name(out.name + ".tune")
-    work.mkdir(parents=True, exist_ok=True)
-    train_rows = sum(len(g) for g in train_groups)
-    what = (f"tuning {base.name} ({config.method}, {len(params)} tensors, "
-            f"{sum(p.numel() for p in params):,} trainable parameters)" if lora else
-            f"choosing for {base.name} among base, base+calibrate and the decision head (no LoRA run: {len(rows)} rows "
-            f"are fewer than --lora-min-rows {config.lora_min_rows})")
-    log(f"{what} on {train_rows} rows ({len(train_groups)} states); "
-        + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if cv else
-           f"{sum(len(g) for g in held_groups)} rows ({len(held_groups)} states) held out")
-        + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
-    if resume and not lora and any(work.glob("*.pt")):
-        log(f"warning: --resume finds LoRA checkpoints in {work}, but with {len(rows)} rows (under --lora-min-rows "
-            f"{config.lora_min_rows}) no LoRA run is trained; pass --lora-min-rows 0 to continue that run")
-    runs = Runs(scorer, params, config, work, _fingerprint(files, base_dir), encoder, log,
-                head_depths(config, base.model.num_layers, frozen) if heads else ())
-    log(f"scoring the {len(train) + len(held)} chunks with the base weights (the untuned candidates)"
-        + (f"; their lower {frozen} blocks are kept for every run" if frozen else ""))
-    outcome = train_and_choose(runs, train, held, cv, resume, base.scoring.readout, config.seed, heads, lora)
+    runs, model, work = _runs(p, loaded, out, resume, log)
+    outcome = train_and_choose(runs, p.train, p.held, p.cv, resume, p.base.scoring.readout, p.config.seed, p.heads,
+                               p.lora)
     model.eval()
-    scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
-    progress, found, chosen, judged = outcome.progress, outcome.found, outcome.chosen, outcome.judged
+    runs.scorer.trunks.clear()  # the frozen blocks' outputs: not needed by the export
     log(outcome.candidates_line())
-    untuned = found[0]  # the base engine, zero-shot
-    if chosen.name == "base" or (config.write == "tuned" and chosen.nll >= untuned.nll - TIE):
-        message = (f"tuning never improved on the base engine: on the {judged} rows the base engine's NLL, "
-                   f"{untuned.nll:.4f}, was not beaten " + ("by tuning it (--write tuned)" if config.write == "tuned"
-                                                            else "by calibrating it, by a decision head or by tuning "
-                                                                 "it"))
-        if not config.keep_base:
-            shutil.rmtree(work, ignore_errors=True)
-            more = ("Give more labelled rows or steps (--epochs, --max-steps), try another --lr" if lora else
-                    f"No LoRA run was trained ({len(rows)} rows, under --lora-min-rows {config.lora_min_rows}): give "
-                    "more labelled rows, or pass --lora-min-rows 0 to train one")
-            raise NothingLearned(f"{message}, so no engine was written to {out}. {more}, or pass --keep-base to write "
-                                 "the base weights anyway")
-        log(f"warning: {message}; the engine written " + ("is the tuned one (--keep-base)" if chosen.name == "tuned"
-                                                            else "is the base engine's weights (--keep-base)"))
-    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": judged,
+    _check_learned(p, outcome, work, out, log)
+    found, chosen = outcome.found, outcome.chosen
+    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": outcome.judged,
               "rule": RULE, **({"why": outcome.why} if outcome.why else {})}
-    history = progress.history
+    history = outcome.progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
                "weights": WEIGHTS_WRITTEN.get("head" if is_head(chosen.name) else chosen.name, "tuned")}
-    if held and history:  # no history: no LoRA run was trained
+    if p.held and history:  # no history: no LoRA run was trained
         metrics.update(heldout_before=_metric(history[0]), heldout_best=_best(history))
     if chosen.name == "base+calibrate" or is_head(chosen.name):
         summary = {"choice": choice, "seconds_total": time.perf_counter() - t0,
-                   "tuning": {"metrics": metrics, "steps": progress.step}}
+                   "tuning": {"metrics": metrics, "steps": outcome.progress.step}}
         if outcome.head is not None:
-            _write_head_engine(outcome.head, choice, base_dir, base, spec, adapters, files, train_rows, out,
-                               name or f"{base.name}-head")
+            _write_head_engine(outcome.head, choice, p.base_dir, p.base, spec, adapters, p.files, p.train_rows, out,
+                               name or f"{p.base.name}-head")
         else:
-            write_calibrated_copy(base_dir, out, chosen.calibration, {**choice, "data": files},
-                                  name or f"{base.name}-calibrated")
-        if report_dir is not None:
-            summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g],
-                                                  Path(report_dir), choice)
+            write_calibrated_copy(p.base_dir, out, chosen.calibration, {**choice, "data": p.files},
+                                  name or f"{p.base.name}-calibrated")
+    else:
+        tuning = _write_tuned(p, loaded, model, spec, adapters, outcome, metrics, out, work, name)
+        summary = {"tuning": dataclasses.asdict(tuning), "choice": choice, "seconds_total": time.perf_counter() - t0}
+    if report_dir is not None:
+        summary["report"] = write_tune_report(p.base_dir, out, p.held_rows, Path(report_dir), choice)
+    shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def _runs(p: Plan, loaded, out: Path, resume: bool, log) -> tuple:
+    """(the runs over the trainable model, the model, the work folder of their checkpoints): the LoRA wrappers (or
+    trainable blocks) on the device, the scorer over them, what tune is about to do logged."""
+    from ..runtime.backends.torch_decoder import PackedDecoder
+
+    config, device = p.config, _device()
+    model, params = _trainable(loaded.model, config)
+    model.to(device).train()
+    hf = model.base_model.model if config.method == "lora" else model
+    frozen = max(0, hf.config.num_hidden_layers - config.train_blocks) if config.train_blocks and p.lora else 0
+    scorer = PackedScorer(PackedDecoder(hf, share=True), p.base.scoring.readout, device,
+                          config.bf16 if config.bf16 is not None else device.type == "cuda", frozen)
+    work = out.with_name(out.name + ".tune")
+    work.mkdir(parents=True, exist_ok=True)
+    what = (f"tuning {p.base.name} ({config.method}, {len(params)} tensors, "
+            f"{sum(x.numel() for x in params):,} trainable parameters)" if p.lora else
+            f"choosing for {p.base.name} among base, base+calibrate and the decision head (no LoRA run: {len(p.rows)} "
+            f"rows are fewer than --lora-min-rows {config.lora_min_rows})")
+    log(f"{what} on {p.train_rows} rows ({len(p.train_groups)} states); "
+        + (f"the choice cross-validated over {CV_FOLDS} folds of whole states" if p.cv else
+           f"{len(p.held_rows)} rows ({len(p.held_groups)} states) held out")
+        + f"; device {device.type}" + (f"; the lower {frozen} blocks computed once per state" if frozen else ""))
+    if resume and not p.lora and any(work.glob("*.pt")):
+        log(f"warning: --resume finds LoRA checkpoints in {work}, but with {len(p.rows)} rows (under --lora-min-rows "
+            f"{config.lora_min_rows}) no LoRA run is trained; pass --lora-min-rows 0 to continue that run")
+    depths = head_depths(config, p.base.model.num_layers, frozen) if p.heads else ()
+    runs = Runs(scorer, params, config, work, _fingerprint(p.files, p.base_dir), p.encoder, log, depths)
+    log(f"scoring the {len(p.train) + len(p.held)} chunks with the base weights (the untuned candidates)"
+        + (f"; their lower {frozen} blocks are kept for every run" if frozen else "")
+        + (f"; a decision head read after {', '.join(map(str, depths))} and all blocks" if depths else ""))
+    return runs, model, work
+
+
+def _check_learned(p: Plan, outcome, work: Path, out: Path, log) -> None:
+    """NothingLearned (the work folder removed) where the base engine was chosen, or ``--write tuned`` did not beat
+    it, unless ``--keep-base``; a warning where it is written anyway."""
+    config, found, chosen = p.config, outcome.found, outcome.chosen
+    untuned = found[0]  # the base engine, zero-shot
+    if not (chosen.name == "base" or (config.write == "tuned" and chosen.nll >= untuned.nll - TIE)):
+        return
+    message = (f"tuning never improved on the base engine: on the {outcome.judged} rows the base engine's NLL, "
+               f"{untuned.nll:.4f}, was not beaten " + ("by tuning it (--write tuned)" if config.write == "tuned"
+                                                        else "by calibrating it, by a decision head or by tuning it"))
+    if not config.keep_base:
         shutil.rmtree(work, ignore_errors=True)
-        return summary
+        more = ("Give more labelled rows or steps (--epochs, --max-steps), try another --lr" if p.lora else
+                f"No LoRA run was trained ({len(p.rows)} rows, under --lora-min-rows {config.lora_min_rows}): give "
+                "more labelled rows, or pass --lora-min-rows 0 to train one")
+        raise NothingLearned(f"{message}, so no engine was written to {out}. {more}, or pass --keep-base to write "
+                             "the base weights anyway")
+    log(f"warning: {message}; the engine written " + ("is the tuned one (--keep-base)" if chosen.name == "tuned"
+                                                        else "is the base engine's weights (--keep-base)"))
+
+
+def _write_tuned(p: Plan, loaded, model, spec, adapters, outcome, metrics: dict, out: Path, work: Path,
+                 name: str | None) -> mf.TuningInfo:
+    """The tuned weights exported to ``out`` (the LoRA adapter merged, or the whole tuned model), the tuning and the
+    chosen candidate's calibration recorded; returns the tuning recorded."""
+    from ..export.adapter import CARD, CONFIG, WEIGHTS, save
+    from ..export.build import export_engine
+
+    config, base, chosen, progress = p.config, p.base, outcome.chosen, outcome.progress
+    device = _device()
     tuning = mf.TuningInfo(
         method=config.method, base=f"{base.name} ({loaded.source.get('sha256', loaded.source.get('path'))})",
-        adapters=[{"path": str(a), "sha256": p["sha256"]} for a, p in zip(adapters, loaded.source.get("adapters", []))],
-        data=files, rows=train_rows, holdout_rows=sum(len(g) for g in held_groups), steps=progress.step,
-        validation=val_files,
+        adapters=[{"path": str(a), "sha256": x["sha256"]} for a, x in zip(adapters, loaded.source.get("adapters", []))],
+        data=p.files, rows=p.train_rows, holdout_rows=len(p.held_rows), steps=progress.step,
+        validation=p.val_files,
         rank=config.rank if config.method == "lora" else None,
         config={**dataclasses.asdict(config), "learning_rate": config.learning_rate, "device": device.type},
         metrics=metrics)
@@ -221,12 +286,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
                   prompt=base.prompt, precision=base.precision, adapters=export_adapters, tuning=tuning,
                   extra_files=extra,
                   finish=lambda m: dataclasses.replace(adapter_at(m, out), calibration=chosen.calibration))
-    summary = {"tuning": dataclasses.asdict(tuning), "choice": choice, "seconds_total": time.perf_counter() - t0}
-    if report_dir is not None:
-        summary["report"] = write_tune_report(base_dir, out, [r for g in held_groups for r in g], Path(report_dir),
-                                              choice)
-    shutil.rmtree(work, ignore_errors=True)
-    return summary
+    return tuning
 
 
 WEIGHTS_WRITTEN = {"base": "initial (the base engine's, --keep-base)", "base+calibrate": "initial (the base engine's)",
