@@ -21,7 +21,7 @@ per-row difference (:func:`clearly_better`; a tie goes to the head). The head's 
 that compares them is mostly noise: over 30 draws of 50 rows (five data sets, 300 unseen states each) the head
 answered the unseen states at least as accurately as base + calibrate in every draw, while the lowest cross-validated
 NLL of the 50 rows chose base + calibrate in 7 of them (3 folds, as tune), by 0.4 to 1.8 standard errors
-(``benchmarks/results/head_choice_folds.md``). The standard error treats the fitted candidates as fixed (the refits of
+(``benchmarks/studies/results/head_choice_folds.md``). The standard error treats the fitted candidates as fixed (the refits of
 each fold add noise it does not count), so ``HEAD_Z`` is a measured setting, not a nominal error rate. Scores come from
 the trainer's own scorer (the served computation, in PyTorch), so choosing needs no export.
 

@@ -3,7 +3,7 @@
 The untuned engine already computes, for every option, the final-normed hidden state after reading it; with a few
 dozen labelled rows a small head over those states (:class:`onepass.calibration.head.HeadModel`: ``beta * zero_shot +
 head(h)``) separates what the zero-shot read-out does not (50 Rotten Tomatoes rows: 0.64 on 300 unseen states, where
-calibrating the untuned engine gives 0.51 and tuning LoRA 0.56; ``benchmarks/results/head_candidate.md``). Its
+calibrating the untuned engine gives 0.51 and tuning LoRA 0.56; ``benchmarks/studies/results/head_candidate.md``). Its
 features come from the same pass that scores the untuned candidates, so it costs tune a few seconds of fitting per run,
 and it is judged as the others are: on rows it was not fitted on (cross-validated over whole states with few rows).
 Its scores are divided by a temperature chosen on its own out-of-fold scores (:func:`temperature`), so that a head
@@ -17,7 +17,7 @@ the untuned read-out as a prior the fit shrinks towards): the base's option scor
 them on the same rows finds (a temperature and a bias per question, per level or on yes) are the offset its MLP adds
 to. The raw read-out of a base model is often far from the label prior (tweets, 3 options: 0.16 zero-shot, 0.53
 calibrated), and a head of 50 rows spent its capacity undoing that. Measured at 50 rows on five data sets
-(``benchmarks/results/head_prior.md``). The prior's bias folds into the engine exactly: the written head engine
+(``benchmarks/studies/results/head_prior.md``). The prior's bias folds into the engine exactly: the written head engine
 carries it as a calibration of its ``head`` read-out (:func:`served`).
 """
 
@@ -36,7 +36,7 @@ from .candidates import target_nll
 from .fit import fit as fit_calibration
 from .head_features import OptionFeatures, distribution
 
-# Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/results/head_candidate.md):
+# Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/studies/results/head_candidate.md):
 # cross-entropy only, a narrow MLP, strong weight decay and a fixed number of epochs (no rows to stop early on).
 CONFIG = hd.HeadConfig(width=16, rlcd_weight=0.0, lr=1e-3, weight_decay=0.1, epochs=60, batch=64, seed=0)
 
@@ -107,7 +107,7 @@ def option_features(rows: list[dict]) -> OptionFeatures:
 
 # Fitted to a teacher's distributions (`onepass distill`), a head trains longer: the distribution is a target it
 # cannot overfit as it does a few hundred labels, and 200 epochs agreed more with the teacher than 60 on 300 unseen
-# states of each of the four distillation tasks (+1.0 to +2.0 points; benchmarks/results/distill_heads.md).
+# states of each of the four distillation tasks (+1.0 to +2.0 points; benchmarks/studies/results/distill_heads.md).
 DISTRIBUTION_EPOCHS = 200
 
 INNER_FOLDS = 3  # folds of whole states over a head's own training rows, for its temperature
@@ -115,7 +115,7 @@ TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(20.0), 61))  # the grid a
 
 
 # Heads of SEEDS seeds averaged (merged into one head: :func:`merged`), one temperature chosen for the average.
-# Measured at 50 rows of five data sets (benchmarks/results/head_seeds.md, 300 unseen states each, and the
+# Measured at 50 rows of five data sets (benchmarks/studies/results/head_seeds.md, 300 unseen states each, and the
 # cross-validated NLL tune chooses by): see there; the fits take ~5x as long (seconds).
 SEEDS = 5
 

@@ -11,7 +11,7 @@ trained tasks, where labels and a teacher fitted to them agree.
 
 Used by `make train-default-compact`: continued on labels alone in the compact prompt form, the chat-form
 adapter kept the chat form's separation but not its lean on tasks it was never trained on
-(benchmarks/results/prompt_forms_continued.md); the chat engine's own answers carry that lean. The questions about
+(benchmarks/studies/results/prompt_forms_continued.md); the chat engine's own answers carry that lean. The questions about
 one state are asked in one request (each answer equals asking it alone; the engine's limits apply to it, so an
 over-long state stops the run with the limit's error, and nothing is written).
 """

@@ -32,7 +32,7 @@ from .tune_data import group_by_state, load_rows, split_states
 
 
 # A task's own defaults, where tune's flags leave them open. The top 4 blocks: its slots then cost 1.07x an untuned
-# pass where slots on every block cost 1.23x (benchmarks/results/task_slots.md). Cross-entropy only: with RLCD (tune's
+# pass where slots on every block cost 1.23x (benchmarks/studies/results/task_slots.md). Cross-entropy only: with RLCD (tune's
 # 0.5) the question-side LoRA on Rotten Tomatoes (200 rows, on the default engine) grew confidently wrong (held-out NLL
 # 0.55 -> 2.0 while its accuracy rose), so tune kept the calibrated base; without it the held-out NLL fell (0.41
 # calibrated, accuracy 0.85 against the calibrated base's 0.725): benchmarks/results/tasks_served.md. Every block

@@ -24,7 +24,7 @@ CHAT_ADAPTER = ADAPTERS / "smollm2-135m-instruct"
 # Trained on top of CHAT_ADAPTER in the compact prompt form (a third fewer packed tokens, 1.56x faster
 # warm) from the labels and the chat engine's answers (`make train-default-compact`): the default engine is both,
 # asking in the compact form. Accuracy kept within two standard errors of the chat engine's on 1,950 rows (as served
-# -0.2 points, SE 0.9; calibrated +1.0, SE 0.9: benchmarks/results/prompt_forms_taught.md)
+# -0.2 points, SE 0.9; calibrated +1.0, SE 0.9: benchmarks/studies/results/prompt_forms_taught.md)
 COMPACT_ADAPTER = ADAPTERS / "smollm2-135m-instruct-compact"
 CARD = "onepass_adapter.json"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"

@@ -3,7 +3,7 @@
 The policy with a fake RSS: an idle server releases its backend's working memory only when its resident size
 (RSS less the state cache's bytes, which the operator sized) is above 1.2x its warm size, and counts it; the
 OpenVINO release itself on the tiny engine: a new compiled model, the same answers, a new infer request per
-thread. The measured figures (a 1000-option choice on SmolLM2) are in benchmarks/results/memory_options.md.
+thread. The measured figures (a 1000-option choice on SmolLM2) are in benchmarks/studies/results/memory_options.md.
 """
 
 from __future__ import annotations

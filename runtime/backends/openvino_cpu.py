@@ -14,7 +14,7 @@ State K/V are float32 numpy arrays. One infer request per thread, so passes may 
 The CPU plugin sizes its working memory to the largest pass it has run (past length times packed tokens) and
 keeps it in the compiled model, not only in the infer request: after a 1000-option choice or a long state the
 process stays a gigabyte above its warm size. :meth:`release_memory` compiles the model again (1.3 s on two
-cores) and lets the old one go, which returns RSS to its warm size (``benchmarks/results/memory_options.md``).
+cores) and lets the old one go, which returns RSS to its warm size (``benchmarks/studies/results/memory_options.md``).
 """
 
 from __future__ import annotations

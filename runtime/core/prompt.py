@@ -38,7 +38,7 @@ class PromptTemplate:
     choice_hint: str = "Options:\n{options}Answer with one option."
     # a described name stands alone on its line as an undescribed one does, its description indented under it: after
     # "- billing: payments" the model expects the name to go on, so " billing<|im_end|>" lost to bare names and the
-    # README ticket answered sales when only billing was described (benchmarks/results/option_descriptions.md)
+    # README ticket answered sales when only billing was described (benchmarks/studies/results/option_descriptions.md)
     option_line: str = "- {name}\n  ({description})\n"
     option_line_bare: str = "- {name}\n"
     score_hint: str = "Answer in a few words."
