@@ -1,4 +1,4 @@
-"""Skipping the masked attention (issue 46, item 2): exact forms that compute only the packed x packed entries a
+"""Skipping the masked attention: exact forms that compute only the packed x packed entries a
 token may see, exported to ONNX and timed against the engine's dense graph on the CPU backends.
 
 The dense pass scores every packed token against the state and against every packed token, and the tree mask hides

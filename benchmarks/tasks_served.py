@@ -1,4 +1,4 @@
-"""Four tuned tasks served by one engine (issue 45, item 5), end to end: `onepass tune --task` per data set into one
+"""Four tuned tasks served by one engine, end to end: `onepass tune --task` per data set into one
 engine, then that engine (the default backend) answering.
 
 1. ``tune``: for each data set, ``--rows`` labelled rows (tune_eval's seeded sample) tuned as a task of a copy of
