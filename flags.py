@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+import dataclasses
+
+from .calibration.tune_config import DEPTH_FRACTIONS, TuneConfig
 from .runtime.backends import AUTO, BACKENDS
 from .runtime.backends.devices import DEVICES
 from .runtime.core.config import EngineConfig
+from .runtime.core.manifest import Limits
 from .runtime.core.prompt import FORMS
 from .runtime.server.config import ServerConfig, TransportLimits
+from .runtime.teacher.client import TeacherConfig
 
 # every default below is the settings' own (one source: the library and the command agree)
-ENGINE, SERVER, TRANSPORT = EngineConfig(), ServerConfig(), TransportLimits()
+ENGINE, SERVER, TRANSPORT, TUNE, LIMITS = EngineConfig(), ServerConfig(), TransportLimits(), TuneConfig(), Limits()
+TEACHER = {f.name: f.default for f in dataclasses.fields(TeacherConfig)}  # its url has no default
 
 
 THREADS = "inference threads (the backend's intra-op threads; default: its own choice)"
@@ -75,18 +81,18 @@ def _http(p) -> None:
 def _teacher(p, required: bool) -> None:
     p.add_argument("--teacher", required=required, default=None, metavar="URL",
                    help="the teacher's base URL (a System One server, or an OpenAI-compatible one)")
-    p.add_argument("--teacher-kind", choices=("systemone", "openai"), default="systemone")
+    p.add_argument("--teacher-kind", choices=("systemone", "openai"), default=TEACHER["kind"])
     p.add_argument("--teacher-key", default=None, help="the teacher's API key (default: $ONEPASS_TEACHER_KEY)")
     p.add_argument("--teacher-model", default=None, help="the model named in teacher requests")
-    p.add_argument("--teacher-timeout", type=float, default=10.0, help="seconds per teacher call attempt")
-    p.add_argument("--teacher-concurrency", type=int, default=4, help="teacher calls in flight at once")
+    p.add_argument("--teacher-timeout", type=float, default=TEACHER["timeout_s"], help="seconds per teacher call attempt")
+    p.add_argument("--teacher-concurrency", type=int, default=TEACHER["max_concurrency"], help="teacher calls in flight at once")
 
 
 def _training(p, named: str, held: str) -> None:
     """The training flags tune and distill share (TuneConfig's fields; :func:`_tune_config` reads them)."""
-    p.add_argument("--method", choices=["lora", "full", "head"], default="lora",
+    p.add_argument("--method", choices=["lora", "full", "head"], default=TUNE.method,
                    help="LoRA adapters merged on export, every weight, or a decision head over the frozen decoder")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--rank", type=int, default=TUNE.rank, help="LoRA rank")
     p.add_argument("--train-blocks", type=_blocks, default=None, metavar="N|all",
                    help="train only the top N decoder blocks, or all (default: LoRA on the top 4 under 80 training "
                         "rows, the lower blocks run once per state; every block from 80; full: all; a --task: 4)")
@@ -96,31 +102,32 @@ def _training(p, named: str, held: str) -> None:
                    help="epochs (default 3, more for a few dozen rows: at least 30 steps, at most 12 epochs)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long, keeping the best weights")
     p.add_argument("--keep-base", action="store_true", help="write an engine even if tuning never beats the base")
-    p.add_argument("--write", choices=("best", "tuned"), default="best",
+    p.add_argument("--write", choices=("best", "tuned"), default=TUNE.write,
                    help="best: the candidate (base, base+calibrate, head, tuned, tuned+calibrate) "
                         "with the lowest NLL on rows it was not fitted on; tuned: the tuned weights, uncalibrated, "
                         "whatever the candidates say")
     p.add_argument("--no-head", dest="head_candidate", action="store_false",
                    help="leave the decision head (over the untuned engine's hidden states) out of the candidates")
-    p.add_argument("--lora-min-rows", type=int, default=300,
+    p.add_argument("--lora-min-rows", type=int, default=TUNE.lora_min_rows,
                    help="with the head candidate, fewer rows than this train no LoRA run: the candidates are base, "
                         "base+calibrate and the head, cross-validated and chosen in seconds (at 50 and 200 rows on "
                         "five data sets: docs/tune.md); 0: always train LoRA (a --task always does)")
     p.add_argument("--head-depths", type=_depths, default=None, metavar="K,K,...|full",
                    help="the block counts the decision head is also tried at (an engine written with a head read "
-                        "after K blocks runs only those K, in its passes and prefills); default: 40, 50, 60 and 80%% "
-                        "of the model's blocks; full: the full depth only")
+                        "after K blocks runs only those K, in its passes and prefills); default: "
+                        + ", ".join(f"{f:.0%}" for f in DEPTH_FRACTIONS).replace("%", "%%")
+                        + " of the model's blocks; full: the full depth only")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
-    p.add_argument("--batch-questions", type=int, default=8, help="questions per optimiser step")
+    p.add_argument("--batch-questions", type=int, default=TUNE.batch_questions, help="questions per optimiser step")
     p.add_argument("--rlcd-weight", type=float, default=None,
                    help="weight of the RLCD term (0: cross-entropy only; default 0.5, and 0 for a --task)")
-    p.add_argument("--holdout", type=float, default=0.2, help=f"share of states {held}")
+    p.add_argument("--holdout", type=float, default=TUNE.holdout, help=f"share of states {held}")
     p.add_argument("--eval-every", type=int, default=None, help="optimiser steps between held-out evaluations")
     p.add_argument("--patience", type=int, default=None,
                    help="held-out evaluations without improvement, then stop (default 2; no early stop with fewer than "
                         "50 held-out questions, where it would choose on noise)")
-    p.add_argument("--max-state-tokens", type=int, default=1024, help="longer states are refused")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-state-tokens", type=int, default=TUNE.max_state_tokens, help="longer states are refused")
+    p.add_argument("--seed", type=int, default=TUNE.seed)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in <out>.tune/")
     p.add_argument("--name", help=f"the engine's name (default: <base name>-{named})")
 
@@ -140,8 +147,8 @@ def parser() -> argparse.ArgumentParser:
                                 ("packed", 4096, "tokens of one packed pass"), ("request", 262144, "packed tokens "
                                 "over all passes of one request")):
         ex.add_argument(f"--max-{flag}-tokens", type=int, default=default, help=what)
-    ex.add_argument("--max-questions", type=int, default=5000)
-    ex.add_argument("--max-options", type=int, default=1000)
+    ex.add_argument("--max-questions", type=int, default=LIMITS.max_questions)
+    ex.add_argument("--max-options", type=int, default=LIMITS.max_options)
     ex.add_argument("--readout", choices=["sum", "mean", "prior"], default=None,
                     help="option log-likelihoods to probabilities (default: the adapter's, else mean)")
     ex.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",

@@ -1,5 +1,6 @@
 """One source of settings: every default of `onepass serve` and `onepass cluster` is the settings classes' own
-(``EngineConfig``, ``ServerConfig``, ``TransportLimits``), and ``AsyncEngine`` and the library's ``serve`` and
+(``EngineConfig``, ``ServerConfig``, ``TransportLimits``), so are `tune`'s, `distill`'s and `export`'s (``TuneConfig``,
+``TeacherConfig``, the manifest's ``Limits``), and ``AsyncEngine`` and the library's ``serve`` and
 ``cluster.run`` take theirs from the same classes. Negative control: a flag whose default was written by hand and
 differs is found."""
 
@@ -12,7 +13,10 @@ import pytest
 
 from onepass.flags import parser
 from onepass.runtime.core.config import EngineConfig
+from onepass.calibration.tune_config import TuneConfig
+from onepass.runtime.core.manifest import Limits
 from onepass.runtime.server.config import ServerConfig, TransportLimits
+from onepass.runtime.teacher.client import TeacherConfig
 
 # flag dest -> (settings class, field)
 FLAGS = {
@@ -57,6 +61,22 @@ def test_max_batch_reaches_the_server_settings_of_serve_and_cluster():
     for command in ("serve", "cluster"):
         args = parser().parse_args([command, "--engine", "e", "--max-batch", "4"])
         assert _server_config(args).max_batch == 4
+
+
+TUNE_FLAGS = {name: (TuneConfig, name) for name in ("method", "rank", "write", "lora_min_rows", "batch_questions",
+                                                     "holdout", "max_state_tokens", "seed", "head_depths")}
+TEACHER_FLAGS = {"teacher_kind": "kind", "teacher_timeout": "timeout_s", "teacher_concurrency": "max_concurrency"}
+
+
+def test_the_tune_distill_and_export_flags_default_to_the_settings():
+    tune = parser().parse_args(["tune", "--engine", "e", "--data", "d", "--out", "o"])
+    assert _differences(tune, TUNE_FLAGS) == [] and all(hasattr(tune, d) for d in TUNE_FLAGS)
+    distill = parser().parse_args(["distill", "--engine", "e", "--states", "s", "--questions", "q", "--out", "o",
+                                   "--teacher", "http://t"])
+    teacher = {f.name: f.default for f in dataclasses.fields(TeacherConfig)}
+    assert {d: getattr(distill, d) for d in TEACHER_FLAGS} == {d: teacher[f] for d, f in TEACHER_FLAGS.items()}
+    export = parser().parse_args(["export", "--out", "o"])
+    assert (export.max_questions, export.max_options) == (Limits().max_questions, Limits().max_options)
 
 
 def test_a_default_written_by_hand_is_found():
