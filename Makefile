@@ -40,7 +40,7 @@ demo: $(BIN)/.installed $(ENGINE)/manifest.json
 # Two workers (the 2-core CI machine), a test file at a time each, in the order tests/conftest.py gives
 # (slowest first, the SmolLM2-free ones leading); the default engine is exported once, under a lock.
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # the tests that need neither the SmolLM2 export (slow) nor a wheel or virtual environment built from the index
 # (install): `make test` runs those too

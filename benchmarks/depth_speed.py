@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full", required=True, help="the same task's tuned engine at full depth (--head-depths full)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default="depth_speed")
+    ap.add_argument("--llama-reference", default=None,
+                    help="where llama-cpp-python is not installed: a llama_cpp_side_by_side result of this CPU model, "
+                         "whose llama.cpp medians the ratios use (stated as another run, not side by side)")
     args = ap.parse_args(argv)
     paths = {"depth": args.engine, "full": args.full}
     warm = {k: Engine.load(p, threads=THREADS) for k, p in paths.items()}
@@ -78,9 +81,17 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: float(np.percentile(v, 90)) for k, v in times.items()}
     ratio = {f"full / depth {w}": med[f"full {w}"] / med[f"depth {w}"] for w in ("warm", "cold")}
-    if llama is not None:
-        ratio.update({f"llama.cpp / depth {w}": med[f"llama.cpp {w}"] / med[f"depth {w}"] for w in ("warm", "cold")})
-        ratio.update({f"llama.cpp / full {w}": med[f"llama.cpp {w}"] / med[f"full {w}"] for w in ("warm", "cold")})
+    reference = None
+    if llama is None and args.llama_reference:
+        ref = json.loads(Path(args.llama_reference).read_text())
+        if ref.get("cpu") != cpu_model():
+            raise SystemExit(f"{args.llama_reference} was measured on {ref.get('cpu')!r}, this CPU is {cpu_model()!r}")
+        reference = {w: ref["median_s"][f"llama.cpp {w}"] for w in ("warm", "cold")}
+        why_not += f"; its medians from {args.llama_reference} (the same CPU model, another run: not side by side)"
+    llama_s = ({w: med[f"llama.cpp {w}"] for w in ("warm", "cold")} if llama is not None else reference)
+    if llama_s is not None:
+        ratio.update({f"llama.cpp / depth {w}": llama_s[w] / med[f"depth {w}"] for w in ("warm", "cold")})
+        ratio.update({f"llama.cpp / full {w}": llama_s[w] / med[f"full {w}"] for w in ("warm", "cold")})
     result = {"cpu": cpu_model(), "threads": THREADS, "rounds": args.rounds, "engines": paths, "blocks": blocks,
               "backend": {k: e.backend.name for k, e in warm.items()}, "seconds": time.perf_counter() - started,
               "median_s": {k: round(v, 4) for k, v in med.items()}, "p90_s": {k: round(v, 4) for k, v in p90.items()},
@@ -88,6 +99,7 @@ def main(argv=None) -> int:
               "rss_mib": {k: round(rss_mib(p), 1) for k, p in paths.items()},
               "engine_mib": {k: round(sum(f.stat().st_size for f in Path(p).iterdir() if f.is_file()) / 2 ** 20, 1)
                              for k, p in paths.items()},
+              "llama_cpp_s": llama_s,
               "llama_cpp": why_not or "llama-cpp-python " + __import__("llama_cpp").__version__ + " (zero-shot, "
                                                                                                   "full depth)"}
     RESULTS.mkdir(exist_ok=True)
@@ -102,7 +114,9 @@ def markdown(r: dict, args) -> str:
     lines = [f"# A tuned engine at its depth against full depth ({r['cpu']}, {r['threads']} threads)", "",
              f"README ticket, 13 questions; `depth`: {r['engines']['depth']} ({b['depth']} blocks, "
              f"{r['backend']['depth']}); `full`: {r['engines']['full']} ({b['full']} blocks, {r['backend']['full']}); "
-             f"{r['rounds']} interleaved rounds after a warm-up; llama.cpp: {r['llama_cpp']}.", "",
+             f"{r['rounds']} interleaved rounds after a warm-up; llama.cpp: {r['llama_cpp']}"
+             + (f" (warm {r['llama_cpp_s']['warm']:.3f} s, cold {r['llama_cpp_s']['cold']:.3f} s)" if r["llama_cpp_s"]
+                else "") + ".", "",
              "| run | median s | p90 s |", "|---|---|---|"]
     lines += [f"| {k} | {v:.3f} | {r['p90_s'][k]:.3f} |" for k, v in r["median_s"].items()]
     lines += ["", "| ratio of medians | x |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["ratio"].items()]
