@@ -24,7 +24,7 @@ from ..runtime.core.engine import Engine
 from ..runtime.core.errors import OnepassError
 from ..runtime.core.prompt import PromptEncoder
 from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, head_depths, resolved
-from .candidates import RULE, TIE, is_head
+from .candidates import RULE, TIE, head_depth, is_head
 from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
 from .tune_data import TuneRow, group_by_state, load_rows, split_states
 
@@ -172,8 +172,9 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     log(outcome.candidates_line())
     _check_learned(p, outcome, work, out, log)
     found, chosen = outcome.found, outcome.chosen
-    choice = {"chosen": chosen.name, "candidates": [c.as_dict() for c in found], "judged": outcome.judged,
-              "rule": RULE, **({"why": outcome.why} if outcome.why else {})}
+    layers = p.base.model.num_layers
+    choice = {"chosen": chosen.name, "candidates": [{**c.as_dict(), **_pass_cost(c.name, layers)} for c in found],
+              "judged": outcome.judged, "rule": RULE, **({"why": outcome.why} if outcome.why else {})}
     history = outcome.progress.history
     metrics = {"seconds": outcome.seconds, "rows_per_second": outcome.rows_trained / max(outcome.seconds, 1e-9),
                "evaluations": history, "choice": choice,
@@ -196,6 +197,12 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
         summary["report"] = write_tune_report(p.base_dir, out, p.held_rows, Path(report_dir), choice)
     shutil.rmtree(work, ignore_errors=True)
     return summary
+
+
+def _pass_cost(name: str, layers: int) -> dict:
+    """What a candidate's engine runs per pass and prefill: its blocks, and their share of the model's."""
+    blocks = head_depth(name) or layers
+    return {"blocks": blocks, "pass_cost": round(blocks / layers, 3)}
 
 
 def _runs(p: Plan, loaded, out: Path, resume: bool, log) -> tuple:
