@@ -5,7 +5,9 @@ default backend with 2 threads, in interleaved rounds after a warm-up round (med
 llama-cpp-python is installed, llama.cpp's best state reuse on the same token ids (``llama_cpp_side_by_side.py``'s
 ``LlamaBranching``: the state once, each option branching off its question's trunk), which answers zero-shot at full
 depth: it is the reference the README compares against, not the same answers. Each engine's resident memory after
-loading it and answering once is measured in a process of its own (``ru_maxrss``), and its graph's size on disk.
+loading it and answering once is measured in a process of its own (VmHWM), and its folder's size on disk. With
+``--test ROWS.jsonl`` (rows of states neither engine was tuned on) both engines answer them too: accuracy and NLL as
+served (their calibrations applied).
 
 Writes benchmarks/results/depth_speed.{json,md}.
 
@@ -33,16 +35,29 @@ from onepass.runtime.core.guarantee import cpu_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 THREADS = 2
-RSS = ("import resource, sys; from onepass.runtime import Engine; sys.path.insert(0, {bench!r}); "
+RSS = ("import sys; from onepass.runtime import Engine; sys.path.insert(0, {bench!r}); "
        "from latency import QUESTIONS, TICKET; e = Engine.load({engine!r}, threads=2); e.ask(TICKET, QUESTIONS); "
-       "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+       "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')))")
 
 
 def rss_mib(engine: str) -> float:
-    """Peak resident memory (MiB) of a process that loads ``engine`` and answers the ticket once."""
+    """Peak resident memory (MiB) of a process that loads ``engine`` and answers the ticket once: its own high-water
+    mark (VmHWM; ``ru_maxrss`` would carry the forking parent's over the exec)."""
     code = RSS.format(bench=str(Path(__file__).parent), engine=engine)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out.strip().splitlines()[-1]) / 1024
+
+
+def accuracy(engine, path: str) -> dict:
+    """Accuracy and NLL of ``engine`` as served on the labelled rows at ``path``."""
+    from onepass.calibration.run import evaluate, score_rows
+    from onepass.calibration.tune_data import load_rows
+
+    rows, _ = load_rows([Path(path)])
+    scored = score_rows(engine, [{"state": r.state, "question": r.question, "label": r.label, "dataset": "test"}
+                                 for r in rows])
+    res = evaluate(scored, engine.manifest.calibration)["all"]
+    return {"accuracy": round(res["accuracy"], 4), "nll": round(res["nll"], 4), "rows": res["rows"]}
 
 
 def main(argv=None) -> int:
@@ -51,11 +66,13 @@ def main(argv=None) -> int:
     ap.add_argument("--full", required=True, help="the same task's tuned engine at full depth (--head-depths full)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default="depth_speed")
+    ap.add_argument("--test", default=None, help="labelled rows (JSONL) of unseen states: both engines' accuracy")
     ap.add_argument("--llama-reference", default=None,
                     help="where llama-cpp-python is not installed: a llama_cpp_side_by_side result of this CPU model, "
                          "whose llama.cpp medians the ratios use (stated as another run, not side by side)")
     args = ap.parse_args(argv)
     paths = {"depth": args.engine, "full": args.full}
+    rss = {k: round(rss_mib(p), 1) for k, p in paths.items()}  # before this process loads anything
     warm = {k: Engine.load(p, threads=THREADS) for k, p in paths.items()}
     cold = {k: Engine.load(p, threads=THREADS, cache_bytes=0, backend=warm[k].backend.name) for k, p in paths.items()}
     blocks = {k: e.manifest.model.num_layers for k, e in warm.items()}
@@ -96,12 +113,14 @@ def main(argv=None) -> int:
               "backend": {k: e.backend.name for k, e in warm.items()}, "seconds": time.perf_counter() - started,
               "median_s": {k: round(v, 4) for k, v in med.items()}, "p90_s": {k: round(v, 4) for k, v in p90.items()},
               "ratio": {k: round(v, 2) for k, v in ratio.items()},
-              "rss_mib": {k: round(rss_mib(p), 1) for k, p in paths.items()},
+              "rss_mib": rss,
               "engine_mib": {k: round(sum(f.stat().st_size for f in Path(p).iterdir() if f.is_file()) / 2 ** 20, 1)
                              for k, p in paths.items()},
               "llama_cpp_s": llama_s,
               "llama_cpp": why_not or "llama-cpp-python " + __import__("llama_cpp").__version__ + " (zero-shot, "
                                                                                                   "full depth)"}
+    if args.test:
+        result["test"] = {"rows": args.test, **{k: accuracy(e, args.test) for k, e in warm.items()}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / f"{args.out}.md").write_text(markdown(result, args))
@@ -122,7 +141,15 @@ def markdown(r: dict, args) -> str:
     lines += ["", "| ratio of medians | x |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["ratio"].items()]
     lines += ["", "| engine | peak RSS after one ask (MiB) | engine folder on disk (MiB) |", "|---|---|---|"]
     lines += [f"| {k} | {r['rss_mib'][k]} | {r['engine_mib'][k]} |" for k in r["engines"]]
-    lines += ["", f"    python benchmarks/depth_speed.py --engine {args.engine} --full {args.full} --rounds {args.rounds}"]
+    if "test" in r:
+        t = r["test"]
+        lines += ["", f"On {t['depth']['rows']} labelled rows of unseen states ({t['rows']}), as served:", "",
+                  "| engine | accuracy | NLL |", "|---|---|---|"]
+        lines += [f"| {k} | {t[k]['accuracy']:.3f} | {t[k]['nll']:.3f} |" for k in r["engines"]]
+    command = f"python benchmarks/depth_speed.py --engine {args.engine} --full {args.full} --rounds {args.rounds}"
+    command += f" --llama-reference {args.llama_reference}" if args.llama_reference else ""
+    command += f" --test {args.test}" if args.test else ""
+    lines += ["", "    " + command]
     return "\n".join(lines) + "\n"
 
 
