@@ -129,7 +129,9 @@ def row_depth() -> tuple:
         text += (f"; an engine cut at {s['blocks']['depth']} of {s['blocks']['full']} blocks: "
                  f"{s['ratio']['full / depth warm']:.2f}x warm, {s['ratio']['full / depth cold']:.2f}x cold")
         if "llama.cpp / depth warm" in s["ratio"]:
-            text += f", {s['ratio']['llama.cpp / depth warm']:.1f}x llama.cpp warm"
+            apart = "not side by side" in s["llama_cpp"]
+            text += (f", {s['ratio']['llama.cpp / depth warm']:.1f}x llama.cpp warm"
+                     + (" (its median from another run on this CPU model)" if apart else ""))
         sources.append(link("depth_speed.json"))
     return ("`onepass tune` on 200 labelled rows: a decision head, read at the shallowest block that serves", text,
             ", ".join(sources))
