@@ -495,6 +495,37 @@ def test_a_fault_of_the_engine_thread_s_own_answers_its_group_and_the_thread_goe
     assert isinstance(second[0], RuntimeError) and "model" in str(second[0])
 
 
+def test_a_fault_after_the_answer_to_a_caller_gone_leaves_the_engine_thread_alive():
+    """The answer goes out, the caller's event loop closes, and then a fault of the engine thread's own (a metrics
+    callback) answers the group again: that second answer has no loop to go to, and must not kill the thread (it did:
+    every later request then waited forever). Control: the fault itself is seen (logged once per group)."""
+    import threading
+
+    from fake_engine import FakeEngine
+
+    gone, faults = threading.Event(), []
+
+    def broken(size):
+        gone.wait(30)  # the caller's loop is closed by now
+        faults.append(size)
+        raise RuntimeError("a metrics backend fault")
+
+    dispatcher = Dispatcher(FakeEngine(), max_queue=8, window_s=0.0, max_batch=4, on_batch=broken)
+    try:
+        first = _submit_all(dispatcher, [("state one", {"q": Noul("a?")})])  # asyncio.run closes its loop
+        gone.set()
+        deadline = time.monotonic() + 30
+        while len(faults) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the fault path has run
+        assert dispatcher.alive
+        second = _submit_all(dispatcher, [("state two", {"q": Noul("b?")})])
+    finally:
+        gone.set()
+        dispatcher.close()
+    assert first == ["state one"] and second == ["state two"] and len(faults) == 2
+
+
 def test_the_warm_up_s_sizes_keep_both_costs_known_when_every_later_group_has_one_size():
     """Seeded at warm-up with groups of several sizes, then 70 groups of one size (the window holds nothing else):
     the cost per token-equivalent is still known, so a 20,000-token request is predicted near its true 0.4 s. The

@@ -239,7 +239,7 @@ def test_an_adapter_is_merged_only_on_top_of_the_adapters_it_was_trained_on(tmp_
         check_stack(COMPACT_ADAPTER, [])
     with pytest.raises(ModelSourceError, match="default model only"):
         resolve("default-chat", "some-model.gguf")
-    with pytest.raises(ModelSourceError, match="removed on 2026-12-06"):  # the labels-only opt-in of 2026-12-05
+    with pytest.raises(ModelSourceError, match="default-compact is no longer a name"):  # a retired opt-in
         resolve("default-compact", None)
     # tuned from a compact engine on another installation: both shipped adapters are found here, in order
     on_compact = adapter("on-compact", b"on compact", on=stack, recorded_path="/elsewhere/adapters/x")
@@ -668,7 +668,7 @@ def test_the_candidates_per_row_losses_line_up_across_folds():
         worse = [{**r, "scores": [v - shift[i] if k == r["label"] else v for k, v in enumerate(r["scores"])]}
                  for i, r in enumerate(held)]  # the label's logit lowered
         folds.append((train, held, None, None))
-        heads.append((train, worse))
+        heads.append({"head": (train, worse)})
         expected += [(r, w) for r, w in zip(held, worse)]
     by = {c.name: c for c in candidates(folds, "mean", heads)}
     from onepass.calibration.candidates import row_losses

@@ -158,8 +158,8 @@ class Dispatcher:
         keep = []
         for item in group:
             if item.deadline < finish:
-                item.loop.call_soon_threadsafe(_resolve, item.future, DeadlineExceeded(
-                    "the request's deadline would pass before the engine could answer it"))
+                _answer(item, DeadlineExceeded("the request's deadline would pass before the engine could answer "
+                                               "it"))
                 self.on_drop()
             else:
                 keep.append(item)
@@ -177,7 +177,7 @@ class Dispatcher:
             results = [err] * len(group)
         seconds = time.monotonic() - start
         for item, result in zip(group, results):
-            item.loop.call_soon_threadsafe(_resolve, item.future, result)
+            _answer(item, result)
         stopped = sum(isinstance(result, DeadlineExceeded) for result in results)  # between passes or prefill chunks
         if not stopped:  # a group cut short did less than its work: its time would lower the estimate
             self.observe(passes, work, seconds)
@@ -196,7 +196,7 @@ class Dispatcher:
         except Exception as err:  # noqa: BLE001 - a waiting request is answered, whatever failed here
             log.exception("the engine thread failed on a group of %d requests", len(group))
             for item in group:
-                item.loop.call_soon_threadsafe(_resolve, item.future, err)
+                _answer(item, err)
             return False
 
     def _work(self) -> None:
@@ -222,6 +222,16 @@ class Dispatcher:
                     self.on_idle()
                 except Exception:  # noqa: BLE001 - housekeeping never stops the engine thread
                     log.exception("the engine thread's idle housekeeping failed")
+
+
+def _answer(item: _Item, result) -> None:
+    """``result`` to the request's waiter, on its event loop. A loop already closed (its caller stopped waiting, e.g.
+    a fault path answering again after the answer went out) has no one to answer: never an error of the engine
+    thread, which would die of it and leave every later request unanswered."""
+    try:
+        item.loop.call_soon_threadsafe(_resolve, item.future, result)
+    except RuntimeError:  # the event loop is closed
+        pass
 
 
 def _resolve(future: asyncio.Future, result) -> None:
