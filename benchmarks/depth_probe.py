@@ -52,11 +52,6 @@ def scored(scorer, encoder, rows: list[dict], limits) -> list[dict]:
     return scored_rows(scorer, chunks, encoder, features=True, depths=DEPTHS)
 
 
-def at_depth(rows: list[dict], depth: int | None) -> list[dict]:
-    """``rows`` whose head features are those read after ``depth`` blocks (None: the full depth)."""
-    return rows if depth is None else [{**r, "features": r["features_at"][depth]} for r in rows]
-
-
 def judged(rows: list[dict]) -> dict:
     losses, hits = row_losses(rows, None)
     return {"accuracy": hits / len(rows), "nll": float(np.mean(losses))}
@@ -71,8 +66,8 @@ def run(scorer, encoder, limits, name: str, n: int, layers: int, log) -> dict:
            "majority": float(np.bincount([r["label"] for r in test]).max() / len(test)), "depths": {}}
     for depth in (*DEPTHS, None):
         started = time.perf_counter()
-        model = head_candidate.fit(at_depth(train, depth), 0)
-        res["depths"][str(depth or layers)] = {**judged(head_candidate.head_rows(model, at_depth(test, depth))),
+        model = head_candidate.fit(train, 0, depth=depth)  # read at its depth by head_rows too
+        res["depths"][str(depth or layers)] = {**judged(head_candidate.head_rows(model, test)),
                                                "fit_s": time.perf_counter() - started}
         log(f"  {name}/{n} depth {depth or layers}: {res['depths'][str(depth or layers)]}")
     return res

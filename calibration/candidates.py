@@ -161,9 +161,9 @@ def candidates(folds: list[tuple], readout: str, heads: list[tuple] | None = Non
     for i, (base_train, base_held, tuned_train, tuned_held) in enumerate(folds):
         sets = [("base", base_train, base_held, True)] + ([("tuned", tuned_train, tuned_held, True)]
                                                           if tuned_held is not None else [])
-        if heads is not None:
-            for name, (train, held) in sorted(heads[i].items(), key=lambda kv: _rank(kv[0]), reverse=True):
-                sets.insert(1, (name, train, held, False))  # no calibrated twin (the module's docstring)
+        if heads is not None:  # after base, shallowest first; no calibrated twin (the module's docstring)
+            sets[1:1] = [(name, train, held, False)
+                         for name, (train, held) in sorted(heads[i].items(), key=lambda kv: _rank(kv[0]))]
         for name, train, held, calibrates in sets:
             keyed = [(name, None)] + ([(f"{name}+calibrate", calibrated(train, readout))] if calibrates else [])
             for key, calibration in keyed:

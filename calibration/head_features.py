@@ -83,6 +83,13 @@ def last_readouts(batch, question: int = 0) -> list[int]:
     return [int(r[-1]) for r in batch.option_readouts[question]]
 
 
+def option_rows(batch, h, target) -> tuple[np.ndarray, list[float]]:
+    """Of a pass over one question (``example_pass``): per option the hidden state at its last read-out row [K, d] and
+    its summed log-likelihood (``target``: the read-out rows' target log-probs)."""
+    t = target.double().numpy()
+    return h[last_readouts(batch)].numpy(), [t[r].sum() for r in batch.option_readouts[0]]
+
+
 def example_pass(decoder, encoder, example, empty_past: list):
     """One example through ``decoder``: (packed batch, option token ids, hidden [R, d], target log-probs [R])."""
     qt = encoder.question(example.question)
@@ -102,9 +109,9 @@ def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures
     t0 = time.perf_counter()
     for i, ex in enumerate(examples):
         batch, options, h, target = example_pass(decoder, encoder, ex, empty)
-        target = target.double().numpy()
-        hidden.append(h[last_readouts(batch)].numpy())
-        logprob.append([target[r].sum() for r in batch.option_readouts[0]])
+        rows_h, rows_logprob = option_rows(batch, h, target)
+        hidden.append(rows_h)
+        logprob.append(rows_logprob)
         length.append([len(o) for o in options])
         sizes.append(len(options))
         label.append(ex.label)

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass.calibration import head as hd  # noqa: E402
-from onepass.calibration.head_features import OptionFeatures, example_pass, last_readouts  # noqa: E402
+from onepass.calibration.head_features import OptionFeatures, example_pass, option_rows  # noqa: E402
 from onepass.calibration.mixture import write_jsonl  # noqa: E402
 from onepass.calibration.tune_data import load_rows  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
@@ -53,9 +53,9 @@ def features(decoder, encoder, rows) -> tuple[OptionFeatures, np.ndarray]:
     hidden, logprob, length, sizes, label, trunk = [], [], [], [], [], []
     for r in rows:
         batch, options, h, target = example_pass(decoder, encoder, r, empty)
-        t = target.double().numpy()
-        hidden.append(h[last_readouts(batch)].numpy())
-        logprob.append([t[x].sum() for x in batch.option_readouts[0]])
+        rows_h, rows_logprob = option_rows(batch, h, target)  # as tune's head candidate reads them
+        hidden.append(rows_h)
+        logprob.append(rows_logprob)
         length.append([len(o) for o in options])
         sizes.append(len(options))
         label.append(r.label)
