@@ -90,7 +90,7 @@ $(BASE_ENGINE)/manifest.json: | $(BIN)/.installed
 	$(BIN)/onepass export --out $(BASE_ENGINE) --adapter none
 
 # The chat-form adapter, the default stack's lower one (never run by CI; retraining it means retraining the upper one,
-# train-default-compact, whose card names it by sha256): the multi-task mixture of calibration/mixture.py (held-out data
+# train-default-compact, whose card names it by sha256): the multi-task mixture of calibration/data/mixture.py (held-out data
 # sets excluded), LoRA rank 8 on every block, trained through the `sum` read-out (an option's whole
 # log-likelihood: a per-token mean favours multi-token names such as "plot summary" on tasks it never saw),
 # 300 steps or 58 min on 2 cores, early stopping on held-out NLL; then installed into $(ADAPTER_DIR)
@@ -107,7 +107,7 @@ ADAPTER_FILES := adapter_model.safetensors adapter_config.json onepass_adapter.j
 
 train-default: $(BIN)/.evaldata $(TRAIN_BASE)/manifest.json
 	mkdir -p build
-	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl
+	$(BIN)/python -m onepass.calibration.data.mixture --out build/mixture.jsonl
 	$(BIN)/onepass tune --engine $(TRAIN_BASE) --data build/mixture.jsonl --out build/default-tuned $(DEFAULT_RECIPE) \
 		--max-steps 300 --max-minutes 58 --eval-every 50 --report benchmarks/results/default_adapter
 	cp $(addprefix build/default-tuned/,$(ADAPTER_FILES)) $(ADAPTER_DIR)/
@@ -115,7 +115,7 @@ train-default: $(BIN)/.evaldata $(TRAIN_BASE)/manifest.json
 # The default engine's upper adapter (issue 46; never run by CI): the chat-form adapter continued in the compact
 # prompt form on the mixture (without BIG-bench, which the registry no longer serves), each row's target half its
 # label and half the chat engine's answer, plus one question of another data set per state answered by the chat
-# engine alone (calibration/teacher_targets.py); 150 steps or 40 min on 2 cores, early stopping on held-out NLL;
+# engine alone (calibration/teach/targets.py); 150 steps or 40 min on 2 cores, early stopping on held-out NLL;
 # installed into $(COMPACT_ADAPTER_DIR). Its card names the adapter below it by sha256, and export merges that first.
 COMPACT_ADAPTER_DIR := export/adapters/smollm2-135m-instruct-compact
 COMPACT_BASE ?= engines/smollm2-chat-in-compact
@@ -129,8 +129,8 @@ $(TEACHER_ENGINE)/manifest.json: $(ADAPTER_DIR)/adapter_model.safetensors | $(BI
 
 train-default-compact: $(BIN)/.evaldata $(COMPACT_BASE)/manifest.json $(TEACHER_ENGINE)/manifest.json
 	mkdir -p build
-	$(BIN)/python -m onepass.calibration.mixture --out build/mixture.jsonl --heldout build/heldout.jsonl --no-bigbench
-	$(BIN)/python -m onepass.calibration.teacher_targets --rows build/mixture.jsonl --teacher $(TEACHER_ENGINE) \
+	$(BIN)/python -m onepass.calibration.data.mixture --out build/mixture.jsonl --heldout build/heldout.jsonl --no-bigbench
+	$(BIN)/python -m onepass.calibration.teach.targets --rows build/mixture.jsonl --teacher $(TEACHER_ENGINE) \
 		--weight 0.5 --crossed 1 --out build/mixture-taught.jsonl
 	$(BIN)/onepass tune --engine $(COMPACT_BASE) --data build/mixture-taught.jsonl --out build/compact-tuned \
 		$(DEFAULT_RECIPE) --max-steps 150 --max-minutes 40 --eval-every 25 \

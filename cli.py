@@ -115,12 +115,12 @@ def cmd_serve(args) -> int:
 
 def cmd_distill(args) -> int:
     """Label unlabelled states with a teacher, tune on its answers, write the engine with its gate."""
-    from .calibration.distill import distill, summary_lines
+    from .calibration.teach.distill import distill, summary_lines
     from .runtime.teacher.client import connect
 
     config = _tune_config(args)
     if args.task is not None:
-        from .calibration.tune_task import task_config
+        from .calibration.tune.task import task_config
 
         if args.out is not None or args.name:
             raise OnepassError("--task adds the student to --engine as a task: --out and --name do not apply")
@@ -169,7 +169,7 @@ def cmd_mcp(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Fit calibration on labelled rows and store it in the engine manifest."""
-    from .calibration.run import calibrate, summary
+    from .calibration.measure.calibrate import calibrate, summary
     report = calibrate(args.engine, args.data, holdout=args.holdout, seed=args.seed, report_dir=args.report)
     print("\n".join(summary(report, args.engine, args.report)))
     return 0
@@ -177,7 +177,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_eval(args) -> int:
     """Accuracy vs majority, NLL, Brier, ECE, coverage and confusion of an engine on labelled rows."""
-    from .calibration.evaluate import evaluate_engine, summary, write
+    from .calibration.measure.evaluate import evaluate_engine, summary, write
     report = evaluate_engine(args.engine, args.data, args.min_confidence, args.target_accuracy, args.threads)
     if args.compare:
         report["compare"] = evaluate_engine(args.compare, args.data, args.min_confidence, args.target_accuracy,
@@ -191,7 +191,7 @@ def cmd_eval(args) -> int:
 
 def _tune_config(args):
     """TuneConfig from the flags :func:`_training` adds."""
-    from .calibration.tune import TuneConfig
+    from .calibration.tune.config import TuneConfig
 
     return TuneConfig(method=args.method, rank=args.rank, train_blocks=args.train_blocks, lr=args.lr,
                       epochs=args.epochs, max_minutes=args.max_minutes, max_steps=args.max_steps,
@@ -205,7 +205,7 @@ def _tune_config(args):
 
 def cmd_tune(args) -> int:
     """Fine-tune an engine's decoder on labelled rows and export the tuned engine (or add a task to it)."""
-    from .calibration.tune_engine import summary_lines, tune
+    from .calibration.tune.engine import summary_lines, tune
     if args.task is not None:
         return _tune_task(args)
     if args.out is None:
@@ -218,7 +218,7 @@ def cmd_tune(args) -> int:
 
 
 def _tune_task(args) -> int:
-    from .calibration.tune_task import task_config, tune_task
+    from .calibration.tune.task import task_config, tune_task
 
     if args.out is not None or args.validation or args.resume or args.report or args.name:
         raise OnepassError("--task adds a task to --engine in place: --out, --validation, --resume, --report and "
@@ -275,7 +275,7 @@ def cmd_build_trt(args) -> int:
 
 def cmd_quantize(args) -> int:
     """Build an INT8 engine that keeps its answers on labelled rows, or refuse."""
-    from .calibration.quantize import quantize_engine
+    from .calibration.measure.quantize import quantize_engine
     r = quantize_engine(args.engine, args.out, args.data, min_agreement=args.min_agreement, max_error=args.max_error)
     print(f"INT8 engine written to {args.out}: agreement {r['agreement']:.1%} on {r['rows']} rows, "
           f"max log-prob error {r['max_logprob_error']:.3f}, {r['speedup']:.2f}x")

@@ -6,7 +6,7 @@ import argparse
 
 import dataclasses
 
-from .calibration.tune_config import DEPTH_FRACTIONS, TuneConfig
+from .calibration.tune.config import DEPTH_FRACTIONS, TuneConfig
 from .runtime.backends import AUTO, BACKENDS
 from .runtime.backends.devices import DEVICES
 from .runtime.core.config import EngineConfig

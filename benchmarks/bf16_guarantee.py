@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET, interleaved  # noqa: E402
 from readout_eval import rotten  # noqa: E402
 
-from onepass.calibration.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
+from onepass.calibration.data.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
 from onepass.runtime.core.guarantee import BF16, BOUNDS, REFERENCE  # noqa: E402
 from onepass.runtime.core.questions import to_wire  # noqa: E402

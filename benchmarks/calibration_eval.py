@@ -23,7 +23,7 @@ from readout_eval import bbc, rotten, tweets  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration.run import calibrate, cross_fitted, load_rows, probabilities, score_rows, split  # noqa: E402
+from onepass.calibration.measure.calibrate import calibrate, cross_fitted, load_rows, probabilities, score_rows, split  # noqa: E402
 from onepass.runtime.core.readout_calibration import Calibration  # noqa: E402
 from onepass.export.model_source import cache_root  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402

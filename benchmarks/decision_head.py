@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onepass.calibration import bigbench as bb
-from onepass.calibration import head as hd
-from onepass.calibration.fit import fit
-from onepass.calibration.head_features import OptionFeatures, extract
-from onepass.calibration.metrics import accuracy, brier, ece, nll
+from onepass.calibration.data import bigbench as bb
+from onepass.calibration.heads import head as hd
+from onepass.calibration.scoring.fit import fit
+from onepass.calibration.heads.features import OptionFeatures, extract
+from onepass.calibration.scoring.metrics import accuracy, brier, ece, nll
 from onepass.export.model_source import cache_root
 from onepass.runtime.core import manifest as mf
 from onepass.runtime.core.prompt import PromptEncoder

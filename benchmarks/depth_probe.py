@@ -5,7 +5,7 @@ test rows of states never trained on; speeches: other speakers), the default eng
 scorer tune itself uses) runs every row once and keeps, after each block count k of ``DEPTHS``, what tune's head
 candidate reads: per option the hidden state after it (the final norm applied to the residual stream at block k) and
 its mean log-likelihood (the language-model head applied there: what an engine cut at block k computes). At each
-depth, tune's head candidate (:func:`onepass.calibration.head_candidate.fit`: the prior, five seeds merged, the
+depth, tune's head candidate (:func:`onepass.calibration.heads.candidate.fit`: the prior, five seeds merged, the
 temperature from inner folds) is fitted on the training rows only and judged on the test rows: accuracy and NLL,
 beside the full-depth head (k = the decoder's block count) and the zero-shot read-out of the full depth.
 
@@ -29,11 +29,12 @@ import tune_eval as te  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from onepass.calibration import head_candidate  # noqa: E402
-from onepass.calibration.candidates import row_losses, scored_rows  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.tune import PackedScorer, TuneConfig, encode_groups  # noqa: E402
-from onepass.calibration.tune_data import group_by_state, load_rows  # noqa: E402
+from onepass.calibration.heads import candidate as head_candidate  # noqa: E402
+from onepass.calibration.tune.candidates import row_losses, scored_rows  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig  # noqa: E402
+from onepass.calibration.tune.trainer import PackedScorer, encode_groups  # noqa: E402
+from onepass.calibration.data.rows import group_by_state, load_rows  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
 from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402

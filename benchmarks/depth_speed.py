@@ -50,8 +50,8 @@ def rss_mib(engine: str) -> float:
 
 def accuracy(engine, path: str) -> dict:
     """Accuracy and NLL of ``engine`` as served on the labelled rows at ``path``."""
-    from onepass.calibration.run import evaluate, score_rows
-    from onepass.calibration.tune_data import load_rows
+    from onepass.calibration.measure.calibrate import evaluate, score_rows
+    from onepass.calibration.data.rows import load_rows
 
     rows, _ = load_rows([Path(path)])
     scored = score_rows(engine, [{"state": r.state, "question": r.question, "label": r.label, "dataset": "test"}

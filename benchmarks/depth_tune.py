@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tune_eval import TEST_ROWS, _machine, user_rows  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.run import evaluate, load_rows, score_rows  # noqa: E402
-from onepass.calibration.tune_config import TuneConfig  # noqa: E402
-from onepass.calibration.tune_engine import tune  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.measure.calibrate import evaluate, load_rows, score_rows  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig  # noqa: E402
+from onepass.calibration.tune.engine import tune  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DATASETS = ["bbc", "rotten", "tweets_choice", "tweets_score", "speeches"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from onepass.calibration.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
+from onepass.calibration.data.mixture import bbc_rows, speech_rows, tweet_rows  # noqa: E402
 from onepass.runtime.core.questions import from_wire  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,8 +79,8 @@ def _write(rows: list[dict], path: Path) -> Path:
 
 
 def teachers(args) -> None:
-    from onepass.calibration.tune import TuneConfig
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.config import TuneConfig
+    from onepass.calibration.tune.engine import tune
 
     for task in args.tasks:
         out = Path(args.work) / task / "teacher"
@@ -109,8 +109,8 @@ def students(args) -> None:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from conftest import serve_process
 
-    from onepass.calibration.distill import distill, summary_lines
-    from onepass.calibration.tune import TuneConfig
+    from onepass.calibration.teach.distill import distill, summary_lines
+    from onepass.calibration.tune.config import TuneConfig
     from onepass.runtime.teacher.client import connect
 
     for task in args.tasks:

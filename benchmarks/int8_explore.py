@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, state_of_tokens  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.calibration.quantize import excluded_nodes, quantize_graph  # noqa: E402
+from onepass.calibration.measure.quantize import excluded_nodes, quantize_graph  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 EDGES = (0, 1, 28, 29)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from latency import QUESTIONS, TICKET  # noqa: E402
 from tune_eval import RESULTS, _machine, _majority, user_rows  # noqa: E402
 
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402
 from onepass.runtime.core import task_store  # noqa: E402
 from onepass.runtime.core.engine import Engine  # noqa: E402
@@ -43,7 +43,7 @@ def with_task(question, task):
 
 
 def tune_tasks(work: Path, names, rows: int, config) -> dict:
-    from onepass.calibration.tune_task import tune_task
+    from onepass.calibration.tune.task import tune_task
 
     out = {}
     for name in names:
@@ -135,8 +135,8 @@ def main() -> None:
     ap.add_argument("--rlcd-weight", type=float, default=None, help="tune's --rlcd-weight (default: a task's, 0)")
     ap.add_argument("--train-blocks", type=int, default=None, help="tune's --train-blocks (default: a task's, 4)")
     args = ap.parse_args()
-    from onepass.calibration.tune import TuneConfig
-    from onepass.calibration.tune_task import task_config
+    from onepass.calibration.tune.config import TuneConfig
+    from onepass.calibration.tune.task import task_config
 
     config = task_config(TuneConfig(seed=args.seed, write=args.write, lr=args.lr, train_blocks=args.train_blocks,
                                     rlcd_weight=args.rlcd_weight or 0.0), rlcd_given=args.rlcd_weight is not None)

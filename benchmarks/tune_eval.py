@@ -1,7 +1,7 @@
 """What tuning buys: the tuned default engine on held-out data sets, and `onepass tune` on a user's own rows.
 
 ``default``: the base engine (``--adapter none``) against the default engine (the shipped adapters
-merged), zero-shot, on the leave-datasets-out rows of :func:`onepass.calibration.mixture.heldout_rows`
+merged), zero-shot, on the leave-datasets-out rows of :func:`onepass.calibration.data.mixture.heldout_rows`
 (data sets and tasks the adapter never saw): accuracy against the majority class, NLL, ECE, and
 ECE after a cross-fitted calibration (5 folds over the held-out rows); plus the README ticket.
 
@@ -31,12 +31,12 @@ from readout_eval import _package_dir, bbc, rotten, tweets  # noqa: E402
 import numpy as np  # noqa: E402
 
 from onepass import Engine  # noqa: E402
-from onepass.calibration import metrics  # noqa: E402
-from onepass.calibration.fit import fit  # noqa: E402
-from onepass.calibration.mixture import heldout_rows, write_jsonl  # noqa: E402
-from onepass.calibration.run import cross_fitted, evaluate, load_rows, probabilities, score_rows  # noqa: E402
-from onepass.calibration.tune import TuneConfig  # noqa: E402
-from onepass.calibration.tune_engine import tune  # noqa: E402
+from onepass.calibration.scoring import metrics  # noqa: E402
+from onepass.calibration.scoring.fit import fit  # noqa: E402
+from onepass.calibration.data.mixture import heldout_rows, write_jsonl  # noqa: E402
+from onepass.calibration.measure.calibrate import cross_fitted, evaluate, load_rows, probabilities, score_rows  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig  # noqa: E402
+from onepass.calibration.tune.engine import tune  # noqa: E402
 from onepass.runtime.core.questions import Choice  # noqa: E402
 from onepass.runtime.core.questions import from_wire, to_wire  # noqa: E402
 
@@ -104,7 +104,7 @@ def write_default_md(out: dict) -> None:
     base, tuned = out["engines"]["base"], out["engines"]["tuned"]
     lines = [f"# The tuned default engine, zero-shot, on held-out data sets ({_when(out)})", "",
              "Leave-datasets-out: none of these data sets or tasks is in the adapter's training mixture "
-             "(`onepass.calibration.mixture.HELD_OUT`). Calibrated: 5-fold cross-fitted temperature/bias on these "
+             "(`onepass.calibration.data.mixture.HELD_OUT`). Calibrated: 5-fold cross-fitted temperature/bias on these "
              "rows (each row predicted by a calibration fitted without it). AUC: ROC AUC of the two options' score "
              "margin (two-option data sets only; 0.5 = no separation).", "",
              "| data set | rows | majority | base acc | tuned acc | tuned - majority | base acc calibrated | "

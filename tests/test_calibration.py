@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("scipy")
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
-from onepass.calibration import metrics  # noqa: E402
-from onepass.calibration.fit import fit, fit_group  # noqa: E402
+from onepass.calibration.scoring import metrics  # noqa: E402
+from onepass.calibration.scoring.fit import fit, fit_group  # noqa: E402
 from onepass.runtime.core.readout_calibration import Calibration, GroupCalibration, group_key  # noqa: E402
 from onepass.runtime.core.errors import InvalidRequest  # noqa: E402
 from onepass.runtime.core.manifest import SCHEMA_VERSION, Manifest, ModelInfo  # noqa: E402
@@ -158,7 +158,7 @@ def test_calibrate_command_writes_the_manifest_and_a_report(tiny_engine_dir, tmp
     report's files) does not depend on the weights."""
     from test_engine import _copy_engine
 
-    from onepass.calibration.run import calibrate
+    from onepass.calibration.measure.calibrate import calibrate
 
     copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
     rows = _review_rows(40, "I loved it, wonderful and fun.", "Awful, boring, I hated it.", "toy")
@@ -321,7 +321,7 @@ def test_eval_compare_puts_two_engines_side_by_side_and_its_thresholds_feed_a_ga
     first (a different engine: different numbers, the control); the table and plots show both. Gate.from_eval takes
     each question's threshold for the target accuracy from the report; a question the report lacks keeps the
     default; a report without thresholds is refused. On the tiny Llama and a recalibrated, renamed copy of it."""
-    from onepass.calibration.evaluate import evaluate_engine
+    from onepass.calibration.measure.evaluate import evaluate_engine
     from onepass.cli import main
     from onepass.runtime.core.cascade import Gate
 
@@ -380,7 +380,7 @@ def test_calibrate_with_too_few_rows_names_the_groups_writes_nothing_and_exits_2
 
     from test_engine import _copy_engine
 
-    from onepass.calibration.fit import MIN_ROWS
+    from onepass.calibration.scoring.fit import MIN_ROWS
 
     copy = _copy_engine(tiny_engine_dir, tmp_path / "engine")
     manifest = (copy / "manifest.json").read_bytes()

@@ -35,14 +35,14 @@ def _loaded(tiny_llama_dir):
 
 
 def _scorer(model, readout: str = "mean"):
-    from onepass.calibration.tune import PackedScorer
+    from onepass.calibration.tune.trainer import PackedScorer
     from onepass.runtime.backends.torch_decoder import PackedDecoder
 
     return PackedScorer(PackedDecoder(model).eval(), readout, torch.device("cpu"), False, 0)
 
 
 def _chunk(engine_dir, questions=QUESTIONS):
-    from onepass.calibration.tune import Chunk
+    from onepass.calibration.tune.trainer import Chunk
     from onepass.runtime.core import manifest as mf
     from onepass.runtime.core.prompt import PromptEncoder
 

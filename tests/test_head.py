@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onepass import Choice, Engine, Noul  # noqa: E402
-from onepass.calibration import bigbench as bb  # noqa: E402
-from onepass.calibration import head as hd  # noqa: E402
-from onepass.calibration import rlcd  # noqa: E402
-from onepass.calibration.head_features import OptionFeatures  # noqa: E402
+from onepass.calibration.data import bigbench as bb  # noqa: E402
+from onepass.calibration.heads import head as hd  # noqa: E402
+from onepass.calibration.scoring import rlcd  # noqa: E402
+from onepass.calibration.heads.features import OptionFeatures  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402
 from onepass.runtime.core.errors import InvalidRequest  # noqa: E402
 
@@ -135,7 +135,7 @@ def head_engine(tmp_path_factory, tiny_llama_dir):
 
 @pytest.mark.slow
 def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
-    from onepass.calibration.head_features import extract
+    from onepass.calibration.heads.features import extract
     from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.export.model_source import load_model
 
@@ -150,7 +150,7 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
     want = hd.probabilities(model, feats)
     # tune rows carrying a teacher's distribution (`onepass distill`, `tune --method head`) give the head that
     # distribution as its target; labelled examples give none (the labels are the targets)
-    from onepass.calibration.tune_data import TuneRow
+    from onepass.calibration.data.rows import TuneRow
 
     taught = extract(PackedDecoder(hf_model).eval(), engine.encoder,
                      [TuneRow(ex.state, ex.question, tuple(map(float, p)), "t") for ex, p in zip(examples, want)],
@@ -233,7 +233,7 @@ def test_a_head_that_cannot_be_appended_is_exported_with_the_decoder(head_engine
                                                                       monkeypatch):
     """Where appending fails on a graph this path did not foresee, tune's writer exports the decoder with the head
     instead (the engine still answers with it); nothing is left of the failed attempt."""
-    from onepass.calibration.tune_engine import write_head_engine
+    from onepass.calibration.tune.engine import write_head_engine
     from onepass.export import head_graph
     from onepass.export.model_source import engine_source
 
@@ -260,7 +260,7 @@ def test_calibrating_a_tuned_head_engine_keeps_the_bias_its_head_was_fitted_arou
     read-out (``head_candidate.served``). `onepass calibrate` on it refits the groups its rows have and keeps the
     others (a yes/no question it has no rows of keeps its bias on yes); its report's "before" is the engine as it
     answered, with that calibration. Control: a calibration of another read-out is replaced whole, as before."""
-    from onepass.calibration.run import calibrate
+    from onepass.calibration.measure.calibrate import calibrate
     from onepass.export import head_graph
     from onepass.runtime.core.readout_calibration import Calibration, GroupCalibration
 

@@ -2,7 +2,8 @@
 
     runtime.backends  <-  runtime.core  <-  runtime.teacher, runtime.tools (and the backends), runtime.server
     runtime.server -> runtime.teacher;  export -> runtime.core, runtime.backends
-    calibration -> export and every runtime room but the server
+    calibration's rooms: data, scoring  <-  measure, heads  <-  tune  <-  teach;
+    each of them -> export or the runtime rooms it needs, never the server
 
 The backends own the batch they run, the graph's I/O contract and the errors they raise; the core owns the manifest,
 the engine and the request's path; the teacher client, the tools (bench, plans, guarantee) and the HTTP server stand
@@ -29,15 +30,22 @@ ALLOWED = {"runtime.backends": (),
            "runtime.tools": ("runtime.core", "runtime.backends"),
            "runtime.server": ("runtime.core", "runtime.teacher"),
            "export": ("runtime.core", "runtime.backends"),
-           "calibration": ("export", "runtime.core", "runtime.backends", "runtime.teacher", "runtime.tools")}
+           "calibration.data": ("runtime.core", "runtime.tools", "runtime.teacher"),
+           "calibration.scoring": ("runtime.core",),
+           "calibration.measure": ("calibration.data", "calibration.scoring", "runtime.core"),
+           "calibration.heads": ("calibration.scoring", "export", "runtime.core", "runtime.backends"),
+           "calibration.tune": ("calibration.data", "calibration.scoring", "calibration.measure", "calibration.heads",
+                                "export", "runtime.core", "runtime.backends"),
+           "calibration.teach": ("calibration.data", "calibration.scoring", "calibration.tune", "runtime.core",
+                                 "runtime.tools", "runtime.teacher")}
 MODULE_NAME = re.compile(r"\bonepass\.(?:runtime|export|calibration|cli|flags)\b(?:\.\w+)*")
 
 
 def room_of(module: str) -> str | None:
     """The room of a module name of the package (None: the package's roots, cli, flags, or onepass.runtime itself)."""
     parts = module.split(".")
-    if len(parts) >= 3 and parts[1] == "runtime" and f"runtime.{parts[2]}" in ALLOWED:
-        return f"runtime.{parts[2]}"
+    if len(parts) >= 3 and parts[1] in ("runtime", "calibration") and f"{parts[1]}.{parts[2]}" in ALLOWED:
+        return f"{parts[1]}.{parts[2]}"
     if len(parts) >= 2 and parts[1] in ALLOWED:
         return parts[1]
     return None
@@ -150,11 +158,16 @@ def test_one_back_import_fails_it():
     for source in ["from ..server.errors import http_error\n", "from ..tools.bench import run\n",
                    "from ..teacher.client import connect\n"]:
         assert _back_imports(source, engine), source
-    assert _back_imports("from ..calibration.head import load\n", ROOT / "export" / "build.py")
+    assert _back_imports("from ..calibration.heads.head import load\n", ROOT / "export" / "build.py")
     assert _back_imports("from ..server.app import App\n", RUNTIME / "teacher" / "client.py")
     assert _back_imports("from ..tools.bench import run\n", RUNTIME / "server" / "app.py")
     assert _back_imports("from ..calibration import tune\n", RUNTIME / "server" / "app.py")
     assert _back_imports("from . import contract\n", backend) == []  # a sibling is fine
     assert _back_imports('"""See onepass.runtime.core.engine."""\n', backend) == []  # a docstring names, not imports
     assert _back_imports("from ..backends.base import Backend\n", engine) == []
-    assert _back_imports("from ..export.build import export_engine\n", ROOT / "calibration" / "tune.py") == []
+    assert _back_imports("from ...export.build import export_engine\n", ROOT / "calibration" / "tune" / "engine.py") == []
+    heads = ROOT / "calibration" / "heads" / "head.py"
+    for source in ["from ..tune.candidates import choose\n", "from ..measure.calibrate import score_rows\n",
+                   "from ...runtime.server.app import App\n"]:
+        assert _back_imports(source, heads), source  # inside calibration too: a lower room never climbs back
+    assert _back_imports("from ..scoring.metrics import target_nll\n", heads) == []

@@ -21,7 +21,7 @@ def rows(tmp_path_factory):
 def test_int8_that_changes_answers_is_refused(tiny_engine_dir, rows, tmp_path):
     """The refusal path on the tiny Llama (every block quantized, any error refused); that SmolLM2's INT8 graph
     misses the default thresholds is the measurement of the next test."""
-    from onepass.calibration.quantize import QuantizationRefused, quantize_engine
+    from onepass.calibration.measure.quantize import QuantizationRefused, quantize_engine
 
     with pytest.raises(QuantizationRefused, match=r"max log-prob error .* \(allowed 0.0\); no engine written"):
         quantize_engine(tiny_engine_dir, tmp_path / "int8", rows, keep_blocks=(), max_error=0.0)
@@ -32,7 +32,7 @@ def test_int8_that_changes_answers_is_refused(tiny_engine_dir, rows, tmp_path):
 
 
 def test_the_default_fp32_blocks_are_the_first_and_last_two_of_the_engines_own_layers():
-    from onepass.calibration.quantize import default_keep_blocks
+    from onepass.calibration.measure.quantize import default_keep_blocks
 
     assert default_keep_blocks(30) == (0, 1, 28, 29)  # SmolLM2
     assert default_keep_blocks(12) == (0, 1, 10, 11) and default_keep_blocks(5) == (0, 1, 3, 4)
@@ -47,7 +47,7 @@ def test_int8_within_loose_thresholds_is_written_with_its_measurement(tiny_engin
     default thresholds is a measurement: benchmarks/results/int8_explore.md (`make int8-explore`)."""
     import onnx
 
-    from onepass.calibration.quantize import quantize_engine
+    from onepass.calibration.measure.quantize import quantize_engine
 
     record = quantize_engine(tiny_engine_dir, tmp_path / "int8", rows, min_agreement=0.0, max_error=1e9,
                              keep_blocks=(0,))

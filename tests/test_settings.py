@@ -13,7 +13,7 @@ import pytest
 
 from onepass.flags import parser
 from onepass.runtime.core.config import EngineConfig
-from onepass.calibration.tune_config import TuneConfig
+from onepass.calibration.tune.config import TuneConfig
 from onepass.runtime.core.manifest import Limits
 from onepass.runtime.server.config import ServerConfig, TransportLimits
 from onepass.runtime.teacher.client import TeacherConfig

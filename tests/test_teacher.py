@@ -24,8 +24,9 @@ from conftest import serve_process  # noqa: E402
 from hostile import Trickler  # noqa: E402
 
 from onepass import Choice, Engine, Noul, Score  # noqa: E402
-from onepass.calibration import tune as tn  # noqa: E402
-from onepass.calibration.tune_data import load_rows  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig  # noqa: E402
+from onepass.calibration.tune import trainer as tn  # noqa: E402
+from onepass.calibration.data.rows import load_rows  # noqa: E402
 from onepass.runtime.core.questions import to_wire  # noqa: E402
 from onepass.runtime.server.records import Records  # noqa: E402
 from onepass.runtime.teacher.client import (  # noqa: E402
@@ -47,7 +48,7 @@ def _port() -> int:
 @pytest.fixture(scope="module")
 def teacher_dir(tiny_engine_dir, tmp_path_factory):
     """A tuned tiny engine: the teacher (its answers differ from the base engine's)."""
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.engine import tune
 
     tmp = tmp_path_factory.mktemp("teacher")
     facts = [(QUESTIONS["sky"], "yes"), (QUESTIONS["fish"], "no")]
@@ -55,7 +56,7 @@ def teacher_dir(tiny_engine_dir, tmp_path_factory):
     data.write_text("".join(json.dumps({"state": s, "question": to_wire(q), "label": label}) + "\n"
                             for s in STATES for q, label in facts))
     out = tmp / "teacher"
-    tune(tiny_engine_dir, [data], out, tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2,
+    tune(tiny_engine_dir, [data], out, TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2,
                                                      holdout=0.25, patience=3, lora_min_rows=0),  # a LoRA teacher
          name="teacher", log=lambda *_: None)
     return out
@@ -467,7 +468,7 @@ def test_serve_teacher_flags_are_checked(tmp_path, tiny_engine_dir):
 
 @pytest.mark.slow
 def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tmp_path):
-    from onepass.calibration.distill import _read_labels, distill, label, read_questions
+    from onepass.calibration.teach.distill import _read_labels, distill, label, read_questions
 
     states = tmp_path / "states.jsonl"
     states.write_text("".join(json.dumps(s) + "\n" for s in STATES) + json.dumps({"state": STATES[0]}) + "\n")
@@ -501,7 +502,7 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
         done = len(_read_labels(labels))
         assert done == 5 and labels.read_bytes().endswith(b"\n")
         second = Counting(client)
-        config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, patience=3,
+        config = TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, patience=3,
                                lora_min_rows=0)  # a LoRA student on 24 rows (fewer than 100 train the head only)
         report = distill(tiny_engine_dir, second, str(states), str(questions), tmp_path / "student",
                          target_agreement=0.9, holdout=0.25, config=config, concurrency=2, log=lambda *_: None)
@@ -532,7 +533,7 @@ def test_distill_labels_tunes_gates_and_resumes(tiny_engine_dir, teacher_url, tm
 
 
 def test_the_gate_threshold_takes_tied_confidences_all_in_or_all_out():
-    from onepass.calibration.distill import threshold_for
+    from onepass.calibration.teach.distill import threshold_for
 
     conf = np.array([0.9, 0.8, 0.8, 0.8, 0.5])
     hits = np.array([True, True, True, False, False])
@@ -542,7 +543,7 @@ def test_the_gate_threshold_takes_tied_confidences_all_in_or_all_out():
 
 
 def test_distill_refuses_what_tune_would_before_asking_the_teacher(tmp_path, tiny_engine_dir):
-    from onepass.calibration.distill import distill
+    from onepass.calibration.teach.distill import distill
     from onepass.runtime.core.errors import InvalidRequest, LimitExceeded
 
     class Never:

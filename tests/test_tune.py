@@ -14,9 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onepass import Choice, Noul, Score  # noqa: E402
-from onepass.calibration import rlcd  # noqa: E402
-from onepass.calibration import tune as tn  # noqa: E402
-from onepass.calibration.tune_data import group_by_state, load_rows, split_states  # noqa: E402
+from onepass.calibration.scoring import rlcd  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig, resolved  # noqa: E402
+from onepass.calibration.tune import trainer as tn  # noqa: E402
+from onepass.calibration.data.rows import group_by_state, load_rows, split_states  # noqa: E402
 from onepass.runtime.core.errors import InvalidRequest, OnepassError  # noqa: E402
 from onepass.runtime.core.questions import to_wire  # noqa: E402
 
@@ -81,20 +82,20 @@ def test_split_keeps_every_state_on_one_side_and_is_seeded(tmp_path):
 
 
 def test_validation_files_replace_the_split_and_a_shared_state_is_refused(tmp_path):
-    from onepass.calibration.tune_data import group_by_state
-    from onepass.calibration.tune_engine import _held_out
+    from onepass.calibration.data.rows import group_by_state
+    from onepass.calibration.tune.engine import _held_out
 
     rows, _ = load_rows([_write(tmp_path, [{"state": f"s{i % 10}", "question": NOUL, "label": "yes"}
                                            for i in range(40)])])
     rows = group_by_state(rows)  # what tune hands _held_out: the rows grouped by state once
     val = _write(tmp_path, [{"state": f"v{i}", "question": TEAM, "label": "red"} for i in range(3)], "val.jsonl")
-    train, held, files = _held_out(rows, [val], tn.TuneConfig(holdout=0.3))
+    train, held, files = _held_out(rows, [val], TuneConfig(holdout=0.3))
     assert sum(len(g) for g in train) == 40  # every data row is trained on: nothing split off
     assert [g[0].state for g in held] == ["v0", "v1", "v2"] and files[0]["rows"] == 3
-    assert _held_out(rows, None, tn.TuneConfig(holdout=0.3))[2] == []  # control: without files, the split
+    assert _held_out(rows, None, TuneConfig(holdout=0.3))[2] == []  # control: without files, the split
     leak = _write(tmp_path, [{"state": "s4", "question": TEAM, "label": "red"}], "leak.jsonl")
     with pytest.raises(OnepassError, match="1 state.*both in --data and in --validation.*'s4'"):
-        _held_out(rows, [val, leak], tn.TuneConfig())
+        _held_out(rows, [val, leak], TuneConfig())
 
 
 def test_rlcd_teacher_reward_is_the_expectation_of_label_rewards():
@@ -126,7 +127,7 @@ class _ToyScorer:
 
 
 def _toy_chunks(n, seed):
-    from onepass.calibration.tune_data import TuneRow
+    from onepass.calibration.data.rows import TuneRow
 
     g = torch.Generator().manual_seed(seed)
     q = Choice("pick", {"a": None, "b": None, "c": None})
@@ -144,7 +145,7 @@ def _trainer(tmp_path, scorer, config):
 
 
 def test_training_lowers_heldout_nll_and_resume_after_interrupt_reproduces_the_uninterrupted_run(tmp_path):
-    config = tn.TuneConfig(epochs=4, batch_questions=4, lr=0.05, patience=10, rlcd_weight=0.5)
+    config = TuneConfig(epochs=4, batch_questions=4, lr=0.05, patience=10, rlcd_weight=0.5)
     full = _trainer(tmp_path / "a", _ToyScorer(), config)
     (tmp_path / "a").mkdir()
     progress = full.run()
@@ -165,11 +166,11 @@ def test_training_lowers_heldout_nll_and_resume_after_interrupt_reproduces_the_u
 
 def test_config_is_validated():
     with pytest.raises(ValueError, match="method must be one of"):
-        tn.TuneConfig(method="qlora")
+        TuneConfig(method="qlora")
     with pytest.raises(ValueError, match="rank must be a positive integer"):
-        tn.TuneConfig(rank=0)
+        TuneConfig(rank=0)
     with pytest.raises(ValueError, match="not both 0"):
-        tn.TuneConfig(ce_weight=0, rlcd_weight=0)
+        TuneConfig(ce_weight=0, rlcd_weight=0)
 
 
 @pytest.mark.slow
@@ -300,12 +301,12 @@ def test_tune_smoke_trains_exports_and_self_checks(tiny_engine_dir, tmp_path):
     """The whole path on the tiny Llama (SmolLM2's architecture and tokenizer): tune through the packed tree,
     merge, export, self-check. The shipped adapter shows the same path on SmolLM2 itself (the test above)."""
     from onepass import Engine
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.engine import tune
     from onepass.runtime.core.selfcheck import check_golden
 
     data = _fact_rows(tmp_path, notes=52, numbered=True)  # 104 rows: one held-out split (fewer: a cross-validated choice, below)
     out = tmp_path / "tuned"
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3,
+    config = TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, holdout=0.25, patience=3,
                            head_candidate=False)  # the LoRA path (the head candidate's: below)
     engine_dir = tiny_engine_dir
     summary = tune(engine_dir, [data], out, config, report_dir=tmp_path / "report", log=lambda *_: None)
@@ -336,10 +337,10 @@ def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine
     of whole notes (each fold answered by a run that never saw it), then trains the chosen candidate on all 32 rows;
     nothing is held out of the engine's training and the report records the choice."""
     from onepass import Engine
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.engine import tune
 
     out, report = tmp_path / "tuned", tmp_path / "report"
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, head_candidate=False)
+    config = TuneConfig(rank=2, train_blocks=1, epochs=3, batch_questions=4, lr=1e-2, head_candidate=False)
     lines = []
     summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, numbered=True)], out, config, report_dir=report,
                    log=lines.append)
@@ -353,7 +354,7 @@ def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine
     assert json.loads((report / "report.json").read_text())["choice"]["chosen"] == choice["chosen"]
     assert not (tmp_path / "tuned.tune").exists()
     with pytest.raises(OnepassError, match="--method head needs at least 100 rows"):
-        tune(tiny_engine_dir, [_fact_rows(tmp_path)], tmp_path / "head", tn.TuneConfig(method="head"),
+        tune(tiny_engine_dir, [_fact_rows(tmp_path)], tmp_path / "head", TuneConfig(method="head"),
              log=lambda *_: None)
     with pytest.raises(OnepassError, match="5 distinct states are too few to cross-validate"):
         tune(tiny_engine_dir, [_fact_rows(tmp_path, notes=5)], tmp_path / "few", config, log=lambda *_: None)
@@ -363,10 +364,10 @@ def test_few_rows_choose_by_cross_validation_then_train_on_every_row(tiny_engine
 @pytest.mark.slow
 def test_tune_method_head_exports_an_engine_that_answers_with_its_head(tiny_engine_dir, tmp_path):
     from onepass import Engine
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.engine import tune
 
     out = tmp_path / "head"
-    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, notes=52)], out, tn.TuneConfig(method="head", holdout=0.25),
+    summary = tune(tiny_engine_dir, [_fact_rows(tmp_path, notes=52)], out, TuneConfig(method="head", holdout=0.25),
                    log=lambda *_: None)
     engine = Engine.load(out)  # hash-verified; export already checked the graph against its golden file
     assert engine.manifest.scoring.readout == "head" and engine.manifest.head.training["rows"] == 78  # 39 of 52 notes
@@ -384,12 +385,12 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     judged in PyTorch (NLL to 1e-3). Control: the same rows with the head left out (--no-head) write another candidate,
     worse on the same rows."""
     from onepass import Engine
-    from onepass.calibration.tune_engine import tune
+    from onepass.calibration.tune.engine import tune
 
     data = _fact_rows(tmp_path, notes=notes, numbered=True)
     # LoRA from 100 rows (the default is 300): 104 rows train a run and are judged on one held-out split
     # the full-depth head only (a head read after fewer blocks: tests/test_depth.py)
-    config = tn.TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25,
+    config = TuneConfig(rank=2, train_blocks=1, epochs=1, max_steps=1, batch_questions=4, lr=1e-6, holdout=0.25,
                            lora_min_rows=100, head_depths=())
     out, report, lines = tmp_path / "tuned", tmp_path / "report", []
     summary = tune(tiny_engine_dir, [data], out, config, report_dir=report, log=lines.append)
@@ -405,10 +406,10 @@ def test_a_chosen_head_candidate_is_written_and_answers_as_it_was_judged(tiny_en
     cal = engine.manifest.calibration  # the bias of the prior the head corrects (head_candidate.served), exact below
     assert cal.readout == "head" and cal.groups and all(g.temperature == 1.0 for g in cal.groups.values()), cal
     assert engine.manifest.head.training["rows"] == (78 if notes == 52 else 32)
-    from onepass.calibration.tune_engine import summary_lines
+    from onepass.calibration.tune.engine import summary_lines
 
     assert summary_lines(summary, out, report)[-1].startswith("the base engine with a decision head")  # as printed
-    from onepass.calibration.distill import _tuned  # distill --resume knows a head student finished on these rows
+    from onepass.calibration.teach.distill import _tuned  # distill --resume knows a head student finished on these rows
 
     assert _tuned(out, data)["choice"]["chosen"] == "head"
     (tmp_path / "other.jsonl").write_text(data.read_text() + "\n")
@@ -468,7 +469,7 @@ def _lora_scorers(tiny_llama_dir, frozen: int):
     import transformers
     from peft import get_peft_model
 
-    from onepass.calibration.tune_data import TuneRow
+    from onepass.calibration.data.rows import TuneRow
     from onepass.export.adapter import lora_config
     from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.runtime.core.prompt import PromptEncoder, PromptTemplate
@@ -585,7 +586,7 @@ def test_tune_keeps_the_candidate_with_the_lowest_heldout_nll_and_ties_go_to_the
     """The four candidates judged on the same held-out rows: a base engine whose scores lean the wrong way is fixed
     by calibration (base+calibrate beats a tuned engine that learned nothing); a tuned engine that separates the
     classes wins; equal candidates choose the cheaper. Control: the base alone is chosen when nothing beats it."""
-    from onepass.calibration.candidates import candidates, choose
+    from onepass.calibration.tune.candidates import candidates, choose
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 2, 80)
@@ -613,7 +614,7 @@ def test_the_head_is_kept_unless_an_untuned_candidate_is_clearly_better_on_the_s
     Controls: the same mean difference measured without noise (every row a little worse) is clear, and base +
     calibrate stays; so does the zero-shot base where it is the clearly better one; a tuned candidate must still beat
     every earlier one (base + calibrate too, not only the head) by ``TIE``; rows of one state count as one sample."""
-    from onepass.calibration.candidates import HEAD_Z, TIE, Candidate, choose, clearly_better, kept_within_noise
+    from onepass.calibration.tune.candidates import HEAD_Z, TIE, Candidate, choose, clearly_better, kept_within_noise
 
     rng = np.random.default_rng(0)
     cal = rng.exponential(0.7, 50)
@@ -656,7 +657,7 @@ def test_the_candidates_per_row_losses_line_up_across_folds():
     """Cross-validated candidates carry one loss per held-out row in the same order for every candidate (the fold
     order), so a paired difference compares a row with itself. The head's rows here lose exactly a known amount
     per row against the base's."""
-    from onepass.calibration.candidates import candidates
+    from onepass.calibration.tune.candidates import candidates
 
     rng = np.random.default_rng(1)
     folds, heads, expected = [], [], []
@@ -671,7 +672,7 @@ def test_the_candidates_per_row_losses_line_up_across_folds():
         heads.append({"head": (train, worse)})
         expected += [(r, w) for r, w in zip(held, worse)]
     by = {c.name: c for c in candidates(folds, "mean", heads)}
-    from onepass.calibration.candidates import row_losses
+    from onepass.calibration.tune.candidates import row_losses
 
     base_losses = [row_losses([r], None)[0][0] for r, _ in expected]
     head_losses = [row_losses([w], None)[0][0] for _, w in expected]
@@ -683,7 +684,7 @@ def test_the_candidates_per_row_losses_line_up_across_folds():
 def test_cross_validation_folds_keep_each_state_whole_and_none_is_empty():
     from types import SimpleNamespace
 
-    from onepass.calibration.tune_choice import state_folds
+    from onepass.calibration.tune.choice import state_folds
 
     chunks = [SimpleNamespace(state_ids=(i // 2,), size=1) for i in range(14)]  # 7 states, two chunks each
     folds = state_folds(chunks, 3, seed=0)
@@ -699,8 +700,8 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
     comes back with the outcome. Control: when tuned wins they are the trained ones."""
     from types import SimpleNamespace
 
-    from onepass.calibration import tune_choice as tc
-    from onepass.calibration.candidates import Candidate
+    from onepass.calibration.tune import choice as tc
+    from onepass.calibration.tune.candidates import Candidate
 
     weight = torch.nn.Parameter(torch.zeros(3))
 
@@ -723,7 +724,7 @@ def test_an_untuned_candidate_is_written_with_the_untuned_weights(monkeypatch, t
                                                                              for n, v in nll.items()])
         with torch.no_grad():
             weight.zero_()
-        runs = tc.Runs(None, [weight], tn.TuneConfig(), tmp_path, {}, None, lambda *_: None)
+        runs = tc.Runs(None, [weight], TuneConfig(), tmp_path, {}, None, lambda *_: None)
         runs.scored = lambda chunks, features=False: [{} for _ in chunks]
         if judged == "cross-validated":
             outcome = tc.cross_validated_choice(runs, chunks, [{}] * 6, False, "mean", 0)
@@ -740,7 +741,7 @@ def test_write_tuned_scores_only_the_held_out_rows(monkeypatch, tmp_path):
     candidate is offered. Control: ``write="best"`` scores the training rows too, before and after the run."""
     from types import SimpleNamespace
 
-    from onepass.calibration import tune_choice as tc
+    from onepass.calibration.tune import choice as tc
 
     class Run:  # a training run that leaves the weights alone
         def __init__(self, *args):
@@ -753,7 +754,7 @@ def test_write_tuned_scores_only_the_held_out_rows(monkeypatch, tmp_path):
     rng = np.random.default_rng(0)
     for write, wanted in (("tuned", [10, 10]), ("best", [30, 10, 30, 10])):
         calls = []
-        runs = tc.Runs(None, [torch.nn.Parameter(torch.zeros(1))], tn.TuneConfig(write=write), tmp_path, {}, None,
+        runs = tc.Runs(None, [torch.nn.Parameter(torch.zeros(1))], TuneConfig(write=write), tmp_path, {}, None,
                        lambda *_: None)
 
         def scored(chunks, features=False, calls=calls):
@@ -783,8 +784,8 @@ def test_the_head_candidate_learns_what_the_hidden_states_carry_and_is_judged_be
     """A head fitted on rows whose hidden states carry the label (and whose zero-shot scores do not) answers other
     rows far better than the base; the five candidates come in order (the head without a calibrated twin: its temperature
     is its calibration). Control: hidden states that carry nothing give a head no better than the base."""
-    from onepass.calibration import head_candidate
-    from onepass.calibration.candidates import candidates, choose
+    from onepass.calibration.heads import candidate as head_candidate
+    from onepass.calibration.tune.candidates import candidates, choose
 
     rng = np.random.default_rng(0)
     labels = np.arange(120) % 2
@@ -834,7 +835,7 @@ def test_a_heads_temperature_matches_a_teachers_confidence_not_its_argmax():
     Control: one-hot distributions choose exactly what their label indices choose."""
     import unittest.mock
 
-    from onepass.calibration import head_candidate
+    from onepass.calibration.heads import candidate as head_candidate
 
     rng = np.random.default_rng(4)
     labels = np.arange(60) % 2
@@ -855,8 +856,8 @@ def test_a_student_head_learns_the_teachers_distribution_not_only_its_most_proba
     is the labels' cross-entropy where the teacher is sure)."""
     import unittest.mock
 
-    from onepass.calibration import head_candidate as hc
-    from onepass.calibration.candidates import target_nll
+    from onepass.calibration.heads import candidate as hc
+    from onepass.calibration.scoring.metrics import target_nll
 
     rng = np.random.default_rng(1)
 
@@ -898,7 +899,7 @@ def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_ex
 
     import torch
 
-    from onepass.calibration import head_candidate as hc
+    from onepass.calibration.heads import candidate as hc
     from onepass.runtime.core.readout_calibration import Calibration
 
     rng = np.random.default_rng(3)
@@ -963,13 +964,13 @@ def test_the_head_corrects_the_calibrated_read_out_and_the_engine_computes_it_ex
 
 def candidates_of(held: list[dict], scored: dict) -> dict:
     """Mean held-out NLL of each of ``scored`` (name -> the held rows as a fit scores them)."""
-    from onepass.calibration.candidates import heldout_metrics
+    from onepass.calibration.tune.candidates import heldout_metrics
 
     return {name: heldout_metrics(rows, None)[0] / len(rows) for name, rows in scored.items()}
 
 
 def test_a_calibration_needs_its_rows_so_few_rows_offer_no_calibrated_candidate():
-    from onepass.calibration.candidates import candidates
+    from onepass.calibration.tune.candidates import candidates
 
     few = _scored(np.zeros((10, 2)), np.zeros(10))
     assert [c.name for c in candidates([(few, few, few, few)], "mean")] == ["base", "tuned"]
@@ -1000,7 +1001,7 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
     base, tuned = Engine.load(tiny_engine_dir), Engine.load(out)
     assert tuned.manifest.files[base.manifest.graph] == base.manifest.files[base.manifest.graph]  # the base's graph
     assert tuned.manifest.calibration.source["tune"]["chosen"] == "base+calibrate"
-    from onepass.calibration.distill import _tuned  # distill --resume knows a calibrated student finished on these rows
+    from onepass.calibration.teach.distill import _tuned  # distill --resume knows a calibrated student finished on these rows
 
     assert _tuned(out, data)["choice"]["chosen"] == "base+calibrate" and _tuned(out, out / "manifest.json") is None
     state = "Note 99: the meeting moved to room 7."
@@ -1015,22 +1016,22 @@ def test_when_calibrating_the_base_wins_tune_writes_the_calibrated_base(tiny_eng
 
 
 def test_open_settings_are_chosen_from_the_row_count_and_given_ones_are_kept():
-    few, many = tn.resolved(tn.TuneConfig(), 40, 30, held=10), tn.resolved(tn.TuneConfig(), 400, 30, held=100)
+    few, many = resolved(TuneConfig(), 40, 30, held=10), resolved(TuneConfig(), 400, 30, held=100)
     assert (few.train_blocks, few.lr, few.epochs) == (4, 1e-3, 6)  # 5 steps an epoch: 6 epochs reach 30 steps
     assert (many.train_blocks, many.lr, many.epochs) == (0, 3e-4, 3)  # from 80 training rows: every block
-    assert tn.resolved(tn.TuneConfig(), 4, 30).epochs == 12  # capped
-    given = tn.resolved(tn.TuneConfig(train_blocks=0, lr=3e-4, epochs=2), 40, 30)
+    assert resolved(TuneConfig(), 4, 30).epochs == 12  # capped
+    given = resolved(TuneConfig(train_blocks=0, lr=3e-4, epochs=2), 40, 30)
     assert (given.train_blocks, given.lr, given.epochs) == (0, 3e-4, 2)  # 0: every block, as asked
-    assert tn.resolved(tn.TuneConfig(train_blocks=0), 40, 30).lr == 3e-4  # every block: the gentler rate
-    assert tn.resolved(tn.TuneConfig(), 79, 30).train_blocks == 4 and tn.resolved(tn.TuneConfig(), 80, 30).train_blocks == 0
-    full = tn.resolved(tn.TuneConfig(method="full"), 40, 30)
+    assert resolved(TuneConfig(train_blocks=0), 40, 30).lr == 3e-4  # every block: the gentler rate
+    assert resolved(TuneConfig(), 79, 30).train_blocks == 4 and resolved(TuneConfig(), 80, 30).train_blocks == 0
+    full = resolved(TuneConfig(method="full"), 40, 30)
     assert (full.train_blocks, full.lr, full.epochs) == (0, 2e-5, 3)
-    assert tn.resolved(tn.TuneConfig(), 40, 2).train_blocks == 2  # a model with fewer blocks: all of them
-    assert tn.resolved(tn.TuneConfig(), 240, 30, held=60).patience == 2
-    assert tn.resolved(tn.TuneConfig(), 40, 30, held=10).patience > 100  # 10 questions: no early stopping
-    assert tn.resolved(tn.TuneConfig(patience=1), 40, 30, held=10).patience == 1
+    assert resolved(TuneConfig(), 40, 2).train_blocks == 2  # a model with fewer blocks: all of them
+    assert resolved(TuneConfig(), 240, 30, held=60).patience == 2
+    assert resolved(TuneConfig(), 40, 30, held=10).patience > 100  # 10 questions: no early stopping
+    assert resolved(TuneConfig(patience=1), 40, 30, held=10).patience == 1
     with pytest.raises(ValueError, match="train_blocks must be >= 0"):
-        tn.TuneConfig(train_blocks=-1)
+        TuneConfig(train_blocks=-1)
 
 
 def test_train_blocks_flag_takes_a_count_or_all():
@@ -1045,14 +1046,14 @@ def test_train_blocks_flag_takes_a_count_or_all():
 
 
 def test_teacher_targets_blend_the_engines_answer_asked_alone_with_the_label(tiny_engine_dir, tmp_path):
-    """`python -m onepass.calibration.teacher_targets`: each row's target is weight x the teacher's served answer
+    """`python -m onepass.calibration.teach.targets`: each row's target is weight x the teacher's served answer
     (the questions about one state are asked in one pass; the reference asks each row alone) + (1 - weight) x the
     label's one-hot; crossed rows ask each state a question of another data set, with the teacher's answer alone.
     Negative control: the same question about another state gets another answer, which the comparison would catch."""
     from onepass import Engine
-    from onepass.calibration.run import label_index
-    from onepass.calibration.teacher_targets import crossed_rows, teach
-    from onepass.calibration.tune_data import load_rows as load_tune_rows
+    from onepass.calibration.data.rows import label_index
+    from onepass.calibration.teach.targets import crossed_rows, teach
+    from onepass.calibration.data.rows import load_rows as load_tune_rows
     from onepass.runtime.core.questions import from_wire
     from onepass.runtime.teacher.client import answer_distribution, option_keys
 
@@ -1098,7 +1099,7 @@ def test_teacher_targets_cli_writes_taught_rows_and_its_errors_are_one_line_and_
                              {"dataset": "team", "state": "Note 2.", "question": TEAM, "label": "red"}], "good.jsonl")
 
     def run(rows, teacher, out, *extra):
-        return subprocess.run([sys.executable, "-m", "onepass.calibration.teacher_targets", "--rows", str(rows),
+        return subprocess.run([sys.executable, "-m", "onepass.calibration.teach.targets", "--rows", str(rows),
                                "--teacher", str(teacher), "--out", str(out), *extra], capture_output=True, text=True)
 
     out = tmp_path / "taught.jsonl"

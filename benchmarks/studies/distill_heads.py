@@ -4,7 +4,7 @@ On the work directory of ``benchmarks/distill.py`` (its teachers and the labels 
 task: the student's training rows (``student.distill/train.jsonl``: the teacher's distributions for 240 unlabelled
 states) and the task's 300 test states, answered by the teacher engine in-process, are run once through the base
 engine's decoder as tune scores them (``PackedScorer``, PyTorch fp32), keeping what a head reads (cached in
-``<work>/<task>/heads-features.pkl``). Then the head candidate (``calibration/head_candidate.py``: five seeds, the
+``<work>/<task>/heads-features.pkl``). Then the head candidate (``calibration/heads/candidate.py``: five seeds, the
 calibrated prior, a temperature from out-of-fold scores) is fitted on the training rows three ways:
 
 * ``argmax, 60 epochs``: the teacher's most probable option as a label (what `distill` fitted until 2026-12-05; its
@@ -33,8 +33,8 @@ import distill as bench  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import target_nll  # noqa: E402
+from onepass.calibration.heads import candidate as hc  # noqa: E402
+from onepass.calibration.scoring.metrics import target_nll  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 # (name, fitted to the distributions, epochs); the temperature is chosen against the distributions in all three
@@ -67,9 +67,10 @@ def features(engine: Path, root: Path, task: str) -> dict:
         return pickle.loads(cache.read_bytes())
     import torch
 
-    from onepass.calibration.candidates import scored_rows
-    from onepass.calibration.tune import PackedScorer, TuneConfig, encode_groups, resolved
-    from onepass.calibration.tune_data import group_by_state, load_rows
+    from onepass.calibration.tune.candidates import scored_rows
+    from onepass.calibration.tune.config import TuneConfig, resolved
+    from onepass.calibration.tune.trainer import PackedScorer, encode_groups
+    from onepass.calibration.data.rows import group_by_state, load_rows
     from onepass.export.model_source import engine_source, load_model
     from onepass.runtime.backends.torch_decoder import PackedDecoder
     from onepass.runtime.core import manifest as mf

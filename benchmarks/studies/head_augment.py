@@ -34,10 +34,10 @@ import tune_eval as te  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import RULE  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.tune_data import load_rows  # noqa: E402
+from onepass.calibration.heads import candidate as hc  # noqa: E402
+from onepass.calibration.tune.candidates import RULE  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.data.rows import load_rows  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DATASETS = ("tweets_choice", "speeches", "bbc")  # choice questions: the ones whose options have an order to change

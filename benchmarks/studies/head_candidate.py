@@ -5,8 +5,8 @@ as `benchmarks/tune_eval.py user`), the base engine's decoder (PyTorch, fp32) ru
 option, the final-normed hidden state after it and its mean log-likelihood, and at the trunk's end (the "Answer:"
 token) one hidden state per question. Fitted on the training rows only, judged by accuracy on the test rows:
 
-* ``head w16 wd...``: the decision head of ``calibration/head.py`` (``beta * mean + MLP(h)``, width 16, cross-entropy
-  only, a fixed number of epochs); ``wd0.1 ep60`` is what ``calibration/head_candidate.py`` fits;
+* ``head w16 wd...``: the decision head of ``calibration/heads/head.py`` (``beta * mean + MLP(h)``, width 16, cross-entropy
+  only, a fixed number of epochs); ``wd0.1 ep60`` is what ``calibration/heads/candidate.py`` fits;
 * ``probe trunk``: a multinomial logistic regression on the trunk-end state (one weight vector per option position),
   L2 chosen by 5-fold cross-validation on the training rows, with (prior=True) or without the zero-shot scores as
   an offset.
@@ -31,10 +31,10 @@ import tune_eval as te  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from onepass.calibration import head as hd  # noqa: E402
-from onepass.calibration.head_features import OptionFeatures, example_pass, option_rows  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.tune_data import load_rows  # noqa: E402
+from onepass.calibration.heads import head as hd  # noqa: E402
+from onepass.calibration.heads.features import OptionFeatures, example_pass, option_rows  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.data.rows import load_rows  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
 from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402

@@ -32,8 +32,8 @@ import tune_eval as te  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import HEAD_Z, RULE, TIE, candidates, choose, paired_difference  # noqa: E402
+from onepass.calibration.heads import candidate as hc  # noqa: E402
+from onepass.calibration.tune.candidates import HEAD_Z, RULE, TIE, candidates, choose, paired_difference  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 POOL = 250  # training rows the draws are sampled from
@@ -62,7 +62,7 @@ def _choice(train: list[dict], folds: int, seed: int, head_rows=lambda inside: i
     """tune's cross-validated choice over ``folds`` folds of whole states: (the candidate each rule chooses, every
     candidate's cross-validated NLL and accuracy, and the paired standard error of head - base+calibrate); each
     fold's head is fitted on ``head_rows`` of its training rows (``head_augment``: with their other option orders)."""
-    from onepass.calibration.tune_choice import state_folds
+    from onepass.calibration.tune.choice import state_folds
 
     fold_of = state_folds([_Chunk(r["state"]) for r in train], folds, seed)
     sets, heads = [], []

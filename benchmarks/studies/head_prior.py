@@ -8,7 +8,7 @@ fitted on the training rows only:
 * ``base+calibrate``: the temperature/bias calibration tune fits;
 * ``head, raw read-out``: the head candidate as it was before (five seeds, tempered), adding its MLP to ``beta * z``
   where z are the untuned mean log-likelihoods;
-* ``head, calibrated prior``: the head candidate now (``calibration/head_candidate.py``: ``Prior``), adding it to the
+* ``head, calibrated prior``: the head candidate now (``calibration/heads/candidate.py``: ``Prior``), adding it to the
   read-out calibrated on the same rows.
 
 Each is judged on the test rows and by a 3-fold cross-validation over the training rows (what tune's choice sees).
@@ -33,8 +33,8 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # s
 import head_seeds as hs  # noqa: E402
 import tune_eval as te  # noqa: E402
 
-from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import TIE  # noqa: E402
+from onepass.calibration.heads import candidate as hc  # noqa: E402
+from onepass.calibration.tune.candidates import TIE  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DATASETS = hs.DATASETS

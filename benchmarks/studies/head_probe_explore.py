@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onepass.calibration import bigbench as bb
-from onepass.calibration import head as hd
-from onepass.calibration.head_features import OptionFeatures, example_pass, extract, last_readouts
+from onepass.calibration.data import bigbench as bb
+from onepass.calibration.heads import head as hd
+from onepass.calibration.heads.features import OptionFeatures, example_pass, extract, last_readouts
 from onepass.export.model_source import cache_root
 from onepass.runtime.backends.torch_backend import decoder_from_engine
 from onepass.runtime.core import manifest as mf

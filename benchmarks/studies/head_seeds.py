@@ -6,7 +6,7 @@ option, the final-normed hidden state after it and its mean log-likelihood (``he
 ``--cache``). Then, fitted on the training rows only:
 
 * ``base+calibrate``: the temperature/bias calibration tune fits;
-* ``head``: one head as ``calibration/head_candidate.py`` fits it with one seed (tempered on its own out-of-fold
+* ``head``: one head as ``calibration/heads/candidate.py`` fits it with one seed (tempered on its own out-of-fold
   scores);
 * ``5 seeds``: the merged average of five such heads (seeds 0..4), what the head candidate fits now.
 
@@ -31,10 +31,10 @@ import tune_eval as te  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration import head_candidate as hc  # noqa: E402
-from onepass.calibration.candidates import calibrated, heldout_metrics  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.tune_data import load_rows  # noqa: E402
+from onepass.calibration.heads import candidate as hc  # noqa: E402
+from onepass.calibration.tune.candidates import calibrated, heldout_metrics  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.data.rows import load_rows  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
 from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onepass.calibration.bigbench import Example
-from onepass.calibration.head_features import OptionFeatures, extract
-from onepass.calibration.mixture import heldout_rows, write_jsonl
-from onepass.calibration.run import load_rows
+from onepass.calibration.data.bigbench import Example
+from onepass.calibration.heads.features import OptionFeatures, extract
+from onepass.calibration.data.mixture import heldout_rows, write_jsonl
+from onepass.calibration.measure.calibrate import load_rows
 from onepass.runtime.backends.torch_backend import decoder_from_engine
 from onepass.runtime.core import manifest as mf
 from onepass.runtime.core.prompt import PromptEncoder

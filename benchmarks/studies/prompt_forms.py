@@ -13,7 +13,7 @@ the compact one, a retrained one).
   (``roofline.pass_flops``).
 * Time: the 13 questions on the README ticket, warm (the state cached) and cold (no cache), both engines on the
   default backend, interleaved round by round after a warm-up round; medians.
-* Accuracy: ``--heldout`` rows (``python -m onepass.calibration.mixture --heldout``: Rotten Tomatoes as sentiment
+* Accuracy: ``--heldout`` rows (``python -m onepass.calibration.data.mixture --heldout``: Rotten Tomatoes as sentiment
   and as plot vs review, the generated ``compare`` family: held out of the mixture, never trained on by either
   adapter) and the test rows of ``--datasets`` (``tune_eval.user_rows``: the data sets a user's task is measured on;
   BBC, tweets and speeches are sources of the mixture, so their test states are checked against ``--mixture``).
@@ -48,9 +48,9 @@ from tune_eval import _auc, user_rows  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from onepass.calibration.candidates import clustered_mean  # noqa: E402
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.run import cross_fitted_probabilities, load_rows, probabilities, score_rows  # noqa: E402
+from onepass.calibration.tune.candidates import clustered_mean  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.measure.calibrate import cross_fitted_probabilities, load_rows, probabilities, score_rows  # noqa: E402
 from onepass.runtime import Engine  # noqa: E402
 from onepass.runtime.core.guarantee import cpu_model  # noqa: E402
 from onepass.runtime.core.prompt import FORMS  # noqa: E402

@@ -30,10 +30,11 @@ from tune_eval import RESULTS, _machine, _majority, user_rows  # noqa: E402
 
 import torch  # noqa: E402
 
-from onepass.calibration.mixture import write_jsonl  # noqa: E402
-from onepass.calibration.tune import PackedScorer, Trainer, TuneConfig, encode_groups, evaluate, resolved  # noqa: E402
-from onepass.calibration.tune_data import group_by_state, load_rows, split_states  # noqa: E402
-from onepass.calibration.tune_engine import _trainable  # noqa: E402
+from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
+from onepass.calibration.tune.config import TuneConfig, resolved  # noqa: E402
+from onepass.calibration.tune.trainer import PackedScorer, Trainer, encode_groups, evaluate  # noqa: E402
+from onepass.calibration.data.rows import group_by_state, load_rows, split_states  # noqa: E402
+from onepass.calibration.tune.engine import _trainable  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
 from onepass.runtime.backends.torch_decoder import PackedDecoder  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402

@@ -31,7 +31,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # studies, benchmarks
 from tune_eval import speech_passages  # noqa: E402
 
-from onepass.calibration.head_features import example_pass, last_readouts  # noqa: E402
+from onepass.calibration.heads.features import example_pass, last_readouts  # noqa: E402
 from onepass.runtime.backends.torch_backend import decoder_from_engine  # noqa: E402
 from onepass.runtime.core import manifest as mf  # noqa: E402
 from onepass.runtime.core.prompt import PromptEncoder  # noqa: E402

@@ -20,15 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.core import manifest as mf
-from ..runtime.core import task_store
-from ..runtime.core.errors import OnepassError
-from ..runtime.core.prompt import PromptEncoder
-from ..runtime.core.readout_calibration import question_key
-from ..runtime.core.tasks import TaskAdapter, projection_shapes
-from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, resolved
-from .tune_choice import CV_BELOW_ROWS, Runs, check_cv_states, train_and_choose
-from .tune_data import group_by_state, load_rows, split_states
+from ...runtime.core import manifest as mf
+from ...runtime.core import task_store
+from ...runtime.core.errors import OnepassError
+from ...runtime.core.prompt import PromptEncoder
+from ...runtime.core.readout_calibration import question_key
+from ...runtime.core.tasks import TaskAdapter, projection_shapes
+from ..data.rows import group_by_state, load_rows, split_states
+from .choice import CV_BELOW_ROWS, Runs, check_cv_states, train_and_choose
+from .config import TuneConfig, resolved
+from .trainer import NothingLearned, PackedScorer, encode_groups
 
 
 # A task's own defaults, where tune's flags leave them open. The top 4 blocks: its slots then cost 1.07x an untuned
@@ -53,9 +54,9 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
               config: TuneConfig = task_config(TuneConfig()), log=print) -> dict:
     """Tune the task ``name`` on ``data`` and store it beside the engine ``engine_dir`` (replacing a task of that
     name); returns the card written. ``config``: tune's settings (``task_config`` gives a task's defaults)."""
-    from ..export.model_source import engine_source, load_model
-    from ..runtime.backends.torch_decoder import PackedDecoder
-    from .tune_engine import _fingerprint, _trainable
+    from ...export.model_source import engine_source, load_model
+    from ...runtime.backends.torch_decoder import PackedDecoder
+    from .engine import _fingerprint, _trainable
 
     t0 = time.perf_counter()
     engine_dir = Path(engine_dir)
@@ -158,7 +159,7 @@ def _adapter(model, name: str) -> TaskAdapter:
 def _weight_map(decoder, path: Path, log) -> dict | None:
     """The slot graph's weight map (``export.build.weight_map``), or None, said, where a weight matched no
     initializer: ONNX Runtime and OpenVINO need no map, and the PyTorch backend refuses a slot graph without one."""
-    from ..export.build import weight_map
+    from ...export.build import weight_map
 
     try:
         return weight_map(decoder, path)
@@ -171,8 +172,8 @@ def _weight_map(decoder, path: Path, log) -> dict | None:
 def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
     """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
     ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
-    from ..export.onnx_graph import export_task_decoder
-    from ..runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
+    from ...export.onnx_graph import export_task_decoder
+    from ...runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
     have = set(task_store.slot_blocks(engine_dir))
     if have and blocks <= have:

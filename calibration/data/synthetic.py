@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 
-from ..runtime.core.questions import Choice, Noul, Score, to_wire
+from ...runtime.core.questions import Choice, Noul, Score, to_wire
 
 ITEMS = ["apples", "a garden hose", "blue paint", "a soldering iron", "oat milk", "a road bike", "printer paper",
          "a camping stove", "green tea", "winter boots", "a sewing machine", "olive oil", "a desk lamp", "rice",

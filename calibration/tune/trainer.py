@@ -6,7 +6,7 @@ that share it (with all their options) go through one tree-masked pass of the ex
 the engine's own prompt encoder), and an option's score is the same exact chain-rule
 log-likelihood and read-out (``mean`` or ``sum``) the runtime soft-maxes. The loss is
 cross-entropy over each question's options (or against a teacher distribution) plus the RLCD
-term (:mod:`onepass.calibration.rlcd`). LoRA adapters (peft) on the attention and MLP
+term (:mod:`onepass.calibration.scoring.rlcd`). LoRA adapters (peft) on the attention and MLP
 projections, or every weight (``method="full"``), of all or only the top blocks.
 
 The result is an ordinary engine: the adapter is merged into the weights and exported through
@@ -25,16 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.core import manifest as mf
-from ..runtime.core.errors import LimitExceeded, OnepassError
-from ..runtime.core.prompt import PromptEncoder
-from ..runtime.core.questions import Score
-from ..runtime.core.tree import pack
-from ..runtime.backends.batch import causal
-from .rlcd import cross_entropy, rlcd_loss
-from .tune_config import (AUTO_BLOCKS, DEPTH_FRACTIONS, METHODS, WRITES, TuneConfig, head_depths,  # noqa: F401
-                          resolved)
-from .tune_data import TuneRow
+from ...runtime.backends.batch import causal
+from ...runtime.core import manifest as mf
+from ...runtime.core.errors import LimitExceeded, OnepassError
+from ...runtime.core.prompt import PromptEncoder
+from ...runtime.core.questions import Score
+from ...runtime.core.tree import pack
+from ..data.rows import TuneRow
+from ..scoring.rlcd import cross_entropy, rlcd_loss
+from .config import TuneConfig
 
 class NothingLearned(OnepassError):
     """Tuning never beat the base engine on the held-out rows: no engine is written unless asked (keep_base)."""

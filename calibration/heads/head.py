@@ -5,7 +5,7 @@ mean log-likelihood) plus a small MLP over the hidden state after the option (se
 :class:`onepass.runtime.backends.torch_decoder.DecisionHead`). ``beta`` lives in the manifest; the MLP is
 exported into the score graph, so answering stays one pass.
 
-The loss is cross-entropy plus RLCD (:mod:`onepass.calibration.rlcd`, the same term
+The loss is cross-entropy plus RLCD (:mod:`onepass.calibration.scoring.rlcd`, the same term
 ``onepass tune`` trains the decoder with).
 """
 
@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from ..export import head_file
-from ..runtime.backends.torch_decoder import DecisionHead
-from .candidates import target_nll
-from .head_features import OptionFeatures
-from .rlcd import cross_entropy, rlcd_loss
+from ...export import head_file
+from ...runtime.backends.torch_decoder import DecisionHead
+from ..scoring.metrics import target_nll
+from ..scoring.rlcd import cross_entropy, rlcd_loss
+from .features import OptionFeatures
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The decision head as one of `onepass tune`'s candidates: the cheapest fit that learns from the hidden states.
 
 The untuned engine already computes, for every option, the final-normed hidden state after reading it; with a few
-dozen labelled rows a small head over those states (:class:`onepass.calibration.head.HeadModel`: ``beta * zero_shot +
+dozen labelled rows a small head over those states (:class:`onepass.calibration.heads.head.HeadModel`: ``beta * zero_shot +
 head(h)``) separates what the zero-shot read-out does not (50 Rotten Tomatoes rows: 0.64 on 300 unseen states, where
 calibrating the untuned engine gives 0.51 and tuning LoRA 0.56; ``benchmarks/studies/results/head_candidate.md``). Its
 features come from the same pass that scores the untuned candidates, so it costs tune a few seconds of fitting per run,
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runtime.core.readout_calibration import Calibration, GroupCalibration
+from ...runtime.core.readout_calibration import Calibration, GroupCalibration
+from ..scoring.fit import fit as fit_calibration
+from ..scoring.metrics import target_nll
 from . import head as hd
-from .candidates import target_nll
-from .fit import fit as fit_calibration
-from .head_features import OptionFeatures, distribution
+from .features import OptionFeatures, distribution
 
 # Measured on 50 and 200 rows of BBC, Rotten Tomatoes, tweets and speeches (benchmarks/studies/results/head_candidate.md):
 # cross-entropy only, a narrow MLP, strong weight decay and a fixed number of epochs (no rows to stop early on).

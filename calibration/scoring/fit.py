@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import minimize
 
-from ..runtime.core.readout_calibration import Calibration, GroupCalibration, group_key
+from ...runtime.core.readout_calibration import Calibration, GroupCalibration, group_key
 
 MIN_ROWS = 20  # a group with fewer training rows stays uncalibrated
 BIAS_L2 = 1e-3
@@ -145,7 +145,7 @@ def fit(rows: list[dict], readout: str, source: dict | None = None, matrix: bool
 
     Type groups (noul, choice/K, score/K) always; a question's own group when at least
     MIN_ROWS rows ask exactly that question. ``matrix`` False: temperature and bias only, never a matrix (a decision
-    head's prior, which must fold into a bias: ``calibration/head_candidate.py``).
+    head's prior, which must fold into a bias: ``calibration/heads/candidate.py``).
     """
     groups = {key: _fit_members(key, members, matrix) for key, members in sorted(_groups(rows).items())
               if len(members) >= MIN_ROWS}

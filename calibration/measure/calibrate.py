@@ -15,31 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.core import manifest as mf
-from ..runtime.core.engine import Engine
-from ..runtime.core.errors import InvalidRequest, OnepassError
-from ..runtime.core.questions import Noul, Score, as_text, from_wire
-from ..runtime.core.readout import softmax
-from . import metrics
-from .fit import MIN_ROWS, fit, too_small
+from ...runtime.core import manifest as mf
+from ...runtime.core.engine import Engine
+from ...runtime.core.errors import InvalidRequest, OnepassError
+from ...runtime.core.questions import Noul, Score, as_text, from_wire
+from ...runtime.core.readout import softmax
+from ..data.rows import label_index
+from ..scoring import metrics
+from ..scoring.fit import MIN_ROWS, fit, too_small
 
-
-def label_index(question, label) -> int:
-    """The option index of a label; InvalidRequest when it is not one of the question's options."""
-    if isinstance(question, Noul):
-        table = {"yes": 0, "true": 0, "1": 0, "no": 1, "false": 1, "0": 1}
-        key = str(label).strip().lower()
-        if key not in table:
-            raise InvalidRequest(f"a noul label must be yes/no or true/false, got {label!r}", "label")
-        return table[key]
-    names = [as_text(o) for o in question.criteria]
-    if isinstance(question, Score) and isinstance(label, int) and not isinstance(label, bool):
-        if 0 <= label < len(names):
-            return label
-        raise InvalidRequest(f"score label {label} is outside 0..{len(names) - 1}", "label")
-    if as_text(label) in names:
-        return names.index(as_text(label))
-    raise InvalidRequest(f"label {label!r} is not one of the options {names}", "label")
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -157,7 +141,7 @@ def calibrate(engine_dir: str | Path, data: str | Path, holdout: float = 0.3, se
               "skipped": skipped, "min_rows": MIN_ROWS}
     mf.write(engine_dir, dataclasses.replace(engine.manifest, calibration=calibration))
     if report_dir:
-        from .report import write_report
+        from ..scoring.report import write_report
 
         write_report(report, Path(report_dir))
     return report

@@ -15,7 +15,7 @@
    the training states, the held-out states for early stopping.
 3. **Gate**: on the held-out states, per question, the lowest confidence at which the student's answers
    agree with the teacher's (argmax) on at least ``target_agreement`` of the questions it would answer
-   (:func:`onepass.calibration.metrics.coverage_at`); 1.0 where no share reaches it. The thresholds go into
+   (:func:`onepass.calibration.scoring.metrics.coverage_at`); 1.0 where no share reaches it. The thresholds go into
    the student's manifest (``gate``): `onepass serve --engine OUT --teacher URL` answers locally above them
    and forwards the rest to the teacher.
 
@@ -38,15 +38,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.core import manifest as mf
-from ..runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
-from ..runtime.core.prompt import state_text
-from ..runtime.core.questions import from_wire, to_wire
-from ..runtime.tools.request_files import json_lines, read_text
-from ..runtime.teacher.client import (TeacherError, TeacherRefused, answer_distribution, dumps, option_keys,
+from ...runtime.core import manifest as mf
+from ...runtime.core.errors import InvalidRequest, LimitExceeded, OnepassError
+from ...runtime.core.prompt import state_text
+from ...runtime.core.questions import from_wire, to_wire
+from ...runtime.teacher.client import (TeacherError, TeacherRefused, answer_distribution, dumps, option_keys,
                                      wire_probabilities)
-from . import metrics
-from .tune import TuneConfig
+from ...runtime.tools.request_files import json_lines, read_text
+from ..scoring import metrics
+from ..tune.config import TuneConfig
 
 LABEL_KEYS = {"state_id", "qid", "state", "question", "probabilities"}
 MAX_FAILED_SHARE = 0.1  # more of the states failing than this stops the labelling (the rest would likely fail too)
@@ -267,8 +267,8 @@ def distill(engine_dir: str | Path, teacher, states_path: str, questions_path: s
     student is that tuned task, added beside ``engine_dir`` (``out`` None: the labels and report go beside the engine,
     in ``<engine>.<task>.distill``); its gate is measured and recorded in its card (a distilled engine's gate is what
     ``serve --teacher`` reads)."""
-    from ..runtime.core.engine import Engine
-    from .tune_engine import adapter_at, tune
+    from ...runtime.core.engine import Engine
+    from ..tune.engine import adapter_at, tune
 
     if not 0.5 <= target_agreement < 1.0:
         raise InvalidRequest(f"--target-agreement must be within [0.5, 1), got {target_agreement}")
@@ -337,10 +337,10 @@ def _distill_task(engine_dir, task: str, teacher, train: Path, held: dict, quest
                   config: TuneConfig, log) -> dict:
     """The student as a tuned task of ``engine_dir``: tuned on ``train`` (tune --task), its agreement with the teacher
     and gate measured on the ``held`` states and recorded in its card."""
-    from ..runtime.core import task_store
-    from ..runtime.core.engine import Engine
-    from ..runtime.core.questions import with_task
-    from .tune_task import tune_task
+    from ...runtime.core import task_store
+    from ...runtime.core.engine import Engine
+    from ...runtime.core.questions import with_task
+    from ..tune.task import tune_task
 
     log(f"tuning the task {task!r} on the teacher's answers; {len(held)} states held out for the gate")
     tune_task(engine_dir, [train], task, config, log=log)

@@ -104,3 +104,9 @@ def ece_floor(probs: np.ndarray, reps: int = 200, seed: int = 0) -> float:
         labels = np.minimum((rng.random((len(probs), 1)) > cum).sum(1), probs.shape[1] - 1)
         out.append(ece(probs, labels))
     return float(np.mean(out))
+
+
+def target_nll(logp: np.ndarray, target) -> float:
+    """-log p of a label index, or the cross-entropy of ``logp`` against a teacher's distribution: the loss every
+    candidate is judged by (and a head's temperature chosen by)."""
+    return -float(logp[int(target)]) if np.ndim(target) == 0 else -float(np.dot(np.asarray(target), logp))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.core.engine import Engine
-from . import metrics
-from .run import load_rows, probabilities, score_rows
+from ...runtime.core.engine import Engine
+from ..scoring import metrics
+from .calibrate import load_rows, probabilities, score_rows
 
 
 def _block(probs, labels, k, min_confidence, target_accuracy) -> dict:
@@ -88,7 +88,7 @@ CONFUSION_PANELS, CONFUSION_OPTIONS = 8, 12  # the plot's readable limits; eval.
 def _confusion_plot(report: dict, path: Path) -> None:
     """The confusion matrices (rows: label, columns: answer) of the first 8 questions with at most 12 options, one
     panel each; no file when no question qualifies."""
-    from .report import plt
+    from ..scoring.report import plt
 
     questions = [q for q in report["questions"].values() if len(q["options"]) <= CONFUSION_OPTIONS][:CONFUSION_PANELS]
     if not questions:
@@ -112,7 +112,7 @@ def _confusion_plot(report: dict, path: Path) -> None:
 def write(report: dict, out: Path) -> None:
     """eval.json, eval.md and plots/ (reliability, coverage, confusion). With ``report["compare"]`` (a second
     engine's report on the same rows, ``--compare``) the table, the reliability and coverage plots show both."""
-    from .report import plot_coverage, plot_reliability
+    from ..scoring.report import plot_coverage, plot_reliability
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

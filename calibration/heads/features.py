@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runtime.core.tree import QuestionTokens, pack
+from ...runtime.core.tree import QuestionTokens, pack
 
 
 @dataclass
@@ -41,7 +41,7 @@ class OptionFeatures:
 
     def zero_shot_probabilities(self) -> list[np.ndarray]:
         """Per question, the softmax of the zero-shot read-out over its options."""
-        from ..runtime.core.readout import softmax
+        from ...runtime.core.readout import softmax
 
         z = self.mean_logprob()
         return [softmax(z[self.offsets[i]:self.offsets[i + 1]]) for i in range(self.num_questions)]

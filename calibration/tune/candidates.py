@@ -4,9 +4,9 @@ The candidates, all judged on the same held-out states (never trained on, never 
 
 - ``base``: the untuned engine, zero-shot;
 - ``base+calibrate``: the untuned engine with a calibration (temperature and bias per group,
-  :func:`onepass.calibration.fit.fit`) fitted on the training rows' scores;
+  :func:`onepass.calibration.scoring.fit.fit`) fitted on the training rows' scores;
 - ``head``: the untuned engine with a decision head fitted on the training rows' hidden states
-  (:mod:`onepass.calibration.head_candidate`; the engine's read-out becomes ``head``). It has no calibrated twin: its
+  (:mod:`onepass.calibration.heads.candidate`; the engine's read-out becomes ``head``). It has no calibrated twin: its
   temperature is chosen on its own out-of-fold scores already, and a calibration fitted on the scores of the rows it
   was fitted on would only sharpen it;
 - ``tuned``: the tuned weights;
@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runtime.core.readout import softmax
-from ..runtime.core.readout_calibration import Calibration, question_key
-from .fit import fit
+from ...runtime.core.readout import softmax
+from ...runtime.core.readout_calibration import Calibration, question_key
+from ..scoring.fit import fit
+from ..scoring.metrics import target_nll
 
 # cheapest first: a tie goes to the earlier (the heads at several depths sort shallowest first, ``head`` last of them)
 ORDER = ("base", "base+calibrate", "head", "tuned", "tuned+calibrate")
@@ -96,11 +97,11 @@ class Candidate:
 
 
 def scored_rows(scorer, chunks: list, encoder, features: bool = False, depths=()) -> list[dict]:
-    """The rows of ``chunks`` scored by ``scorer`` (no gradient), as :func:`onepass.calibration.fit.fit` reads them:
+    """The rows of ``chunks`` scored by ``scorer`` (no gradient), as :func:`onepass.calibration.scoring.fit.fit` reads them:
     type, scores, label, option names, question key; ``target``: the label or the teacher's distribution. With
     ``features``, each row also carries what a decision head reads (``scorer.scores_and_features``) and its state's
     key, from the same pass; with ``depths`` as well, ``features_at``: per block count, the same features read after
-    that many blocks (:meth:`onepass.calibration.tune.PackedScorer.scores_and_features`)."""
+    that many blocks (:meth:`onepass.calibration.tune.trainer.PackedScorer.scores_and_features`)."""
     out = []
     with torch.no_grad():
         for chunk in chunks:
@@ -133,11 +134,6 @@ def row_losses(rows: list[dict], calibration: Calibration | None) -> tuple[list[
         hits += int(np.argmax(p) == r["label"])
     return losses, hits
 
-
-def target_nll(logp: np.ndarray, target) -> float:
-    """-log p of a label index, or the cross-entropy of ``logp`` against a teacher's distribution: the loss every
-    candidate is judged by (and a head's temperature chosen by)."""
-    return -float(logp[int(target)]) if np.ndim(target) == 0 else -float(np.dot(np.asarray(target), logp))
 
 
 def calibrated(train: list[dict], readout: str) -> Calibration | None:

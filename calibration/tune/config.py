@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/head.py)
+METHODS = ("lora", "full", "head")  # head: a decision head over the frozen decoder (calibration/heads/head.py)
 WRITES = ("best", "tuned")  # what tune writes: the best candidate, or the tuned weights whatever the candidates say
 
 
@@ -35,7 +35,7 @@ class TuneConfig:
     eval_every: int | None = None  # optimiser steps between held-out evaluations (None: each epoch)
     max_state_tokens: int = 1024  # longer states are refused (memory of the backward pass)
     keep_base: bool = False  # write the engine even when tuning never beat step 0 (its weights are then the base's)
-    write: str = "best"  # "best": the best held-out candidate (calibration/candidates.py); "tuned": the tuned weights
+    write: str = "best"  # "best": the best held-out candidate (calibration/tune/candidates.py); "tuned": the tuned weights
     head_candidate: bool = True  # a decision head over the untuned engine is a candidate (write="best", method lora)
     # with a head candidate, fewer rows than this train no LoRA run: at 50 rows it never beat the head on the unseen
     # states of five data sets and cost 3-4 runs; at 200 the head alone reaches every data set's 200-row figure of

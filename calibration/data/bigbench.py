@@ -21,8 +21,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.core.errors import InvalidRequest, OnepassError
-from ..runtime.core.questions import Choice
+from ...runtime.core.errors import InvalidRequest, OnepassError
+from ...runtime.core.questions import Choice
 
 VERSION = "1.0.0"
 SDIST_URL = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"

@@ -1,7 +1,7 @@
 """`onepass tune --engine DIR --data rows.jsonl --out DIR`: from a base engine and labelled rows to a tuned engine.
 
 The base engine's model (its source and the adapters merged into it) is loaded, trained with
-:mod:`onepass.calibration.tune`, and the result exported through the ordinary export path into
+:mod:`onepass.calibration.tune.trainer`, and the result exported through the ordinary export path into
 ``--out``: golden file, self-check, manifest with the tuning recorded. Nothing is written to
 ``--out`` unless the whole run succeeds; checkpoints live in ``<out>.tune/`` until then.
 A report (accuracy, NLL, Brier, ECE, reliability plot) compares the base and the tuned engine,
@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.core import manifest as mf
-from ..runtime.core.engine import Engine
-from ..runtime.core.errors import OnepassError
-from ..runtime.core.prompt import PromptEncoder
-from .tune import NothingLearned, PackedScorer, TuneConfig, encode_groups, head_depths, resolved
+from ...runtime.core import manifest as mf
+from ...runtime.core.engine import Engine
+from ...runtime.core.errors import OnepassError
+from ...runtime.core.prompt import PromptEncoder
+from ..data.rows import TuneRow, group_by_state, load_rows, split_states
 from .candidates import RULE, TIE, head_depth, is_head
-from .tune_choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
-from .tune_data import TuneRow, group_by_state, load_rows, split_states
+from .choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
+from .config import TuneConfig, head_depths, resolved
+from .trainer import NothingLearned, PackedScorer, encode_groups
 
 
 def _trainable(model, config: TuneConfig):
@@ -36,7 +37,7 @@ def _trainable(model, config: TuneConfig):
     if config.method == "lora":
         from peft import get_peft_model
 
-        from ..export.adapter import lora_config
+        from ...export.adapter import lora_config
 
         model = get_peft_model(model, lora_config(config.rank, config.alpha, chosen))
         return model, [p for p in model.parameters() if p.requires_grad]
@@ -72,7 +73,7 @@ def _fingerprint(files: list[dict], base: Path) -> dict:
 
 
 def _score_rows(engine: Engine, rows: list[TuneRow]) -> list[dict]:
-    from .run import score_rows
+    from ..measure.calibrate import score_rows
 
     return score_rows(engine, [{"state": r.state, "question": r.question, "label": r.label,
                                 "dataset": r.dataset or "rows"} for r in rows])
@@ -150,7 +151,7 @@ def tune(engine_dir: str | Path, data: list[str | Path], out: str | Path, config
     on tasks or data sets that are not in the training data, so that the kept weights are the ones that
     transfer. A state on both sides is refused.
     """
-    from ..export.model_source import engine_source, load_model
+    from ...export.model_source import engine_source, load_model
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -208,7 +209,7 @@ def _pass_cost(name: str, layers: int) -> dict:
 def _runs(p: Plan, loaded, out: Path, resume: bool, log) -> tuple:
     """(the runs over the trainable model, the model, the work folder of their checkpoints): the LoRA wrappers (or
     trainable blocks) on the device, the scorer over them, what tune is about to do logged."""
-    from ..runtime.backends.torch_decoder import PackedDecoder
+    from ...runtime.backends.torch_decoder import PackedDecoder
 
     config, device = p.config, _device()
     model, params = _trainable(loaded.model, config)
@@ -263,8 +264,8 @@ def _write_tuned(p: Plan, loaded, model, spec, adapters, outcome, metrics: dict,
                  name: str | None) -> mf.TuningInfo:
     """The tuned weights exported to ``out`` (the LoRA adapter merged, or the whole tuned model), the tuning and the
     chosen candidate's calibration recorded; returns the tuning recorded."""
-    from ..export.adapter import CARD, CONFIG, WEIGHTS, save
-    from ..export.build import export_engine
+    from ...export.adapter import CARD, CONFIG, WEIGHTS, save
+    from ...export.build import export_engine
 
     config, base, chosen, progress = p.config, p.base, outcome.chosen, outcome.progress
     device = _device()
@@ -305,7 +306,7 @@ def _write_head_engine(head, choice: dict, base_dir: Path, base, spec, adapters,
     """``out``: the base engine's weights with the chosen decision head (its temperature folded in) in the graph
     (read-out ``head``), the bias of the prior it corrects as the calibration of that read-out
     (``head_candidate.served``; the head has no calibrated twin)."""
-    from . import head_candidate
+    from ..heads import candidate as head_candidate
 
     head, calibration = head_candidate.served(head)
     depth = getattr(head, "depth", None)
@@ -323,7 +324,7 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
     manifest): appended to the base's graph where it can be (seconds; ``export.head_graph``), else the decoder exported
     again with it (about a minute); a head read at a depth (``head_info.depth``) is always exported again, with only
     the blocks it reads."""
-    from ..export import head_graph
+    from ...export import head_graph
 
     def finish(m):
         return dataclasses.replace(adapter_at(m, out), calibration=calibration)
@@ -335,7 +336,7 @@ def write_head_engine(base_dir: Path, base, spec, adapters, out: Path, name: str
         except Exception as e:  # noqa: BLE001 - a graph this path did not foresee: the full export below still can
             logging.getLogger(__name__).warning("appending the head to %s's graph failed (%s): exporting the decoder "
                                                 "with it", base.name, e)
-    from ..export.build import export_engine
+    from ...export.build import export_engine
 
     export_engine(out, spec, name=name, limits=base.limits, prompt=base.prompt, precision=base.precision,
                   adapters=adapters, head=head, head_info=head_info, finish=finish, depth=depth)
@@ -361,7 +362,7 @@ def adapter_at(m: mf.Manifest, engine_dir: Path) -> mf.Manifest:
     folder): its manifest then names the engine, not the work folder that is deleted, so the engine can be re-exported
     or tuned again. An engine without adapter files of its own (the base, or a calibrated copy of it) is left as it
     is: its adapters are its base's."""
-    from ..export.adapter import WEIGHTS
+    from ...export.adapter import WEIGHTS
 
     if WEIGHTS not in m.files or not m.source.get("adapters"):
         return m
@@ -373,9 +374,9 @@ def adapter_at(m: mf.Manifest, engine_dir: Path) -> mf.Manifest:
 def _tune_head(loaded, encoder, base_dir, base, spec, adapters, train_groups, held_groups, files, config, out, name,
                log) -> dict:
     """``method="head"``: the RLCD decision head over the frozen decoder's features, written into the graph."""
-    from ..runtime.backends.torch_decoder import PackedDecoder
-    from . import head as hd
-    from .head_features import extract
+    from ...runtime.backends.torch_decoder import PackedDecoder
+    from ..heads import head as hd
+    from ..heads.features import extract
 
     decoder = PackedDecoder(loaded.model).eval()
     train, held = ([r for g in groups for r in g] for groups in (train_groups, held_groups))
@@ -412,8 +413,8 @@ def write_tune_report(base_dir: Path, tuned_dir: Path, held: list[TuneRow], out:
                       choice: dict | None = None) -> dict:
     """Base vs tuned engine (ONNX Runtime) on the held-out rows: the calibration report's metrics and plots, and the
     candidates tune chose from. A cross-validated choice holds no rows out: the report then records the choice."""
-    from .report import write_report
-    from .run import evaluate
+    from ..scoring.report import write_report
+    from ..measure.calibrate import evaluate
 
     if not held:
         out.mkdir(parents=True, exist_ok=True)

@@ -14,12 +14,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..runtime.core.errors import InvalidRequest, OnepassError
-from ..runtime.core.prompt import state_text
-from ..runtime.tools.request_files import json_lines
-from ..runtime.core.questions import Noul, Question, from_wire
-from ..runtime.teacher.client import distribution_problem, option_keys
-from .run import label_index
+from ...runtime.core.errors import InvalidRequest, OnepassError
+from ...runtime.core.prompt import state_text
+from ...runtime.core.questions import Noul, Question, Score, as_text, from_wire
+from ...runtime.teacher.client import distribution_problem, option_keys
+from ...runtime.tools.request_files import json_lines
+
+
+def label_index(question, label) -> int:
+    """The option index of a label; InvalidRequest when it is not one of the question's options."""
+    if isinstance(question, Noul):
+        table = {"yes": 0, "true": 0, "1": 0, "no": 1, "false": 1, "0": 1}
+        key = str(label).strip().lower()
+        if key not in table:
+            raise InvalidRequest(f"a noul label must be yes/no or true/false, got {label!r}", "label")
+        return table[key]
+    names = [as_text(o) for o in question.criteria]
+    if isinstance(question, Score) and isinstance(label, int) and not isinstance(label, bool):
+        if 0 <= label < len(names):
+            return label
+        raise InvalidRequest(f"score label {label} is outside 0..{len(names) - 1}", "label")
+    if as_text(label) in names:
+        return names.index(as_text(label))
+    raise InvalidRequest(f"label {label!r} is not one of the options {names}", "label")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Training rows whose targets carry another engine's answers: one engine taught to answer like another.
 
-    python -m onepass.calibration.teacher_targets --rows train.jsonl --teacher engines/smollm2 --out taught.jsonl \
+    python -m onepass.calibration.teach.targets --rows train.jsonl --teacher engines/smollm2 --out taught.jsonl \
         [--weight 0.5] [--crossed 1] [--seed 0]
 
-Every labelled row gains ``probabilities`` (the target `onepass tune` trains on, :mod:`.tune_data`; a row's own are
+Every labelled row gains ``probabilities`` (the target `onepass tune` trains on, :mod:`..data.rows`; a row's own are
 replaced): ``weight`` x the teacher engine's served distribution + (1 - weight) x the label's one-hot. ``--crossed
 N`` adds, per state, N questions of *other* data sets of the rows (seeded), unlabelled, whose target is the
 teacher's answer alone: the student learns how the teacher answers questions that do not fit the text, not only the
@@ -27,15 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.core.engine import Engine
-from ..runtime.core.errors import InvalidRequest, OnepassError
-from ..runtime.core.prompt import state_text
-from ..runtime.core.questions import from_wire
-from ..runtime.tools.request_files import json_lines
-from ..runtime.teacher.client import answer_distribution, wire_probabilities
-from .mixture import write_jsonl
-from .run import label_index
-from .tune_data import parse_row
+from ...runtime.core.engine import Engine
+from ...runtime.core.errors import InvalidRequest, OnepassError
+from ...runtime.core.prompt import state_text
+from ...runtime.core.questions import from_wire
+from ...runtime.teacher.client import answer_distribution, wire_probabilities
+from ...runtime.tools.request_files import json_lines
+from ..data.mixture import write_jsonl
+from ..data.rows import label_index
+from ..data.rows import parse_row
 
 
 def crossed_rows(rows: list[dict], per_state: int, seed: int = 0) -> list[dict]:

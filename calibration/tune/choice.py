@@ -9,7 +9,7 @@ own, every row is judged once by a run that never saw it, and only then is the c
 rows (the tuned ones by a last run on every row). The frozen blocks' cache is shared by every run.
 
 Beside the untuned and tuned weights, a decision head over the untuned engine's hidden states is a candidate
-(:mod:`.head_candidate`): it is fitted on the same training rows (per fold) from the features of the pass that scores
+(:mod:`..heads.candidate`): it is fitted on the same training rows (per fold) from the features of the pass that scores
 the untuned candidates, and judged on the same rows as they are. With fewer rows than ``TuneConfig.lora_min_rows``
 the head is the only learner (``lora=False``): no LoRA run is trained, and the choice among base, base+calibrate and
 the head takes seconds (50 rows: the LoRA runs took 45-180 s and never beat the head on unseen states); it is then
@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..runtime.core.errors import OnepassError
-from . import head_candidate
+from ...runtime.core.errors import OnepassError
+from ..heads import candidate as head_candidate
 from .candidates import Candidate, calibrated, candidates, choose, head_depth, head_name, is_head, kept_within_noise, \
     scored_rows
-from .tune import Progress, Trainer
+from .trainer import Progress, Trainer
 
 CV_BELOW_ROWS = 100  # fewer rows than this: a cross-validated choice instead of one held-out split
 CV_FOLDS = 3  # each fold's run costs a training run: 3 keeps 50 rows to ~4 runs
