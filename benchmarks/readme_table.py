@@ -1,13 +1,15 @@
-"""The README's headline table, rendered from the result files behind each claim.
+"""The README's headline table and the figures of docs/benchmarks.md, rendered from the result files behind them.
 
-Each row is one claim about what a user gets today (the current default engine, the current commands), every figure
-read from a JSON file of ``benchmarks/results/`` (or, for what a test guarantees, from the test's own tolerance), with
-its source linked. The README holds the render between two markers; ``--check`` exits 0 when it equals a fresh render
-and 1 otherwise (``tests/test_readme_table.py`` runs it), so a figure can only change with its result file. History
-(what changed when, and the old figures) is in CHANGELOG.md.
+Each README row is one claim about what a user gets today (the current default engine, the current commands), every
+figure read from a JSON file of ``benchmarks/results/`` (or, for what a test guarantees, from the test's own
+tolerance), with its source linked; docs/benchmarks.md holds the longer tables behind those rows. Each file holds its
+render between two markers; ``--check`` exits 0 when both equal a fresh render and 1 otherwise
+(``tests/test_readme_table.py`` runs it), so a figure can only change with its result file. History (what changed
+when, and the old figures) is in CHANGELOG.md; what each study found, in its words of the day, in
+benchmarks/studies/FINDINGS.md.
 
-    python benchmarks/readme_table.py            # rewrite the README's table
-    python benchmarks/readme_table.py --check    # 0: the README's table is the render; 1: it is not
+    python benchmarks/readme_table.py            # rewrite both renders
+    python benchmarks/readme_table.py --check    # 0: both files hold the render; 1: one does not
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- headline table: rendered by benchmarks/readme_table.py from benchmarks/results -->", \
     "<!-- end of the headline table -->"
+DOCS_BEGIN, DOCS_END = "<!-- figures: rendered by benchmarks/readme_table.py from benchmarks/results -->", \
+    "<!-- end of the rendered figures -->"
 
 
 def load(name: str) -> dict:
@@ -205,31 +210,180 @@ def render() -> str:
     return "\n".join(lines + [END])
 
 
-def table_in(text: str) -> str | None:
-    """The README's table between the markers (markers included), None where they are missing."""
-    start, end = text.find(BEGIN), text.find(END)
-    return text[start:end + len(END)] if 0 <= start < end else None
+# docs/benchmarks.md: the tables behind the README's rows (links relative to docs/)
+
+def _doc_link(name: str) -> str:
+    return f"[{Path(name).name}](../benchmarks/results/{name})"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 unless the README's table is the render")
-    ap.add_argument("--readme", default=str(README))
-    args = ap.parse_args(argv)
-    path = Path(args.readme)
+def _table(header: list, rows: list) -> list:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        if any("|" in str(c) for c in row):
+            raise SystemExit(f"a cell of {header} holds '|', which would split the table's row")
+        out.append("| " + " | ".join(str(c) for c in row) + " |")
+    return out
+
+
+def docs_llama() -> list:
+    name = "llama_cpp_side_by_side_compact.json"
+    r = load(name)
+    m = r["median_s"]
+    ratio = lambda who, kind: f"{m[f'llama.cpp {kind}'] / m[f'{who} {kind}']:.1f}x"  # noqa: E731
+    same = r["llama_q4_vs_onepass_fp32_same_weights"]
+    return [f"### Against llama.cpp ({_doc_link(name)}; `python benchmarks/llama_cpp_side_by_side.py`)", "",
+            f"{r['questions']} questions over a {r['state_tokens']}-token state, the same token ids, {r['threads']} "
+            f"threads on {r['cpu']}, medians of {r['rounds']} interleaved rounds. llama.cpp ({r['llama_cpp']}) reuses "
+            f"the state as its API allows: it evaluates {r['llama_cpp_tokens_evaluated_warm']} tokens warm; onepass "
+            f"packs {r['packed_tokens']} ({r['packed_tokens_per_question']} per question, {r['readouts']} read-outs, "
+            f"{r['gflop_total']} GFLOP). On the same weights llama.cpp picks the same option on "
+            f"{same['same_option']} of {r['questions']} questions.", "",
+            *_table(["", "warm", "cold", "warm vs llama.cpp", "cold vs llama.cpp"], [
+                [f"onepass default ({r['backend_auto']}, fp32)", f"{m['onepass auto warm']:.3f} s",
+                 f"{m['onepass auto cold']:.3f} s", ratio("onepass auto", "warm"), ratio("onepass auto", "cold")],
+                ["onepass openvino-cpu-bf16", f"{m['onepass openvino-cpu-bf16 warm']:.3f} s",
+                 f"{m['onepass openvino-cpu-bf16 cold']:.3f} s", ratio("onepass openvino-cpu-bf16", "warm"),
+                 ratio("onepass openvino-cpu-bf16", "cold")],
+                ["llama.cpp", f"{m['llama.cpp warm']:.3f} s", f"{m['llama.cpp cold']:.3f} s", "", ""]])]
+
+
+def docs_bf16() -> list:
+    name = "bf16_guarantee_compact.json"
+    g = load(name)
+    b, s = g["guarantee"]["bounds"], g["speed"]
+    rows = [[k, f"{v['argmax_agreement']:.2f}", f"{v['max_abs_dp']:.3f}", f"{v['mean_abs_dp']:.3f}",
+             "kept" if v["argmax_agreement"] >= b["argmax_agreement"] and v["max_abs_dp"] <= b["max_abs_dp"]
+             else "missed"] for k, v in g["guarantee"]["datasets"].items()]
+    return [f"### bf16, only where its guarantee holds ({_doc_link(name)}; `python benchmarks/bf16_guarantee.py`)", "",
+            f"{g['n']} questions per data set (seed {g['seed']}), OpenVINO bf16 against f32. The bounds: >= "
+            f"{b['argmax_agreement']:.0%} of argmaxes kept and max abs dp <= {b['max_abs_dp']} on every data set. bf16 "
+            f"is {s['openvino-cpu warm']['p50_s'] / s['openvino-cpu-bf16 warm']['p50_s']:.2f}x fp32 warm "
+            f"({s['openvino-cpu-bf16 warm']['p50_s']:.3f} s against {s['openvino-cpu warm']['p50_s']:.3f} s) and "
+            f"{s['openvino-cpu cold']['p50_s'] / s['openvino-cpu-bf16 cold']['p50_s']:.2f}x cold.", "",
+            *_table(["data set", "argmax kept", "max abs dp", "mean abs dp", "bounds"], rows)]
+
+
+def docs_roofline() -> list:
+    name = "roofline.json"
+    r = load(name)
+    f = {k: v / 1e9 for k, v in r["flops"].items()}
+    rows = [[k, f"{v['median_ms']:.0f} ms", f"{v['gflops_per_s']:.0f}", f"{v['share_of_pass_gemm_ceiling']:.0%}"]
+            for k, v in r["backends"].items()]
+    return [f"### How close to the CPU's limit ({_doc_link(name)}; `python benchmarks/roofline.py`)", "",
+            f"A pass of {r['packed_tokens']} packed tokens over {r['state_tokens']} state tokens, {r['total_gflop']:.1f}"
+            " GFLOP counted from the graph (" + ", ".join(f"{k} {v:.1f}" for k, v in f.items()) + f"); numpy's "
+            f"matmul ({r['numpy_blas']}, {r['threads']} threads) runs the pass's own GEMM shapes at "
+            f"{r['ceiling_gflops_per_s']['pass_gemm_shapes']:.0f} GFLOP/s on {r['cpu']} ({r['date']}). The tree mask "
+            f"hides {r['masked_share_of_packed_attention']:.1%} of the packed x packed attention.", "",
+            *_table(["backend", "pass", "GFLOP/s", "of the pass-shape ceiling"], rows)]
+
+
+def docs_depth() -> list:
+    name = "depth_probe.json"
+    r = load(name)
+    layers = str(r["layers"])
+    runs = {k: v for k, v in r["runs"].items() if k.endswith("/200")}
+    depths = sorted({int(d) for v in runs.values() for d in v["depths"]})
+    rows = []
+    for key, run in runs.items():
+        full = run["depths"][layers]["accuracy"]
+        rows.append([key.split("/")[0], *(f"**{run['depths'][str(d)]['accuracy']:.3f}**"
+                                          if run["depths"][str(d)]["accuracy"] >= full - 0.01
+                                          else f"{run['depths'][str(d)]['accuracy']:.3f}" for d in depths)])
+    out = [f"### The decision head read at each block ({_doc_link(name)}; `python benchmarks/depth_probe.py`)", "",
+           "The head fitted on 200 labelled rows and read after k of the model's blocks; accuracy on 300 rows of "
+           "states never trained on (bold: within a point of the full depth, or better).", "",
+           *_table(["data set", *(f"k={d}" for d in depths)], rows)]
+    if (RESULTS / "depth_tune.json").is_file():
+        t = load("depth_tune.json")
+        rows = [[n, v["chosen"]["chosen"], v["chosen"]["blocks"], f"{v['chosen']['accuracy']:.3f}",
+                 f"{v['full']['accuracy']:.3f}", f"{100 * (v['chosen']['accuracy'] - v['full']['accuracy']):+.1f}"]
+                for n, v in t["datasets"].items()]
+        out += ["", f"What `onepass tune` chose on {t['rows']} rows ({_doc_link('depth_tune.json')}; `python "
+                "benchmarks/depth_tune.py`), served on the same unseen rows against `tune --head-depths full`:", "",
+                *_table(["data set", "chosen", "blocks", "accuracy", "full-depth head", "points"], rows)]
+    if (RESULTS / "depth_speed.json").is_file():
+        s = load("depth_speed.json")
+        m = s["median_s"]
+        out += ["", f"An engine cut at {s['blocks']['depth']} of {s['blocks']['full']} blocks against the same head "
+                f"at full depth ({_doc_link('depth_speed.json')}; `python benchmarks/depth_speed.py`), {s['cpu']}, "
+                f"medians of {s['rounds']} interleaved rounds: warm {m['depth warm']:.3f} s against "
+                f"{m['full warm']:.3f} s ({s['ratio']['full / depth warm']:.2f}x), cold {m['depth cold']:.3f} s "
+                f"against {m['full cold']:.3f} s ({s['ratio']['full / depth cold']:.2f}x); peak RSS "
+                f"{s['rss_mib']['depth']:.0f} against {s['rss_mib']['full']:.0f} MiB, {s['engine_mib']['depth']:.0f} "
+                f"against {s['engine_mib']['full']:.0f} MiB on disk."]
+    return out
+
+
+def docs_host() -> list:
+    name = "host_overhead.json"
+    r = load(name)
+    res = r["results"]
+    trees = [t for t in res if t != "this"]
+    cases = [c for c in res["this"] if c.split("/")[0] in ("repeated", "compiled", "async")]
+    rows = [[c, f"{res['this'][c]['p50']:.3f} ms", *(f"{res[t][c]['p50']:.3f} ms" if c in res[t] else "" for t in trees)]
+            for c in cases]
+    commits = {t: r["trees"][t]["commit"] for t in ("this", *trees)}
+    return [f"### Host time per ask, the pass stubbed ({_doc_link(name)}; `python benchmarks/host_overhead.py`)", "",
+            f"One warm ask over a {r['state_tokens']}-token state with the backend's pass replaced by an instant stub "
+            f"(what the host spends around a pass a GPU replays), p50 per kind of ask and question count, "
+            f"{r['machine']['cpu']}; the code at {commits['this']} against "
+            + ", ".join(f"{commits[t]} ({t})" for t in trees) + " in the same run, the trees alternating. "
+            "`repeated`: the same question set asked again (found compiled); `compiled`: held by `engine.compile`; "
+            "`async`: through the engine thread.", "",
+            *_table(["ask / questions", commits["this"], *(commits[t] for t in trees)], rows)]
+
+
+def docs_blocks() -> list:
+    name = "blocks_5000.json"
+    b = load(name)
+    rows = [[x["workload"], x["questions"], x["passes"], x["packed_tokens"], f"{x['median_ms'] / 1000:.1f} s",
+             f"{x['ms_per_token']:.2f}"] for x in b["rows"]]
+    return [f"### Many questions about one state ({_doc_link(name)}; `python benchmarks/blocks.py`)", "",
+            f"Blocks of whole questions, {b['machine']['cpu']}, {b['machine']['when']}.", "",
+            *_table(["workload", "questions", "passes", "packed tokens", "time", "ms per packed token"], rows)]
+
+
+DOCS_SECTIONS = (docs_llama, docs_bf16, docs_roofline, docs_depth, docs_host, docs_blocks)
+
+
+def render_docs() -> str:
+    lines = [DOCS_BEGIN]
+    for section in DOCS_SECTIONS:
+        lines += ["", *section()]
+    return "\n".join(lines + ["", DOCS_END])
+
+
+def table_in(text: str, begin: str = BEGIN, end: str = END) -> str | None:
+    """The render between the markers (markers included), None where they are missing."""
+    start, stop = text.find(begin), text.find(end)
+    return text[start:stop + len(end)] if 0 <= start < stop else None
+
+
+def _one(path: Path, begin: str, end: str, fresh: str, what: str, check: bool) -> int:
     text = path.read_text()
-    current, fresh = table_in(text), render()
+    current = table_in(text, begin, end)
     if current is None:
-        print(f"{path}: no headline table between the markers {BEGIN!r} and {END!r}", file=sys.stderr)
+        print(f"{path}: no {what} between the markers {begin!r} and {end!r}", file=sys.stderr)
         return 1
-    if args.check:
+    if check:
         if current != fresh:
-            print(f"{path}: the headline table differs from the render of benchmarks/results; run "
+            print(f"{path}: the {what} differs from the render of benchmarks/results; run "
                   "`python benchmarks/readme_table.py`", file=sys.stderr)
             return 1
         return 0
     path.write_text(text.replace(current, fresh))
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 unless both files hold the render")
+    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--docs", default=str(DOCS))
+    args = ap.parse_args(argv)
+    return max(_one(Path(args.readme), BEGIN, END, render(), "headline table", args.check),
+               _one(Path(args.docs), DOCS_BEGIN, DOCS_END, render_docs(), "rendered figures", args.check))
 
 
 if __name__ == "__main__":

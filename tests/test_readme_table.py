@@ -1,6 +1,7 @@
-"""The README's headline table is the render of the result files (``benchmarks/readme_table.py``): a figure changes only
-with its result. Both ways: the README as committed passes ``--check``; a copy whose table was changed by hand (one
-figure), or whose result file changed under it, or that lost its markers, fails it."""
+"""The README's headline table and the figures of docs/benchmarks.md are the render of the result files
+(``benchmarks/readme_table.py``): a figure changes only with its result. Both ways: the files as committed pass
+``--check``; a copy whose table was changed by hand (one figure), or whose result file changed under it, or that lost
+its markers, fails it."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "readme_table.py"
 
 
-def _check(readme: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--check", "--readme", str(readme)], capture_output=True,
-                          text=True, timeout=120)
+def _check(readme: Path, docs: Path = ROOT / "docs" / "benchmarks.md") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--check", "--readme", str(readme), "--docs", str(docs)],
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_the_readmes_table_is_the_render_of_the_results():
@@ -52,3 +53,32 @@ def test_a_result_that_changes_changes_the_render(tmp_path, monkeypatch):
     monkeypatch.setattr(readme_table, "RESULTS", results)
     after = readme_table.render()
     assert before != after and "**7.0x**" in after, after
+
+
+def test_a_figure_of_docs_benchmarks_changed_by_hand_fails_the_check(tmp_path):
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "| 5.6x | 4.9x |" in text  # bf16's ratios to llama.cpp, as rendered from the side-by-side result
+    changed = tmp_path / "benchmarks.md"
+    changed.write_text(text.replace("| 5.6x | 4.9x |", "| 6.6x | 4.9x |", 1))
+    done = _check(ROOT / "README.md", changed)
+    assert done.returncode == 1 and "rendered figures differs from the render" in done.stderr, done
+    unmarked = tmp_path / "unmarked.md"
+    unmarked.write_text(text.replace("<!-- end of the rendered figures -->", ""))
+    done = _check(ROOT / "README.md", unmarked)
+    assert done.returncode == 1 and "no rendered figures" in done.stderr, done
+
+
+def test_a_result_that_changes_changes_the_docs_render(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import readme_table
+
+    results = tmp_path / "results"
+    shutil.copytree(readme_table.RESULTS, results)
+    name = results / "bf16_guarantee_compact.json"
+    data = json.loads(name.read_text())
+    before = readme_table.render_docs()
+    data["guarantee"]["datasets"]["bbc"].update(argmax_agreement=1.0, max_abs_dp=0.01)
+    name.write_text(json.dumps(data))
+    monkeypatch.setattr(readme_table, "RESULTS", results)
+    after = readme_table.render_docs()
+    assert before != after and "| bbc | 1.00 | 0.010 | 0.022 | kept |" in after, after
