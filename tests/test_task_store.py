@@ -6,6 +6,7 @@ engine's own weights), untasked questions answer as the engine without tasks, an
 import copy
 import hashlib
 import json
+import os
 import shutil
 from contextlib import nullcontext
 from typing import Literal
@@ -35,7 +36,7 @@ def tasked(tiny_engine_dir, tiny_llama_dir, tmp_path_factory):
     import transformers
     from peft import get_peft_model, get_peft_model_state_dict
 
-    from onepass.calibration.tune_task import ensure_slots
+    from onepass.calibration.tune.task import ensure_slots
     from onepass.export.adapter import lora_config
 
     engine = tmp_path_factory.mktemp("tasked") / "engine"
@@ -162,6 +163,31 @@ def test_decide_asks_a_fields_task_as_named_on_the_field_or_on_its_nested_model(
         with pytest.raises(Invalid, match="^fraud: task must be the name") as err:
             engine.decide(STATE, Bad)
         assert err.value.field == "fraud"
+
+
+def _disk(directory) -> int:
+    """Bytes a directory holds on disk, a file hard-linked twice counted once."""
+    seen = {}
+    for p in directory.rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def test_the_slot_graph_reads_the_engines_weights_file_not_a_copy(tasked, tiny_engine_dir):
+    """The slot graph's decoder weights are the engine's own file, hard-linked beside it (ONNX Runtime and OpenVINO
+    read weights only from the graph's directory): an engine with two tasks holds the base's bytes once, plus the
+    slot graph's proto and the tasks' factors."""
+    engine = tasked[0]
+    manifest = mf.load(engine)
+    slots = engine / "tasks" / "slots"
+    weights = f"{manifest.graph}.data"
+    assert os.path.samefile(slots / weights, engine / weights)
+    own = slots / "graph.onnx.data"
+    assert not own.exists() or own.stat().st_size < 0.01 * (engine / weights).stat().st_size
+    ratio = _disk(engine) / _disk(tiny_engine_dir)
+    assert ratio <= 1.3, ratio
 
 
 def test_a_backend_without_task_slots_is_refused_by_name(tasked, monkeypatch):
@@ -297,7 +323,7 @@ def test_onepass_tune_task_stores_a_task_that_serves_what_was_chosen(tiny_engine
     """`onepass tune --task` on the tiny Llama (104 rows: one held-out split): the task is stored beside a copy of the
     engine, whose own files do not change; served by the engine (ONNX Runtime, the task's calibration), its held-out
     NLL is the chosen candidate's as tune judged it in PyTorch (1e-3); `onepass tasks list|remove`."""
-    from onepass.calibration.tune_data import group_by_state, load_rows, split_states
+    from onepass.calibration.data.rows import group_by_state, load_rows, split_states
     from onepass.cli import main
     from test_tune import _fact_rows
 
@@ -404,8 +430,8 @@ def test_a_tuned_candidate_whose_adapter_changes_nothing_is_never_written_as_tun
     """Training that kept its untrained weights (every LoRA B factor 0: --max-steps 12 did) answers exactly as the
     engine: it is named base (or base + calibrate, its calibration kept) and stored with no adapter. Control: one
     non-zero factor is a tuned adapter, named and kept as such."""
-    from onepass.calibration.candidates import Candidate
-    from onepass.calibration.tune_task import named_as_it_answers, no_op
+    from onepass.calibration.tune.candidates import Candidate
+    from onepass.calibration.tune.task import named_as_it_answers, no_op
     from onepass.runtime.core.tasks import TaskAdapter
 
     zero = TaskAdapter("t", 2, {(1, "q"): (np.ones((2, 8), np.float32), np.zeros((8, 2), np.float32))})

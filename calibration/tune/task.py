@@ -173,6 +173,7 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
     ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
     from ...export.onnx_graph import export_task_decoder
+    from ...export.shared_weights import share
     from ...runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
     have = set(task_store.slot_blocks(engine_dir))
@@ -183,6 +184,9 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     graph = TaskDecoder(PackedDecoder(base_model().eval()), want)
     d = graph.dims
     shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
+    def export(path: Path) -> None:  # the decoder's weights read from the engine's own file, not a copy of it
+        export_task_decoder(graph, shapes, path)
+        share(path, engine_dir / manifest.graph)
+
     with torch.no_grad():
-        task_store.write_slots(engine_dir, manifest, want, lambda path: export_task_decoder(graph, shapes, path),
-                               lambda path: _weight_map(graph.decoder, path, log))
+        task_store.write_slots(engine_dir, manifest, want, export, lambda path: _weight_map(graph.decoder, path, log))

@@ -8,6 +8,8 @@ whole (a directory renamed into place), and read back verified (hashes, and the 
                                   B), float16
     DIR/tasks/slots/graph.onnx    the engine's decoder with task slots on some blocks (``TaskDecoder``), exported
     DIR/tasks/slots/slots.json    by ``onepass tune --task``; its blocks and files' sha256
+    DIR/tasks/slots/decoder.onnx.data   the engine's own weights file, hard-linked: the slot graph reads the
+                                  decoder's weights from it (``export.shared_weights``), not from a copy
 
 Pure numpy and json: the runtime reads tasks without torch.
 """
