@@ -284,6 +284,7 @@ def docs_depth() -> list:
     layers = str(r["layers"])
     runs = {k: v for k, v in r["runs"].items() if k.endswith("/200")}
     depths = sorted({int(d) for v in runs.values() for d in v["depths"]})
+    first = next(iter(runs.values()))
     rows = []
     for key, run in runs.items():
         full = run["depths"][layers]["accuracy"]
@@ -291,8 +292,9 @@ def docs_depth() -> list:
                                           if run["depths"][str(d)]["accuracy"] >= full - 0.01
                                           else f"{run['depths'][str(d)]['accuracy']:.3f}" for d in depths)])
     out = [f"### The decision head read at each block ({_doc_link(name)}; `python benchmarks/depth_probe.py`)", "",
-           "The head fitted on 200 labelled rows and read after k of the model's blocks; accuracy on 300 rows of "
-           "states never trained on (bold: within a point of the full depth, or better).", "",
+           f"The head fitted on {first['train_rows']} labelled rows and read after k of the model's {layers} blocks; "
+           f"accuracy on {first['test_rows']} rows of states never trained on (bold: within a point of the full "
+           f"depth, or better); {r['cpu']}, {r['when']}.", "",
            *_table(["data set", *(f"k={d}" for d in depths)], rows)]
     if (RESULTS / "depth_tune.json").is_file():
         t = load("depth_tune.json")
@@ -320,18 +322,19 @@ def docs_host() -> list:
     r = load(name)
     res = r["results"]
     trees = [t for t in res if t != "this"]
-    cases = [c for c in res["this"] if c.split("/")[0] in ("repeated", "compiled", "async")]
+    cases = list(res["this"])
     rows = [[c, f"{res['this'][c]['p50']:.3f} ms", *(f"{res[t][c]['p50']:.3f} ms" if c in res[t] else "" for t in trees)]
             for c in cases]
     commits = {t: r["trees"][t]["commit"] for t in ("this", *trees)}
     return [f"### Host time per ask, the pass stubbed ({_doc_link(name)}; `python benchmarks/host_overhead.py`)", "",
             f"One warm ask over a {r['state_tokens']}-token state with the backend's pass replaced by an instant stub "
             f"(what the host spends around a pass a GPU replays), p50 per kind of ask and question count, "
-            f"{r['machine']['cpu']}; the code at {commits['this']} against "
-            + ", ".join(f"{commits[t]} ({t})" for t in trees) + " in the same run, the trees alternating. "
-            "`repeated`: the same question set asked again (found compiled); `compiled`: held by `engine.compile`; "
+            f"{r['machine']['cpu']}; the code at {commits['this']} (now) against "
+            + ", ".join(f"{commits[t]} (before compiled question sets)" for t in trees)
+            + " in the same run, the trees alternating. `new`: a question set asked for the first time (compiled "
+            "then); `repeated`: the same set asked again (found compiled); `compiled`: held by `engine.compile`; "
             "`async`: through the engine thread.", "",
-            *_table(["ask / questions", commits["this"], *(commits[t] for t in trees)], rows)]
+            *_table(["ask / questions", f"{commits['this']} (now)", *(f"{commits[t]} (before)" for t in trees)], rows)]
 
 
 def docs_blocks() -> list:

@@ -70,7 +70,7 @@ def share(graph: str | os.PathLike, base_graph: str | os.PathLike) -> dict:
         where = _where(tensor)
         by_digest.setdefault(hashlib.sha256(_read(base_graph.parent, where)).digest(), where)
     model = onnx.load(str(graph), load_external_data=False)
-    own = {_where(t).location for t in external(model)}
+    own = {_where(t).location for t in external(model)} | {graph.name + ".data"}  # the kept weights' file too
     linked = {w.location for w in by_digest.values()}
     clash = sorted(own & linked)
     if clash:
@@ -92,7 +92,7 @@ def share(graph: str | os.PathLike, base_graph: str | os.PathLike) -> dict:
                 out.write(data)
                 kept += len(data)
     for location in own:
-        (graph.parent / location).unlink()
+        (graph.parent / location).unlink(missing_ok=True)
     if kept:
         kept_path.rename(graph.with_name(graph.name + ".data"))
     else:

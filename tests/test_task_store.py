@@ -188,6 +188,10 @@ def test_the_slot_graph_reads_the_engines_weights_file_not_a_copy(tasked, tiny_e
     assert not own.exists() or own.stat().st_size < 0.01 * (engine / weights).stat().st_size
     ratio = _disk(engine) / _disk(tiny_engine_dir)
     assert ratio <= 1.3, ratio
+    tasks = task_store.load(engine, manifest)
+    named = dict(mf.graph_files(tasks))  # what the default backend's check and a guarantee are keyed on
+    assert f"tasks/slots/{weights}" in named and tasks.graph in named
+    assert named[f"tasks/slots/{weights}"] == manifest.files[weights]  # the engine's own bytes, verified as its own
 
 
 def test_a_backend_without_task_slots_is_refused_by_name(tasked, monkeypatch):

@@ -1,7 +1,7 @@
 """How tune should choose between base + calibrate and the decision head from 50 rows: the rule and its folds.
 
 Under ``lora_min_rows`` no LoRA run is trained and tune chooses among base, base + calibrate and the head by their
-cross-validated NLL over whole states (``tune_choice.cross_validated_choice``). This benchmark measures, for 3, 5 and
+cross-validated NLL over whole states (``tune.choice.cross_validated_choice``). This benchmark measures, for 3, 5 and
 10 folds and for two rules, what the choice picks and what the picked fit scores on states it never saw:
 
 * ``lowest NLL``: the rule before (a dearer candidate must win by more than ``TIE``);
@@ -11,7 +11,7 @@ cross-validated NLL over whole states (``tune_choice.cross_validated_choice``). 
 Per data set (``tune_eval.user_rows(name, POOL, 0)``: a pool of training rows and the 300 test rows of other states),
 the base engine's features are computed once (``head_seeds._features``, cached). Then ``--draws`` samples of 50 rows
 are drawn from the pool; on each, every fold count runs tune's own choice (``candidates.candidates``,
-``candidates.choose``, ``head_candidate.fit`` per fold, ``tune_choice.state_folds``), and the three fits, each fitted on
+``candidates.choose``, ``head_candidate.fit`` per fold, ``tune.choice.state_folds``), and the three fits, each fitted on
 the 50 rows, are judged on the test rows. Writes benchmarks/studies/results/head_choice_folds.{json,md}.
 
     python benchmarks/studies/head_choice_folds.py --base engines/smollm2-base [--draws 6] [--cache /tmp/head-features]

@@ -203,7 +203,7 @@ def _distributions(rows: list[dict]) -> bool:
 
 
 def temperature(rows: list[dict], seed: int = 0, seeds: int = 1) -> float:
-    """The temperature of lowest NLL (cross-entropy, for a teacher's distributions: ``candidates.target_nll``, what
+    """The temperature of lowest NLL (cross-entropy, for a teacher's distributions: ``scoring.metrics.target_nll``, what
     the candidates are judged by) for scores of rows the head was not fitted on. A head fitted to a few dozen rows
     separates them far more surely than it separates others (its scores on its own rows would call for sharpening, on
     others for softening: 50 rows of speeches, NLL 0.92 with accuracy 0.58 where the calibrated base has 0.74 with

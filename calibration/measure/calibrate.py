@@ -105,7 +105,7 @@ class NothingCalibrated(OnepassError):
 
 
 def _head_prior(manifest):
-    """The calibration a tuned head engine carries (``head_candidate.served``: the bias of the prior its head corrects,
+    """The calibration a tuned head engine carries (``heads.candidate.served``: the bias of the prior its head corrects,
     on the raw head scores), or None. Calibrating such an engine again refits each group the new rows have and keeps
     the others, so no question loses the bias its head was fitted around."""
     cal = manifest.calibration

@@ -15,6 +15,7 @@ import threading
 
 from ..backends import factory
 from . import selfcheck
+from .manifest import graph_files
 from .guarantee import BF16, cpu_bf16_kind, fingerprint, misses
 
 log = logging.getLogger("onepass.backends")
@@ -47,8 +48,8 @@ def default(root, manifest, threads=None):
     if manifest.precision != "fp32" or manifest.quantization is not None:
         return _reference(root, manifest, threads,
                           f"a {manifest.precision}{' INT8' if manifest.quantization else ''} engine")
-    key = tuple(sorted((name, sha) for name, sha in manifest.files.items()  # the graph, its weights and golden file:
-                       if name.startswith(manifest.graph) or name == manifest.golden))  # copies share the verdict
+    key = tuple(sorted([*graph_files(manifest),  # the graph, its weights and golden file: copies share the verdict
+                        *((n, s) for n, s in manifest.files.items() if n == manifest.golden)]))
     faster = _bf16_if_guaranteed(root, manifest, threads, key)
     if faster is not None:
         return faster

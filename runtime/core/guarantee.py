@@ -19,6 +19,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from .manifest import graph_files
+
 BF16 = "openvino-cpu-bf16"  # the reduced-precision CPU backend a guarantee unlocks
 REFERENCE = "openvino-cpu"  # what it is measured against: the same graph at fp32
 # a data set keeps the decisions when at least this share of its questions keep their argmax, and no answer
@@ -54,7 +56,7 @@ def cpu_bf16_kind(cpuinfo: str | None = None) -> str | None:
 def fingerprint(manifest) -> str:
     """What a guarantee was measured on: the graph and its weights (their sha256s), the prompt, the scoring and the
     calibration. Any of them changed, the answers move differently and the guarantee no longer holds."""
-    files = sorted((name, sha) for name, sha in manifest.files.items() if name.startswith(manifest.graph))
+    files = graph_files(manifest)
     calibration = manifest.calibration.to_dict() if manifest.calibration else None
     parts = [files, repr(manifest.prompt), repr(manifest.scoring), calibration]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

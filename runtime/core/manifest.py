@@ -259,6 +259,14 @@ def copy_engine(src: str | os.PathLike, dst: str | os.PathLike, link_above: int 
     return dst
 
 
+def graph_files(manifest: "Manifest") -> list[tuple[str, str]]:
+    """(name, sha256) of the graph and the weights files beside it: ``GRAPH.data``, and another graph's weights file
+    hard-linked beside it (a task's slot graph reads the engine's own): what the graph computes from."""
+    folder = Path(manifest.graph).parent
+    return sorted((name, sha) for name, sha in manifest.files.items()
+                  if name.startswith(manifest.graph) or (Path(name).parent == folder and name.endswith(".data")))
+
+
 def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """``dst`` a hard link to ``src`` (its target, where ``src`` is a symlink), or a copy where the file system
     refuses links: the same bytes either way."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineFileError
-from .manifest import Manifest, sha256_file
+from .manifest import Manifest, graph_files, sha256_file
 from .readout_calibration import Calibration
 from .tasks import TaskAdapter
 
@@ -51,7 +51,7 @@ def check_name(name) -> str:
 
 def engine_weights(manifest: Manifest) -> str:
     """The identity of an engine's weights: a digest of its graph files' sha256 (a task is tuned on these)."""
-    files = sorted((k, v) for k, v in manifest.files.items() if k.startswith(manifest.graph))
+    files = graph_files(manifest)
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
