@@ -41,7 +41,8 @@ def disk(directory: Path) -> int:
 
 
 def run(args) -> dict:
-    out = {"engine": args.engine, "rows": args.rows, "seed": args.seed, "machine": _machine(), "datasets": {}}
+    out = {"engine": args.engine, "rows": args.rows, "seed": args.seed, "machine": _machine(), "note": args.note,
+           "datasets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tasked = Path(tmp) / "tasked"
         mf.copy_engine(args.engine, tasked)
@@ -73,7 +74,8 @@ def write_md(out: dict, path: Path) -> None:
     lines = ["# A tuned task's cost: time against a whole-engine tune, disk against the engine alone", "",
              f"`python benchmarks/task_cost.py --engine {out['engine']} --rows {out['rows']}` "
              f"({out['machine']['cpu']}, {out['machine']['when']}); each data set's {out['rows']} rows tuned as a whole "
-             "engine (`tune`) and as a task of one engine copy (`tune --task`), each timed whole.", "",
+             "engine (`tune`) and as a task of one engine copy (`tune --task`), each timed whole."
+             + (f" {out['note']}" if out.get("note") else ""), "",
              "| data set | tune s | tune --task s | ratio | the task's choice |", "|---|---:|---:|---:|---|"]
     for name, r in out["datasets"].items():
         lines.append(f"| {name} | {r['tune_s']:.0f} | {r['tune_task_s']:.0f} | {r['ratio']:.2f}x | "
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "task_cost"), help="written: OUT.json and OUT.md")
+    ap.add_argument("--note", default="", help="how the run was made, written beside its figures")
     args = ap.parse_args()
     out = run(args)
     Path(args.out + ".json").write_text(json.dumps(out, indent=1))
