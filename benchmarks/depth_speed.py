@@ -63,7 +63,8 @@ def accuracy(engine, path: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", required=True, help="the tuned engine at the depth tune chose")
-    ap.add_argument("--full", required=True, help="the same task's tuned engine at full depth (--head-depths full)")
+    ap.add_argument("--full", required=True, help="the same task's tuned engine at full depth (--head-depths full), "
+                    "or the engine it was tuned from")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default="depth_speed")
     ap.add_argument("--test", default=None, help="labelled rows (JSONL) of unseen states: both engines' accuracy")
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
         ratio.update({f"llama.cpp / full {w}": llama_s[w] / med[f"full {w}"] for w in ("warm", "cold")})
     result = {"cpu": cpu_model(), "threads": THREADS, "rounds": args.rounds, "engines": paths, "blocks": blocks,
               "backend": {k: e.backend.name for k, e in warm.items()}, "seconds": time.perf_counter() - started,
+              "full_has_head": warm["full"].manifest.head is not None,  # the same task at full depth, or its base
               "median_s": {k: round(v, 4) for k, v in med.items()}, "p90_s": {k: round(v, 4) for k, v in p90.items()},
               "ratio": {k: round(v, 2) for k, v in ratio.items()},
               "rss_mib": rss,

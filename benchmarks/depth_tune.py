@@ -49,7 +49,7 @@ def _tuned(engine: str, train: Path, test: Path, out: Path, config: TuneConfig) 
 
 def run(args) -> dict:
     out = {"engine": args.engine, "rows": args.rows, "test_rows": TEST_ROWS, "seed": args.seed,
-           "machine": _machine(), "datasets": {}}
+           "machine": _machine(), "note": args.note, "datasets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
             train_rows, test_rows = user_rows(name, args.rows, args.seed)
@@ -73,7 +73,7 @@ def write_md(out: dict, path: Path) -> None:
              f"({out['machine']['cpu']}, {out['machine']['when']}). Each data set: `tune` on {out['rows']} rows "
              "with its default candidates (the head after 12, 15, 18, 24 and 30 blocks; base; base+calibrate; "
              "cross-validated over whole states), and `tune --head-depths full` on the same rows. Test rows: other "
-             "states (speeches: other speakers), never trained on.",
+             "states (speeches: other speakers), never trained on." + (f" {out['note']}" if out.get("note") else ""),
              "",
              "| data set | chosen | blocks | accuracy | NLL | full-depth head accuracy | NLL | Δ accuracy (points) "
              "| tune s (chosen / full) |",
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "depth_tune"), help="written: OUT.json and OUT.md")
+    ap.add_argument("--note", default="", help="how the run was made, written beside its figures")
     args = ap.parse_args()
     out = run(args)
     Path(args.out + ".json").write_text(json.dumps(out, indent=1))

@@ -114,32 +114,43 @@ def row_admission() -> tuple:
             f"{s['penalty']['neighbour_answered']:.0%} answered", link(name))
 
 
+def _speeds() -> list:
+    """(file name, result) of every cut engine timed against full depth (``depth_speed.py --out depth_speed_NAME``),
+    shallowest first."""
+    found = [(p.name, json.loads(p.read_text())) for p in RESULTS.glob("depth_speed_*.json")]
+    return sorted(found, key=lambda x: (x[1]["blocks"]["depth"], x[0]))
+
+
+def _speed_label(name: str) -> str:
+    return name.removeprefix("depth_speed_").removesuffix(".json")
+
+
 def row_depth() -> tuple:
-    name = "depth_probe.json"
-    r = load(name)
-    layers = str(r["layers"])
-    cells = []
-    for key, run in r["runs"].items():
-        if not key.endswith("/200"):
-            continue
-        full = run["depths"][layers]
-        fine = [int(d) for d, v in run["depths"].items() if v["accuracy"] >= full["accuracy"] - 0.01]
-        cells.append(f"{key.split('/')[0]} {full['accuracy']:.2f} (block {min(fine)}: "
-                     f"{run['depths'][str(min(fine))]['accuracy']:.2f})")
-    text = "200 rows, 300 unseen states each, the head at full depth (the shallowest within a point): " + \
-        "; ".join(cells)
-    sources = [link(name)]
-    if (RESULTS / "depth_speed.json").is_file():
-        s = load("depth_speed.json")
-        text += (f"; an engine cut at {s['blocks']['depth']} of {s['blocks']['full']} blocks: "
-                 f"{s['ratio']['full / depth warm']:.2f}x warm, {s['ratio']['full / depth cold']:.2f}x cold")
+    sources, cells = [], []
+    if (RESULTS / "depth_tune.json").is_file():
+        t = load("depth_tune.json")
+        d = t["datasets"]
+        kept = [n for n, v in d.items() if v["chosen"]["accuracy"] >= v["full"]["accuracy"] - 0.01]
+        missed = "; ".join(f"{n} {100 * (v['chosen']['accuracy'] - v['full']['accuracy']):+.1f} points"
+                           for n, v in d.items() if n not in kept)
+        cells.append(f"on {t['rows']} rows it chose " + ", ".join(f"{v['chosen']['blocks']}" for v in d.values())
+                     + f" of {max(v['full']['blocks'] for v in d.values())} blocks ({', '.join(d)}); on "
+                     f"{t['test_rows']} unseen states within a point of the full-depth head on {len(kept)} of {len(d)}"
+                     + (f" ({missed})" if missed else ""))
+        sources.append(link("depth_tune.json"))
+    speeds = _speeds()
+    if speeds:
+        name, s = speeds[0]  # the shallowest cut measured
+        cell = (f"cut at {s['blocks']['depth']} blocks ({_speed_label(name)}): "
+                f"**{s['ratio']['full / depth warm']:.2f}x** warm, {s['ratio']['full / depth cold']:.2f}x cold")
         if "llama.cpp / depth warm" in s["ratio"]:
             apart = "not side by side" in s["llama_cpp"]
-            text += (f", {s['ratio']['llama.cpp / depth warm']:.1f}x llama.cpp warm"
-                     + (" (its median from another run on this CPU model)" if apart else ""))
-        sources.append(link("depth_speed.json"))
-    return ("`onepass tune` on 200 labelled rows: a decision head, read at the shallowest block that serves", text,
-            ", ".join(sources))
+            cell += (f", {s['ratio']['llama.cpp / depth warm']:.1f}x llama.cpp warm"
+                     + (" (its median from another run)" if apart else ""))
+        cells.append(cell)
+        sources += [link(n) for n, _ in speeds]
+    return ("`onepass tune` on labelled rows: a decision head, read at the shallowest block that serves",
+            "; ".join(cells), ", ".join(sources))
 
 
 def row_tasks() -> tuple:
@@ -304,16 +315,16 @@ def docs_depth() -> list:
         out += ["", f"What `onepass tune` chose on {t['rows']} rows ({_doc_link('depth_tune.json')}; `python "
                 "benchmarks/depth_tune.py`), served on the same unseen rows against `tune --head-depths full`:", "",
                 *_table(["data set", "chosen", "blocks", "accuracy", "full-depth head", "points"], rows)]
-    if (RESULTS / "depth_speed.json").is_file():
-        s = load("depth_speed.json")
+    for name, s in _speeds():
         m = s["median_s"]
-        out += ["", f"An engine cut at {s['blocks']['depth']} of {s['blocks']['full']} blocks against the same head "
-                f"at full depth ({_doc_link('depth_speed.json')}; `python benchmarks/depth_speed.py`), {s['cpu']}, "
-                f"medians of {s['rounds']} interleaved rounds: warm {m['depth warm']:.3f} s against "
-                f"{m['full warm']:.3f} s ({s['ratio']['full / depth warm']:.2f}x), cold {m['depth cold']:.3f} s "
-                f"against {m['full cold']:.3f} s ({s['ratio']['full / depth cold']:.2f}x); peak RSS "
-                f"{s['rss_mib']['depth']:.0f} against {s['rss_mib']['full']:.0f} MiB, {s['engine_mib']['depth']:.0f} "
-                f"against {s['engine_mib']['full']:.0f} MiB on disk."]
+        out += ["", f"An engine cut at {s['blocks']['depth']} of {s['blocks']['full']} blocks ({_speed_label(name)}) "
+                f"against {'the same task with its head at full depth' if s['full_has_head'] else 'the engine it was tuned from'}"
+                f" ({s['blocks']['full']} blocks; {_doc_link(name)}; `python "
+                f"benchmarks/depth_speed.py`), {s['cpu']}, medians of {s['rounds']} interleaved rounds: warm "
+                f"{m['depth warm']:.3f} s against {m['full warm']:.3f} s ({s['ratio']['full / depth warm']:.2f}x), "
+                f"cold {m['depth cold']:.3f} s against {m['full cold']:.3f} s ({s['ratio']['full / depth cold']:.2f}x); "
+                f"peak RSS {s['rss_mib']['depth']:.0f} against {s['rss_mib']['full']:.0f} MiB, "
+                f"{s['engine_mib']['depth']:.0f} against {s['engine_mib']['full']:.0f} MiB on disk."]
     return out
 
 
