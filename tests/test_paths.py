@@ -79,8 +79,10 @@ def _map_problems(block: str) -> tuple[list, list]:
                 named.add((where / name).as_posix() if stack else name)
             else:
                 missing.append((where / name).as_posix())
-    modules = [p for d in ("runtime", "runtime/core", "runtime/server", "runtime/backends", "runtime/tools", "export",
-                           "calibration") for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
+    rooms = ("runtime", "runtime/core", "runtime/server", "runtime/backends", "runtime/tools", "runtime/teacher",
+             "export", "calibration", *(f"calibration/{r.name}" for r in (ROOT / "calibration").iterdir()
+                                        if (r / "__init__.py").is_file()))
+    modules = [p for d in rooms for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
     modules.append(ROOT / "runtime" / "__init__.py")
     unnamed = sorted(str(p.relative_to(ROOT)) for p in modules if str(p.relative_to(ROOT)) not in named)
     return missing, unnamed
