@@ -146,8 +146,18 @@ def test_exported_head_matches_its_pytorch_form(head_engine, tiny_llama_dir):
                            Choice("Which team?", ["billing", "technical support", "shipping"]), 0),
                 bb.Example("t", "t", "The screen stays black after the update.",
                            Choice("Which answer is correct?", ["hardware", "software"]), 1)]
-    feats = extract(PackedDecoder(hf_model).eval(), engine.encoder, examples, progress=False)
+    trunks = []
+    feats = extract(PackedDecoder(hf_model).eval(), engine.encoder, examples, progress=False, trunks=trunks)
     want = hd.probabilities(model, feats)
+    # the trunk-end states it hands back (a study's input) are transformers' last hidden state of state + question
+    with torch.no_grad():
+        for ex, got in zip(examples, trunks):
+            ids = list(engine.encoder.state(ex.state)) + list(engine.encoder.question(ex.question).trunk)
+            out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+            ref = out.hidden_states[-1][0, -1]
+            torch.testing.assert_close(hf_model.lm_head(ref), out.logits[0, -1], rtol=0, atol=1e-4)  # final-normed
+            np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=1e-4)
+    assert np.abs(trunks[0] - trunks[1]).max() > 1e-2  # control: each example's own state
     # tune rows carrying a teacher's distribution (`onepass distill`, `tune --method head`) give the head that
     # distribution as its target; labelled examples give none (the labels are the targets)
     from onepass.calibration.data.rows import TuneRow

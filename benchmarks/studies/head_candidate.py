@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from onepass.calibration.heads import head as hd  # noqa: E402
-from onepass.calibration.heads.features import OptionFeatures, example_pass, option_rows  # noqa: E402
+from onepass.calibration.heads.features import OptionFeatures, extract  # noqa: E402
 from onepass.calibration.data.mixture import write_jsonl  # noqa: E402
 from onepass.calibration.data.rows import load_rows  # noqa: E402
 from onepass.export.model_source import engine_source, load_model  # noqa: E402
@@ -45,24 +45,11 @@ HEADS = [(16, 1e-2, 30), (16, 1e-1, 60)]  # (width, weight decay, epochs)
 LAMBDAS = [1e-3, 1e-2, 1e-1, 1.0, 10.0]
 
 
-@torch.inference_mode()
 def features(decoder, encoder, rows) -> tuple[OptionFeatures, np.ndarray]:
-    """Per option the hidden state after it and its summed log-likelihood; per question the trunk-end state."""
-    dims = decoder.dims
-    empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim) for _ in range(2 * dims.num_layers)]
-    hidden, logprob, length, sizes, label, trunk = [], [], [], [], [], []
-    for r in rows:
-        batch, options, h, target = example_pass(decoder, encoder, r, empty)
-        rows_h, rows_logprob = option_rows(batch, h, target)  # as tune's head candidate reads them
-        hidden.append(rows_h)
-        logprob.append(rows_logprob)
-        length.append([len(o) for o in options])
-        sizes.append(len(options))
-        label.append(r.label)
-        trunk.append(h[int(batch.option_readouts[0][0][0])].numpy())  # the first option token is read at the trunk end
-    feats = OptionFeatures(np.concatenate(hidden).astype(np.float32), np.concatenate(logprob),
-                           np.concatenate(length).astype(float), np.concatenate([[0], np.cumsum(sizes)]),
-                           np.array(label), np.array(["t"] * len(rows)))
+    """Per option the hidden state after it and its summed log-likelihood (tune's own extraction); per question the
+    trunk-end state."""
+    trunk = []
+    feats = extract(decoder, encoder, rows, progress=False, trunks=trunk)
     return feats, np.stack(trunk).astype(np.float32)
 
 

@@ -101,8 +101,9 @@ def example_pass(decoder, encoder, example, empty_past: list):
 
 
 @torch.inference_mode()
-def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures:
-    """Run every example through ``decoder`` (a PackedDecoder) and keep the option features."""
+def extract(decoder, encoder, examples, progress: bool = True, trunks: list | None = None) -> OptionFeatures:
+    """Run every example through ``decoder`` (a PackedDecoder) and keep the option features; ``trunks``: a list that
+    gets each example's hidden state at its question's last token (where the first option token is read)."""
     dims = decoder.dims
     empty = [torch.zeros(dims.num_kv_heads, 0, dims.head_dim) for _ in range(2 * dims.num_layers)]
     hidden, logprob, length, sizes, label, task, soft = [], [], [], [], [], [], []
@@ -110,6 +111,8 @@ def extract(decoder, encoder, examples, progress: bool = True) -> OptionFeatures
     for i, ex in enumerate(examples):
         batch, options, h, target = example_pass(decoder, encoder, ex, empty)
         rows_h, rows_logprob = option_rows(batch, h, target)
+        if trunks is not None:
+            trunks.append(h[int(batch.option_readouts[0][0][0])].numpy())
         hidden.append(rows_h)
         logprob.append(rows_logprob)
         length.append([len(o) for o in options])
