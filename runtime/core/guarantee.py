@@ -86,13 +86,19 @@ def _misses(guarantee: dict, cpu: str | None, engine: str | None) -> str | None:
     datasets = guarantee.get("datasets") or {}
     if not datasets:
         return "the guarantee holds no data set"
+    return "; ".join(p for name, m in sorted(datasets.items()) for p in dataset_misses(name, m)) or None
+
+
+def dataset_misses(name: str, measured: dict) -> list[str]:
+    """Why one data set's measurement (questions, argmax_agreement, max_abs_dp) misses the bounds ([]: it keeps
+    them)."""
+    questions, agreement = int(measured["questions"]), float(measured["argmax_agreement"])
+    dp = float(measured["max_abs_dp"])
     problems = []
-    for name, m in sorted(datasets.items()):
-        questions, agreement, dp = int(m["questions"]), float(m["argmax_agreement"]), float(m["max_abs_dp"])
-        if questions < MIN_QUESTIONS:
-            problems.append(f"{name}: {questions} questions (at least {MIN_QUESTIONS})")
-        if not agreement >= BOUNDS["argmax_agreement"]:
-            problems.append(f"{name}: argmax agreement {agreement:.6g} < {BOUNDS['argmax_agreement']}")
-        if not dp <= BOUNDS["max_abs_dp"]:
-            problems.append(f"{name}: max |dp| {dp:.6g} > {BOUNDS['max_abs_dp']}")
-    return "; ".join(problems) or None
+    if questions < MIN_QUESTIONS:
+        problems.append(f"{name}: {questions} questions (at least {MIN_QUESTIONS})")
+    if not agreement >= BOUNDS["argmax_agreement"]:
+        problems.append(f"{name}: argmax agreement {agreement:.6g} < {BOUNDS['argmax_agreement']}")
+    if not dp <= BOUNDS["max_abs_dp"]:
+        problems.append(f"{name}: max |dp| {dp:.6g} > {BOUNDS['max_abs_dp']}")
+    return problems
