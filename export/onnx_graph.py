@@ -33,7 +33,7 @@ def example_inputs(dims, packed: int = 7, past: int = 5, readout: int = 3) -> tu
 def dynamic_shapes(specs) -> tuple:
     """The dynamic axes of every input spec, in input order (see contract)."""
     axes = {contract.PACKED: Dim.DYNAMIC, contract.PAST: Dim.DYNAMIC, contract.READOUT: Dim.DYNAMIC,
-            contract.TASK_RANK: Dim.DYNAMIC}
+            contract.TASK_RANK: Dim.DYNAMIC, contract.HEAD_UNITS: Dim.DYNAMIC}
     per_input = [{i: axes[a] for i, a in enumerate(spec.shape) if isinstance(a, str)} for spec in specs]
     return (*per_input[:3], tuple(per_input[3:]))  # forward(input_ids, position_ids, tree_mask, *args)
 
@@ -59,14 +59,20 @@ def export_decoder(decoder: PackedDecoder, path: Path) -> None:
 
 
 def export_task_decoder(graph: TaskDecoder, shapes: dict, path: Path) -> None:
-    """Write the task-slot graph (``contract.task_input_specs`` after the contract's inputs; no decision head) to
-    ``path`` (+ ``path.data``), its task rank axis dynamic: tasks are added by feeding more slots, not by export."""
+    """Write the task-slot graph (``contract.task_input_specs`` after the contract's inputs, then, with task heads,
+    ``contract.task_head_specs`` and the ``head_score`` output) to ``path`` (+ ``path.data``), its task rank and head
+    unit axes dynamic: tasks are added by feeding more slots and units, not by export."""
     dims = graph.dims
     specs = [*contract.input_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim),
-             *contract.task_input_specs(graph.task_blocks, shapes)]
-    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim)]
+             *contract.task_input_specs(graph.task_blocks, shapes),
+             *(contract.task_head_specs(dims.hidden_size) if graph.heads else ())]
+    names_out = [s.name for s in contract.output_specs(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                                       head=graph.heads)]
     base = example_inputs(dims)
-    packed, rank = base[0].shape[0], 5  # a traced rank of 5 (no other axis is 5): any K (0 included) runs
-    extra = [torch.randn(*(packed if a == contract.PACKED else rank if a == contract.TASK_RANK else a
-                           for a in spec.shape)) for spec in specs[len(base):]]
+    packed, readout = base[0].shape[0], base[-3].shape[0]
+    sizes = {contract.PACKED: packed, contract.READOUT: readout, contract.TASK_RANK: 5, contract.HEAD_UNITS: 6}
+    extra = []  # a traced rank of 5 and 6 head units (no other axis is either): any K and U (0 included) run
+    for spec in specs[len(base):]:
+        shape = [sizes.get(a, a) for a in spec.shape]
+        extra.append(torch.randint(1, dims.num_layers + 1, shape) if spec.dtype == "int64" else torch.randn(*shape))
     _export(graph, (*base, *extra), specs, names_out, path)

@@ -170,18 +170,20 @@ def _weight_map(decoder, path: Path, log) -> dict | None:
 
 
 def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
-    """The engine's slot graph, exported again (on the blocks it had and ``blocks``) only where it lacks a block;
-    ``base_model()`` loads the engine's own model (transformers, no adapter of the task's)."""
+    """The engine's slot graph, exported again (on the blocks it had and ``blocks``, with task heads) only where it
+    lacks a block or takes no task heads (exported before them); ``base_model()`` loads the engine's own model
+    (transformers, no adapter of the task's)."""
     from ...export.onnx_graph import export_task_decoder
     from ...export.shared_weights import share
     from ...runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
     have = set(task_store.slot_blocks(engine_dir))
-    if have and blocks <= have:
+    if have and blocks <= have and task_store.slot_heads(engine_dir):
         return
     want = sorted(have | blocks) or [manifest.model.num_layers - 1]  # a task of no factors still needs a graph
-    log(f"exporting the engine's graph with task slots on blocks {want[0]}..{want[-1]} ({len(want)} blocks); ~1 min")
-    graph = TaskDecoder(PackedDecoder(base_model().eval()), want)
+    log(f"exporting the engine's graph with task slots on blocks {want[0]}..{want[-1]} ({len(want)} blocks) and "
+        "task heads; ~1 min")
+    graph = TaskDecoder(PackedDecoder(base_model().eval()), want, heads=True)
     d = graph.dims
     shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
     def export(path: Path) -> None:  # the decoder's weights read from the engine's own file, not a copy of it
@@ -189,4 +191,5 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
         share(path, engine_dir / manifest.graph)
 
     with torch.no_grad():
-        task_store.write_slots(engine_dir, manifest, want, export, lambda path: _weight_map(graph.decoder, path, log))
+        task_store.write_slots(engine_dir, manifest, want, export, lambda path: _weight_map(graph.decoder, path, log),
+                               heads=True)

@@ -44,7 +44,7 @@ then the state): backends feed it only where the graph has it (``io_names``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -110,6 +110,25 @@ def task_input_specs(task_blocks, shapes: dict) -> list[TensorSpec]:
     return specs
 
 
+#: A slot graph with task heads: decision heads read after a task's own number of blocks, fed as data like the
+#: factors. Per read-out row its exit (the block count its hidden state is read after: the row's target log-prob and
+#: its head score both come from that block's residual stream, final-normed, as an engine cut there computes them),
+#: the mask of its head's units and its head's output bias; the heads' weights side by side on the unit axis (each
+#: head's standardisation folded into its first layer):
+#: ``head_score`` = sum(silu(h @ in + in_bias) * out * mask) + bias.
+READOUT_EXIT, HEAD_MASK, HEAD_BIAS = "readout_exit", "head_mask", "head_bias"
+HEAD_IN, HEAD_IN_BIAS, HEAD_OUT = "task_head_in", "task_head_in_bias", "task_head_out"
+HEAD_UNITS = "head_units"
+HEAD_INPUTS = (READOUT_EXIT, HEAD_MASK, HEAD_BIAS, HEAD_IN, HEAD_IN_BIAS, HEAD_OUT)
+
+
+def task_head_specs(hidden: int) -> list[TensorSpec]:
+    """The inputs a slot graph with task heads takes after its factors (``TaskDecoder(heads=True)``'s order)."""
+    return [TensorSpec(READOUT_EXIT, "int64", (READOUT,)), TensorSpec(HEAD_MASK, "float32", (READOUT, HEAD_UNITS)),
+            TensorSpec(HEAD_BIAS, "float32", (READOUT,)), TensorSpec(HEAD_IN, "float32", (hidden, HEAD_UNITS)),
+            TensorSpec(HEAD_IN_BIAS, "float32", (HEAD_UNITS,)), TensorSpec(HEAD_OUT, "float32", (HEAD_UNITS,))]
+
+
 def projection_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict:
     """(in, out) of each projection of a block."""
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -120,35 +139,65 @@ def projection_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, int
 _TASK_INPUT = re.compile(r"task_[ab]\.(\d+)\.\w+$")
 
 
+_NONE = np.zeros(0, np.int64)
+
+
 @dataclass(frozen=True)
 class TaskFeeds:
     """What a task-slot graph is fed beside the contract's inputs: every task's factors (constant, by input name) and
-    the task of each slot, from which each pass's ``task_mask`` is built from its tokens' tasks."""
+    the task of each slot, from which each pass's ``task_mask`` is built from its tokens' tasks; in a graph with task
+    heads (``heads`` not None) also the heads' weights (constant) and each task's exit and head bias, from which each
+    pass's ``readout_exit``, ``head_mask`` and ``head_bias`` are built from its read-out rows' tasks."""
 
     factors: dict  # task_a.{block}.{proj} [in, K], task_b.{block}.{proj} [K, out]: float32
     slot_task: np.ndarray  # [K] int64: the task number of each slot
     count: int = 0  # tasks fed (a task of rank 0, a calibration only, has no slot)
+    heads: dict | None = None  # HEAD_IN [d, U], HEAD_IN_BIAS [U], HEAD_OUT [U]; None: the graph has no task heads
+    unit_task: np.ndarray = field(default_factory=lambda: _NONE)  # [U] int64: the task number of each head unit
+    exits: np.ndarray = field(default_factory=lambda: _NONE)  # [count] int64: per task, the block count read after
+    head_bias: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [count]: each head's out bias
+    layers: int = 0  # the graph's blocks: the exit of a row of no task
 
     @classmethod
-    def none(cls, input_shapes: dict) -> "TaskFeeds":
+    def none(cls, input_shapes: dict, layers: int = 0) -> "TaskFeeds":
         """No task (K = 0) for a graph whose task inputs have ``input_shapes`` (name -> shape, the task rank axis any
-        value): the graph then computes the base engine's pass."""
+        value): the graph then computes the base engine's pass (every row read after its ``layers`` blocks)."""
         factors = {}
         for name, shape in input_shapes.items():
             if _TASK_INPUT.match(name):
                 factors[name] = np.zeros((shape[0], 0) if name.startswith("task_a.") else (0, shape[1]), np.float32)
-        return cls(factors, np.zeros(0, np.int64))
+        heads = None
+        if READOUT_EXIT in input_shapes:
+            hidden = input_shapes[HEAD_IN][0]
+            heads = {HEAD_IN: np.zeros((hidden, 0), np.float32), HEAD_IN_BIAS: np.zeros(0, np.float32),
+                     HEAD_OUT: np.zeros(0, np.float32)}
+        return cls(factors, np.zeros(0, np.int64), heads=heads, layers=layers)
 
-    def inputs(self, token_task, n: int) -> dict:
+    def inputs(self, token_task, n: int, readout_index=None) -> dict:
         """The task inputs of a pass of ``n`` tokens whose tasks are ``token_task`` ([N], -1: none; None: no token
-        has a task, as in a prefill)."""
+        has a task, as in a prefill); with task heads, of its read-out rows ``readout_index`` too."""
         if token_task is None:
-            return {TASK_MASK: np.zeros((n, self.slot_task.shape[0]), np.float32), **self.factors}
-        token_task = np.asarray(token_task, dtype=np.int64)
-        if token_task.size and (token_task.min() < -1 or token_task.max() >= self.count):
-            raise ValueError(f"token tasks must be in -1..{self.count - 1} (the {self.count} tasks fed); "
-                             f"got {token_task.min()}..{token_task.max()}")
-        return {TASK_MASK: (token_task[:, None] == self.slot_task[None, :]).astype(np.float32), **self.factors}
+            out = {TASK_MASK: np.zeros((n, self.slot_task.shape[0]), np.float32), **self.factors}
+        else:
+            token_task = np.asarray(token_task, dtype=np.int64)
+            if token_task.size and (token_task.min() < -1 or token_task.max() >= self.count):
+                raise ValueError(f"token tasks must be in -1..{self.count - 1} (the {self.count} tasks fed); "
+                                 f"got {token_task.min()}..{token_task.max()}")
+            out = {TASK_MASK: (token_task[:, None] == self.slot_task[None, :]).astype(np.float32), **self.factors}
+        if self.heads is not None:
+            out.update(self.head_inputs(token_task, readout_index))
+        return out
+
+    def head_inputs(self, token_task, readout_index) -> dict:
+        """A graph with task heads' per-pass inputs: each read-out row's exit, head unit mask and head bias (a row of
+        no task: every block, no unit, 0), and the heads' weights."""
+        readout_index = np.asarray(readout_index if readout_index is not None else _NONE, dtype=np.int64)
+        rows = (np.full(readout_index.shape[0], -1, np.int64) if token_task is None
+                else np.asarray(token_task, dtype=np.int64)[readout_index])
+        exits = np.append(self.exits, self.layers).astype(np.int64)  # row task -1 reads the last entry
+        bias = np.append(self.head_bias, 0.0).astype(np.float32)
+        return {READOUT_EXIT: exits[rows], HEAD_MASK: (rows[:, None] == self.unit_task[None, :]).astype(np.float32),
+                HEAD_BIAS: bias[rows], **self.heads}
 
     @property
     def blocks(self) -> tuple:
@@ -182,5 +231,5 @@ def batch_inputs(batch, tasks: TaskFeeds | None = None) -> dict:
     ``past_length`` are the backend's to add), and the task inputs of a task-slot graph (``tasks``)."""
     inputs = {name: getattr(batch, name) for name in BATCH_INPUTS}
     if tasks is not None:
-        inputs.update(tasks.inputs(batch.token_task, batch.num_tokens))
+        inputs.update(tasks.inputs(batch.token_task, batch.num_tokens, batch.readout_index))
     return inputs

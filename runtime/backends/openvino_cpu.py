@@ -65,7 +65,7 @@ class OpenVinoCpuBackend(Backend):
         shapes = {i.get_any_name(): [d.get_length() if d.is_static else 0 for d in i.get_partial_shape()]
                   for i in self.compiled.inputs}
         if contract.TASK_MASK in shapes:
-            self.tasks = contract.TaskFeeds.none(shapes)
+            self.tasks = contract.TaskFeeds.none(shapes, model.num_layers)
         missing = [n for n in want if n not in outputs]
         if missing:
             raise BackendUnavailable(f"{graph_path}: OpenVINO sees no output {missing[0]}; re-export the engine")

@@ -77,7 +77,8 @@ class OrtBackend(Backend):
             model, (o.name for o in self.session.get_outputs()))
         self.has_past_length = contract.PAST_LENGTH in {i.name for i in self.session.get_inputs()}
         if contract.TASK_MASK in {i.name for i in self.session.get_inputs()}:
-            self.tasks = contract.TaskFeeds.none({i.name: i.shape for i in self.session.get_inputs()})
+            self.tasks = contract.TaskFeeds.none({i.name: i.shape for i in self.session.get_inputs()},
+                                                 model.num_layers)
         zeros = np.zeros((model.num_kv_heads, 0, model.head_dim), dtype=np.float32)  # [Hkv, 0, D]
         self._empty = self._on_device(zeros)
 

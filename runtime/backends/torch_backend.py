@@ -94,7 +94,7 @@ def task_inputs(root: Path, manifest) -> dict:
 
     graph = onnx.load(str(Path(root) / manifest.graph), load_external_data=False).graph
     return {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input
-            if i.name == contract.TASK_MASK or i.name.startswith(("task_a.", "task_b."))}
+            if i.name in (contract.TASK_MASK, *contract.HEAD_INPUTS) or i.name.startswith(("task_a.", "task_b."))}
 
 
 class Staging:
@@ -193,11 +193,12 @@ class TorchBackend(Backend):
             if buckets or cuda_graphs:
                 raise ValueError("an engine with tuned tasks runs on the reference decoder: no buckets or CUDA graphs")
             self.fused = self.cuda_graphs = self.buckets = False
-            self.tasks = contract.TaskFeeds.none(slots)
+            self.tasks = contract.TaskFeeds.none(slots, self.model.num_layers)
             self._factors: tuple = (None, ())  # (the TaskFeeds whose factors are on the device, those tensors)
         if not self.fused:
             decoder = lower_precision(reference, precision)
-            self.decoder = (TaskDecoder(decoder, self.tasks.blocks) if slots else decoder).to(self.device)
+            self.decoder = (TaskDecoder(decoder, self.tasks.blocks, self.tasks.heads is not None) if slots
+                            else decoder).to(self.device)
             self._empty = torch.zeros(self.model.num_kv_heads, 0, self.model.head_dim, device=self.device)
             return
         self._open_fused(reference, workspace_tokens, GraphCache(max_graphs, capture_after=capture_after))
@@ -417,18 +418,25 @@ class TorchBackend(Backend):
             out = self.decoder(t(batch.input_ids), t(batch.position_ids), t(batch.tree_mask), *past,
                                t(batch.readout_index), t(batch.readout_target), *tasks)
         layers = 2 * self.model.num_layers
-        head = self.to_host(out[1 + layers]) if getattr(self.decoder, "head", None) is not None else None
+        has_head = getattr(self.decoder, "head", None) is not None or getattr(self.decoder, "heads", False)
+        head = self.to_host(out[1 + layers]) if has_head else None
         return self.to_host(out[0]), list(out[1:1 + layers]), head
 
     def _task_inputs(self, batch: PackedBatch, kv: StateKV, t) -> list:
         """TaskDecoder's inputs after the contract's: past_length, the pass's task mask, then the tasks' factors in
-        the slot graph's order (moved to the device once per set of tasks fed)."""
+        the slot graph's order (moved to the device once per set of tasks fed) and, with task heads, the pass's
+        read-out rows' exits, head masks and biases, then the heads' weights (``contract.task_head_specs``)."""
         if self._factors[0] is not self.tasks:
+            heads = contract.HEAD_INPUTS[3:] if self.tasks.heads is not None else ()
             self._factors = (self.tasks, tuple(t(np.ascontiguousarray(self.tasks.factors[name]))
-                                               for name in contract.task_factor_names(self.tasks.blocks)))
-        mask = self.tasks.inputs(batch.token_task, batch.num_tokens)[contract.TASK_MASK]
+                                               for name in contract.task_factor_names(self.tasks.blocks))
+                             + tuple(t(np.ascontiguousarray(self.tasks.heads[name])) for name in heads))
+        fed = self.tasks.inputs(batch.token_task, batch.num_tokens, batch.readout_index)
         past_length = torch.tensor(kv.length, dtype=torch.int64, device=self.device)
-        return [past_length, t(mask), *self._factors[1]]
+        factors = len(contract.task_factor_names(self.tasks.blocks))
+        rows = [t(fed[name]) for name in contract.HEAD_INPUTS[:3]] if self.tasks.heads is not None else []
+        return [past_length, t(fed[contract.TASK_MASK]), *self._factors[1][:factors], *rows,
+                *self._factors[1][factors:]]
 
     def _append(self, kv: StateKV, new) -> StateKV:
         """``kv`` followed by ``new`` (the reference decoder's prefill)."""

@@ -216,12 +216,14 @@ class PackedDecoder(nn.Module):
         self.head = head
         return self
 
-    def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None, tasks: dict | None = None):
+    def readout(self, input_ids, position_ids, tree_mask, *args, past_length=None, tasks: dict | None = None,
+                exits=None):
         """(final-normed hidden states at the read-out rows [R, d], target log-probs [R], presents).
 
         ``args``: the 2L past tensors, readout_index, readout_target and optionally ``past_length`` (a 0-d int64
         tensor, the contract's last input; also a keyword): only the first ``past_length`` rows of the past are the
-        state, the rest padding no token sees (a state padded to a length bucket). None: every row."""
+        state, the rest padding no token sees (a state padded to a length bucket). None: every row. ``exits`` [R]
+        int64: the block count each read-out row is read after (1..L; None: every row after all L blocks)."""
         layers = self.dims.num_layers
         past = args[: 2 * layers]
         readout_index, readout_target = args[2 * layers], args[2 * layers + 1]
@@ -229,8 +231,16 @@ class PackedDecoder(nn.Module):
             past_length = args[2 * layers + 2]
         x = self.embed[input_ids]  # [N, d]
         tables = self.attention_tables(position_ids, tree_mask, past[0].shape[1], past_length)
-        x, presents = self.run_blocks(x, tables, past, range(layers), tasks)
-        h, target = self.final(x, readout_index, readout_target)
+        if exits is None:
+            x, presents = self.run_blocks(x, tables, past, range(layers), tasks)
+            h, target = self.final(x, readout_index, readout_target)
+            return h, target, presents
+        rows, presents = torch.zeros(readout_index.shape[0], x.shape[1], dtype=x.dtype, device=x.device), []
+        for i in range(layers):  # each row keeps the residual stream after its own exit block
+            x, present = self.run_blocks(x, tables, past[2 * i:2 * i + 2], range(i, i + 1), tasks)
+            presents += present
+            rows = torch.where((exits == i + 1)[:, None], x[readout_index], rows)
+        h, target = self.final_rows(rows, readout_target)
         return h, target, presents
 
     def attention_tables(self, position_ids, tree_mask, past_rows: int, past_length=None):
@@ -258,7 +268,11 @@ class PackedDecoder(nn.Module):
 
     def final(self, x, readout_index, readout_target):
         """(final-normed hidden states at the read-out rows [R, d], log-probs of the read-out targets [R])."""
-        h = self.norm(x[readout_index])  # [R, d]
+        return self.final_rows(x[readout_index], readout_target)
+
+    def final_rows(self, rows, readout_target):
+        """``final`` of the read-out rows' residual streams [R, d] already gathered."""
+        h = self.norm(rows)  # [R, d]
         head = self.embed if self.tied else self.lm_head
         logits = h @ head.t()  # [R, V]
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -288,22 +302,30 @@ class TaskDecoder(nn.Module):
     Each token applies its own task's update, so questions of different tasks share one pass and one state cache;
     K is a dynamic axis: tasks are data fed with the pass, and the graph stays the base engine's."""
 
-    def __init__(self, decoder: PackedDecoder, task_blocks):
+    def __init__(self, decoder: PackedDecoder, task_blocks, heads: bool = False):
         super().__init__()
         if decoder.head is not None:
             raise ValueError("task slots and a decision head do not combine")
-        self.decoder, self.task_blocks = decoder, tuple(task_blocks)
+        self.decoder, self.task_blocks, self.heads = decoder, tuple(task_blocks), heads
         self.dims = decoder.dims
 
     def forward(self, input_ids, position_ids, tree_mask, *args):
+        """The contract's outputs; with ``heads`` (``contract.task_head_specs``'s inputs after the factors) also
+        ``head_score`` [R]: each row's task head over its hidden state read after its exit block."""
         base = 2 * self.dims.num_layers + 3  # past K/V, readout_index, readout_target, past_length
-        mask, weights = args[base], args[base + 1:]
         per_block = 2 * len(PROJECTIONS)
+        mask, weights = args[base], args[base + 1:base + 1 + per_block * len(self.task_blocks)]
         tasks = {b: TaskSlots(mask, {p: (weights[j * per_block + 2 * k], weights[j * per_block + 2 * k + 1])
                                      for k, p in enumerate(PROJECTIONS)})
                  for j, b in enumerate(self.task_blocks)}
-        _, target, presents = self.decoder.readout(input_ids, position_ids, tree_mask, *args[:base], tasks=tasks)
-        return (target, *presents)
+        if not self.heads:
+            _, target, presents = self.decoder.readout(input_ids, position_ids, tree_mask, *args[:base], tasks=tasks)
+            return (target, *presents)
+        exits, unit_mask, bias, w_in, b_in, w_out = args[base + 1 + per_block * len(self.task_blocks):]
+        h, target, presents = self.decoder.readout(input_ids, position_ids, tree_mask, *args[:base], tasks=tasks,
+                                                   exits=exits)
+        units = nn.functional.silu(h @ w_in + b_in)  # [R, U]: every head's units on every row, each row keeps its own
+        return (target, *presents, (units * w_out * unit_mask).sum(-1) + bias)
 
 
 class DecisionHead(nn.Module):

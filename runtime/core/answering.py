@@ -23,9 +23,12 @@ class Answering:
     ``prior`` read-out's priors, cached per question)."""
 
     def __init__(self, manifest, encoder: PromptEncoder, null_logprobs: Callable[[list], list],
-                 task_calibrations: tuple = ()):
+                 task_calibrations: tuple = (), task_heads: tuple = ()):
         self.manifest, self.encoder, self._null_logprobs = manifest, encoder, null_logprobs
         self.task_calibrations = tuple(task_calibrations)  # per tuned task: its own calibration, or None
+        # per tuned task: its decision head's beta where the task is a head (its questions then always read out
+        # ``beta * mean + head score``, both read after the head's depth by the slot graph), else None
+        self.task_heads = tuple(task_heads) or (None,) * len(self.task_calibrations)
         self._calibrated = manifest.calibration is not None or any(c is not None for c in self.task_calibrations)
         self._priors: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
@@ -45,8 +48,11 @@ class Answering:
             return [self._priors.get(q) if q in self._priors else None for q in encoded]
 
     def calibration(self, task: int, readout: str):
-        """The calibration of a question of ``task`` (-1: the engine's own), where it was fitted on ``readout``."""
+        """The calibration of a question of ``task`` (-1: the engine's own), where it was fitted on the read-out its
+        questions are read with (``readout``; a head task's: ``head``)."""
         cal = self.manifest.calibration if task == -1 else self.task_calibrations[task]
+        if task >= 0 and self.task_heads[task] is not None:
+            readout = "head"
         return cal if cal is not None and cal.readout == readout else None  # fitted on another read-out: not applicable
 
     def read(self, questions: Mapping, qs: QuestionSet, values: np.ndarray, heads: np.ndarray | None = None,
@@ -82,9 +88,29 @@ class Answering:
         else:
             prior = self._flat_priors(qs) if readout == "prior" else None
             scores = option_scores(values, qs.lengths, prior, readout)
+        scores = self._task_heads(qs, values, heads, scores)
         if calibrated and self._calibrated:
             scores = self._calibrate(questions, qs, scores, readout)
         return scores
+
+    def _task_heads(self, qs: QuestionSet, values: np.ndarray, heads: np.ndarray | None,
+                    scores: np.ndarray) -> np.ndarray:
+        """``scores`` with the options of every head task's question read out as ``beta * mean + head score`` (the
+        questions found once per set)."""
+        if not any(beta is not None for beta in self.task_heads):
+            return scores
+        if "task heads" not in qs.memo:
+            qs.memo["task heads"] = [(qs.starts[i], qs.starts[i] + qs.counts[i], self.task_heads[tokens.task])
+                                     for i, tokens in enumerate(qs.encoded)
+                                     if tokens.task >= 0 and self.task_heads[tokens.task] is not None]
+        if not qs.memo["task heads"]:
+            return scores
+        if heads is None:
+            raise RuntimeError("a head task's question was scored by a graph that gave no head scores")
+        out = np.array(scores, dtype=np.float64)
+        for a, b, beta in qs.memo["task heads"]:
+            out[a:b] = beta * (values[a:b] / qs.lengths[a:b]) + heads[a:b]
+        return out
 
     def _flat_priors(self, qs: QuestionSet) -> np.ndarray:
         """[O] the set's content-free log-likelihoods, computed once per set (and cached per question)."""

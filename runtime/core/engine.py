@@ -62,7 +62,8 @@ class Engine:
         self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk)
         # the engine thread's stage: it owns the passes and the read-out, and never calls back into the engine
         self.runner = Runner(backend, self.planner, self.states, manifest, self.encoder,
-                             tasks.calibrations if tasks else ())
+                             tasks.calibrations if tasks else (),
+                             tuple(None if h is None else h.beta for h in tasks.heads) if tasks and tasks.heads else ())
         self.answering = self.runner.answering
         self.question_sets = self.planner.sets  # compiled question sets by content (hits and size in /metrics)
 

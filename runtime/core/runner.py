@@ -47,9 +47,9 @@ class Runner:
     scores token ids of questions over a state (calibration's and the content-free priors' way in)."""
 
     def __init__(self, backend: Backend, planner: Planner, states: States, manifest, encoder,
-                 task_calibrations: tuple = ()):
+                 task_calibrations: tuple = (), task_heads: tuple = ()):
         self.backend, self.planner, self.states = backend, planner, states
-        self.answering = Answering(manifest, encoder, self.null_logprobs, task_calibrations)
+        self.answering = Answering(manifest, encoder, self.null_logprobs, task_calibrations, task_heads)
         self._null_text, self._null = manifest.prompt.null_state, None
 
     def run_group(self, prepared: list[Prepared], readout: str | None = None, deadline: float | None = None) -> list:

@@ -6,6 +6,8 @@ whole (a directory renamed into place), and read back verified (hashes, and the 
                                   questions and data it was tuned on, its metrics
     DIR/tasks/NAME/factors.npz    A.{block}.{proj} [r, in] and B.{block}.{proj} [out, r] (the LoRA scale folded into
                                   B), float16
+    DIR/tasks/NAME/head.npz       a task that is a decision head: its ``DecisionHead`` state (float32), read after
+                                  the card's ``head.depth`` blocks with its ``head.beta`` (``tasks.TaskHead``)
     DIR/tasks/slots/graph.onnx    the engine's decoder with task slots on some blocks (``TaskDecoder``), exported
     DIR/tasks/slots/slots.json    by ``onepass tune --task``; its blocks and files' sha256
     DIR/tasks/slots/decoder.onnx.data   the engine's own weights file, hard-linked: the slot graph reads the
@@ -33,9 +35,10 @@ import numpy as np
 from .errors import EngineFileError
 from .manifest import Manifest, graph_files, sha256_file
 from .readout_calibration import Calibration
-from .tasks import TaskAdapter
+from .tasks import HEAD_KEYS, TaskAdapter, TaskHead
 
 TASKS, SLOTS, CARD, FACTORS, SLOTS_CARD = "tasks", "slots", "task.json", "factors.npz", "slots.json"
+HEAD = "head.npz"
 GRAPH = "graph.onnx"
 CARD_KEYS = ("engine_weights", "rank", "blocks", "factors_sha256")
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
@@ -67,6 +70,7 @@ class Tasks:
     graph: str  # the slot graph, relative to the engine directory
     files: dict  # the slot graph's files (relative to the engine directory) -> sha256
     weights: dict | None = None  # the slot graph's map of reference weight names to its initializers (its card's)
+    heads: tuple = ()  # TaskHead or None per task (() : none has one)
 
 
 def root_of(engine: Path) -> Path:
@@ -143,20 +147,28 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
             raise EngineFileError(f"task {name!r} adapts blocks {outside}, which the slot graph has no slots on: tune "
                                   "it again (the slot graph is exported again)")
         files[f"{TASKS}/{name}/{FACTORS}"] = card["factors_sha256"]
+        if card.get("head") is not None:
+            if not slots.get("heads"):
+                raise EngineFileError(f"task {name!r} is a decision head, which the slot graph takes none of (it was "
+                                      "exported before task heads): tune a task again to export it anew")
+            files[f"{TASKS}/{name}/{HEAD}"] = _head_card(card, name)["sha256"]
         cards.append(card)
     if verify:  # before any file is parsed: a damaged one is named, never a traceback of its parser
         for rel, sha in files.items():
             if not (engine / rel).is_file() or sha256_file(engine / rel) != sha:
                 raise EngineFileError(f"{engine / rel} is missing or does not match its recorded sha256: the file "
                                       "changed after the task was written; tune the task again")
+    heads = []
     for name, card in zip(found, cards):
         adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
+        heads.append(_head(engine / TASKS / name / HEAD, name, card, manifest.model.num_layers)
+                     if card.get("head") is not None else None)
         try:
             calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
         except (TypeError, ValueError, KeyError) as err:
             raise EngineFileError(f"task {name!r}'s calibration is invalid ({err}): tune it again") from None
     return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
-                 f"{TASKS}/{SLOTS}/{GRAPH}", files, mapped)
+                 f"{TASKS}/{SLOTS}/{GRAPH}", files, mapped, tuple(heads))
 
 
 def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manifest, Tasks | None]:
@@ -183,6 +195,30 @@ def _adapter(path: Path, name: str, card: dict) -> TaskAdapter:
         raise EngineFileError(f"{path} cannot be read ({type(err).__name__}: {err}): tune task {name!r} again") from None
 
 
+def _head_card(card: dict, name: str) -> dict:
+    """A head task's card entry ``head`` (depth, beta, sha256), or EngineFileError saying what to do."""
+    head = card["head"]
+    ok = (isinstance(head, dict) and isinstance(head.get("depth"), int) and head["depth"] >= 1
+          and isinstance(head.get("beta"), (int, float)) and isinstance(head.get("sha256"), str))
+    if not ok:
+        raise EngineFileError(f"task {name!r}'s head entry is invalid ({head!r}): it needs a depth (a block count), a "
+                              "beta and the head file's sha256; tune it again")
+    return head
+
+
+def _head(path: Path, name: str, card: dict, layers: int) -> TaskHead:
+    head = _head_card(card, name)
+    if head["depth"] > layers:
+        raise EngineFileError(f"task {name!r} reads its head after {head['depth']} blocks; the engine has {layers}: "
+                              "tune it again on this engine")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            state = {k: data[k] for k in data.files}
+        return TaskHead.from_state(state, head["depth"], head["beta"])
+    except Exception as err:  # noqa: BLE001 - any damage to a file that was not verified (verify=False)
+        raise EngineFileError(f"{path} cannot be read ({type(err).__name__}: {err}): tune task {name!r} again") from None
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """``tmp`` renamed to ``final``; an old ``final`` is moved aside first and deleted after: never half of one."""
     old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
@@ -203,9 +239,11 @@ def _staging(engine: Path, name: str) -> Path:
     return tmp
 
 
-def write_task(engine: str | os.PathLike, manifest: Manifest, adapter: TaskAdapter, card: dict) -> Path:
+def write_task(engine: str | os.PathLike, manifest: Manifest, adapter: TaskAdapter, card: dict,
+               head: tuple | None = None) -> Path:
     """Add or replace the task ``adapter.name`` beside the engine, atomically: its factors (float16) and its card
-    (``card`` plus the engine's identity, rank, blocks and the factors' sha256)."""
+    (``card`` plus the engine's identity, rank, blocks and the factors' sha256); ``head``: (a ``DecisionHead``'s state
+    as numpy, ``HEAD_KEYS``; depth; beta) for a task that is a decision head read after that many blocks."""
     engine = Path(engine)
     name = check_name(adapter.name)
     tmp = _staging(engine, name)
@@ -215,7 +253,13 @@ def write_task(engine: str | os.PathLike, manifest: Manifest, adapter: TaskAdapt
         np.savez(tmp / FACTORS, **arrays)
         full = {**card, "name": name, "engine": manifest.name, "engine_weights": engine_weights(manifest),
                 "rank": adapter.rank, "blocks": sorted({b for b, _ in adapter.factors}),
-                "factors_sha256": sha256_file(tmp / FACTORS)}
+                "factors_sha256": sha256_file(tmp / FACTORS), "head": None}
+        if head is not None:
+            state, depth, beta = head
+            TaskHead.from_state(state, depth, beta)  # refused here, before anything is in place, where it cannot run
+            np.savez(tmp / HEAD, **{k: np.asarray(state[k], np.float32) for k in HEAD_KEYS})
+            full["head"] = {"depth": int(depth), "beta": float(beta), "sha256": sha256_file(tmp / HEAD),
+                            "width": int(np.asarray(state["out.weight"]).size)}
         (tmp / CARD).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, root_of(engine) / name)
     except BaseException:
@@ -244,17 +288,24 @@ def slot_blocks(engine: str | os.PathLike) -> tuple:
     return tuple(_json(path)["blocks"]) if path.is_file() else ()
 
 
-def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, weight_map=None) -> None:
+def slot_heads(engine: str | os.PathLike) -> bool:
+    """Whether the engine's slot graph takes task heads (False where it has none)."""
+    path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
+    return bool(_json(path).get("heads")) if path.is_file() else False
+
+
+def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, weight_map=None,
+                heads: bool = False) -> None:
     """Export the slot graph on ``blocks`` with ``export(path)`` (it writes ``path`` and ``path``.data) and put it in
     place atomically with its card; ``weight_map(path)``: the graph's {reference weight name: initializer}, recorded
-    in the card (as an engine's manifest records its own)."""
+    in the card (as an engine's manifest records its own); ``heads``: whether the graph takes task heads."""
     engine = Path(engine)
     tmp = _staging(engine, SLOTS)
     try:
         export(tmp / GRAPH)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
-                "files": files}
+                "files": files, "heads": bool(heads)}
         mapped = weight_map(tmp / GRAPH) if weight_map is not None else None
         if mapped is not None:
             card["weights"] = mapped

@@ -1,22 +1,28 @@
-"""Tuned tasks as low-rank updates fed with the pass. Pure numpy.
+"""Tuned tasks as low-rank updates and decision heads fed with the pass. Pure numpy.
 
 A task is a LoRA adapter trained with the state's K/V from the base weights (``PackedScorer(state_weights=...)``):
 it acts on its own question and option tokens only, so several tasks can share one prefill of a state and one
 packed pass. The graph with task slots (``TaskDecoder``) takes, per adapted block and projection, every task's
 factors side by side — A [in, K] and B [K, out], K the sum of the tasks' ranks — and a mask [N, K] that is 1 on
 the slots of each packed token's task. Adding a task changes the data fed, never the graph.
+
+A task may instead be a decision head read after its own number of blocks (``TaskHead``): the slot graph exported with
+task heads reads each read-out row's hidden state after its task's exit block and runs every head's units on it, the
+row keeping its own head's (``contract.task_head_specs``). Heads of any depths share one pass with each other, with
+LoRA tasks and with untasked questions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from ..backends.contract import (PROJECTIONS, TASK_MASK, TaskFeeds, projection_shapes,  # noqa: F401 - re-exported
-                                 task_factor_names)
+from ..backends.contract import (HEAD_IN, HEAD_IN_BIAS, HEAD_OUT, PROJECTIONS, TASK_MASK, TaskFeeds,  # noqa: F401
+                                 projection_shapes, task_factor_names)
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -51,6 +57,67 @@ class TaskAdapter:
         if len(ranks) != 1:
             raise ValueError(f"task {name!r}: one rank expected, found {sorted(ranks)}")
         return cls(name, ranks.pop(), factors)
+
+
+HEAD_KEYS = ("shift", "scale", "inner.weight", "inner.bias", "out.weight", "out.bias")  # a DecisionHead's state
+
+
+@dataclass(frozen=True)
+class TaskHead:
+    """A decision head read after ``depth`` blocks, as the slot graph runs it: ``score(h) = w_out . silu(h @ w_in +
+    b_in) + b_out`` over the final-normed hidden state h of an option's last read-out row (the head's standardisation
+    folded into ``w_in`` and ``b_in``); an option's score is ``beta * mean log-likelihood + score``, both read after
+    ``depth`` blocks."""
+
+    depth: int
+    beta: float
+    w_in: np.ndarray  # [d, W]
+    b_in: np.ndarray  # [W]
+    w_out: np.ndarray  # [W]
+    b_out: float
+
+    @classmethod
+    def from_state(cls, state: dict, depth: int, beta: float) -> "TaskHead":
+        """From a ``DecisionHead``'s state dict (``HEAD_KEYS``, numpy) with a hidden layer (``width`` > 0)."""
+        missing = [k for k in HEAD_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"a task head needs a hidden layer and its standardisation; missing {', '.join(missing)}")
+        shift, scale = (np.asarray(state[k], np.float64) for k in ("shift", "scale"))
+        inner = np.asarray(state["inner.weight"], np.float64) / scale[None, :]  # [W, d]: (h - shift) / scale folded
+        b_in = np.asarray(state["inner.bias"], np.float64) - inner @ shift
+        out = np.asarray(state["out.weight"], np.float64).reshape(-1)
+        if inner.shape[0] != out.shape[0] or shift.shape != scale.shape or inner.shape[1] != shift.shape[0]:
+            raise ValueError(f"a task head's layers disagree in shape: inner {inner.shape}, out {out.shape}, "
+                             f"shift {shift.shape}")
+        return cls(int(depth), float(beta), inner.T.astype(np.float32), b_in.astype(np.float32),
+                   out.astype(np.float32), float(np.asarray(state["out.bias"]).reshape(-1)[0]))
+
+    def score(self, hidden: np.ndarray) -> np.ndarray:
+        """[R] head scores of final-normed hidden states [R, d] (numpy; the graph computes the same)."""
+        u = hidden.astype(np.float64) @ self.w_in + self.b_in
+        return (u / (1.0 + np.exp(-u))) @ self.w_out + self.b_out
+
+
+def head_feeds(feeds: TaskFeeds, heads: Sequence, layers: int) -> TaskFeeds:
+    """``feeds`` with the tasks' ``heads`` (per task a ``TaskHead`` or None) side by side on the unit axis, each task's
+    exit (its head's depth; every block for a task without one) and head bias; ValueError where the slot graph takes
+    no task heads or a depth is outside 1..``layers``."""
+    if not any(h is not None for h in heads):
+        return dataclasses.replace(feeds, heads=feeds.heads, exits=np.full(len(heads), layers, np.int64),
+                                   head_bias=np.zeros(len(heads), np.float32), layers=layers)
+    if feeds.heads is None:
+        raise ValueError("a task is a decision head, and this engine's slot graph takes no task heads (it was "
+                         "exported before them): tune a task again to export it anew")
+    for h in heads:
+        if h is not None and not 1 <= h.depth <= layers:
+            raise ValueError(f"a task head reads after {h.depth} blocks; this engine has {layers}")
+    some = [h for h in heads if h is not None]
+    unit_task = np.concatenate([np.full(h.w_out.shape[0], t, np.int64) for t, h in enumerate(heads) if h is not None])
+    weights = {HEAD_IN: np.concatenate([h.w_in for h in some], axis=1),
+               HEAD_IN_BIAS: np.concatenate([h.b_in for h in some]), HEAD_OUT: np.concatenate([h.w_out for h in some])}
+    return dataclasses.replace(feeds, heads=weights, unit_task=unit_task, layers=layers,
+                               exits=np.array([layers if h is None else h.depth for h in heads], np.int64),
+                               head_bias=np.array([0.0 if h is None else h.b_out for h in heads], np.float32))
 
 
 @dataclass(frozen=True)
@@ -134,7 +201,13 @@ def task_feeds(tasks, backend) -> TaskFeeds:
     block = tasks.blocks[0]
     shapes = {p: (none.factors[f"task_a.{block}.{p}"].shape[0], none.factors[f"task_b.{block}.{p}"].shape[1])
               for p in PROJECTIONS}
-    return stack(tasks.adapters, tasks.blocks, shapes).feeds()
+    feeds = dataclasses.replace(stack(tasks.adapters, tasks.blocks, shapes).feeds(), heads=none.heads)
+    try:
+        return head_feeds(feeds, tasks.heads or (None,) * len(tasks.names), backend.model.num_layers)
+    except ValueError as err:
+        from ..backends.errors import EngineFileError
+
+        raise EngineFileError(str(err)) from None
 
 
 def no_tasks_on(backend: str):
