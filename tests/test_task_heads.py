@@ -162,3 +162,41 @@ def test_head_tasks_are_refused_where_they_cannot_run(head_tasked, tmp_path):
     with pytest.raises(ValueError, match="needs a hidden layer"):
         task_store.write_task(engine_dir, manifest, TaskAdapter("linear", 0, {}), {}, head=(linear, 1, 1.0))
     assert not (engine_dir / "tasks" / "linear").exists() and "linear" not in task_store.names(engine_dir)
+
+
+def test_tune_task_chooses_a_head_at_a_depth_as_a_whole_engine_tune_does_and_serves_it_as_that_engine(
+        tiny_engine_dir, tmp_path):
+    """`onepass tune --task` on 40 rows (no LoRA run under --lora-min-rows: base, base + calibrate and the heads
+    read after 1 and 2 blocks, cross-validated over whole states) chooses what `onepass tune --out` chooses on the
+    same rows, and the stored head task answers every row as that tuned engine (cut at its head's depth when it is
+    one) does, to 1e-4: an independent export of the same head. Negative control: the untasked question differs."""
+    from onepass.cli import main
+    from onepass.calibration.data.rows import load_rows
+    from test_tune import _fact_rows
+
+    engine = tmp_path / "engine"
+    mf.copy_engine(tiny_engine_dir, engine)
+    data = _fact_rows(tmp_path, notes=20, numbered=True)
+    flags = ["--data", str(data), "--head-depths", "1", "--seed", "0"]
+    assert main(["tune", "--engine", str(engine), "--task", "facts", *flags]) == 0
+    assert main(["tune", "--engine", str(tiny_engine_dir), "--out", str(tmp_path / "whole"), *flags]) == 0
+    card = task_store.read_card(engine, "facts")
+    whole = mf.load(tmp_path / "whole")
+    chosen = card["metrics"]["choice"]["chosen"]
+    assert chosen == whole.head.training["choice"]["chosen"]
+    assert chosen.startswith("head"), card["metrics"]["choice"]  # else this test would compare no head
+    assert card["head"]["depth"] == (whole.head.depth or 2) and card["rank"] == 0
+    rows, _ = load_rows([data])
+    with Engine.load(engine, backend="onnxruntime") as tasked, Engine.load(tmp_path / "whole",
+                                                                          backend="onnxruntime") as tuned:
+        def scores(engine, row, task):
+            asked = {"q": type(row.question)(row.question.instructions, row.question.criteria, task)}
+            encoded = engine.encode_questions(asked)
+            values, heads = engine.option_values(row.state, encoded)
+            return engine.option_scores(asked, encoded, values, heads=heads)[0]  # calibrated: what is soft-maxed
+
+        for row in rows[:12]:
+            np.testing.assert_allclose(scores(tasked, row, "facts"), scores(tuned, row, None), rtol=0, atol=1e-4)
+            assert tasked.ask(row.state, {"q": type(row.question)(row.question.instructions, row.question.criteria, "facts")})[
+                "q"].noul == pytest.approx(tuned.ask(row.state, {"q": row.question})["q"].noul, abs=1e-6)
+        assert max(np.abs(scores(tasked, r, None) - scores(tuned, r, None)).max() for r in rows[:12]) > 1e-2

@@ -335,7 +335,7 @@ def test_onepass_tune_task_stores_a_task_that_serves_what_was_chosen(tiny_engine
     mf.copy_engine(tiny_engine_dir, engine)
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in engine.iterdir() if p.is_file()}
     data = _fact_rows(tmp_path, notes=52, numbered=True)
-    assert main(["tune", "--engine", str(engine), "--data", str(data), "--task", "facts", "--rank", "2",
+    assert main(["tune", "--engine", str(engine), "--data", str(data), "--task", "facts", "--rank", "2", "--no-head",
                  "--train-blocks", "1", "--epochs", "3", "--batch-questions", "4", "--lr", "1e-2", "--holdout",
                  "0.25", "--patience", "3"]) == 0
     card = task_store.read_card(engine, "facts")

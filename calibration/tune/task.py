@@ -1,14 +1,15 @@
 """`onepass tune --task NAME --engine DIR --data rows.jsonl`: a tuned task added to an engine in place.
 
-The task's LoRA is trained on the question and option tokens only: the state's K/V come from the engine's own weights
-(``PackedScorer(state_weights=...)``), as the engine serves it, with the state prefilled once for every task. The
-candidates and the choice are tune's (base + calibrate, tuned, tuned + calibrate; cross-validated below
-``CV_BELOW_ROWS`` rows), and what is chosen is stored beside the engine (``runtime.core.task_store``): the factors in
-float16 and a card with its calibration, the questions and data it was tuned on and its metrics. The engine's files
-are untouched. The graph with task slots (``TaskDecoder``) is exported once per engine, again only when a task needs
-blocks it has no slots on.
+The candidates and the choice are a whole-engine tune's: base, base + calibrate, a decision head over the engine's
+hidden states read after each of several depths (``config.head_depths``) and at the full depth, and, with
+``--lora-min-rows`` rows or more, a LoRA run (tuned, tuned + calibrate), cross-validated over whole states below
+``CV_BELOW_ROWS`` rows or without a LoRA run. The task's LoRA is trained on the question and option tokens only: the
+state's K/V come from the engine's own weights (``PackedScorer(state_weights=...)``), as the engine serves it, with
+the state prefilled once for every task. What is chosen is stored beside the engine (``runtime.core.task_store``): the
+factors in float16 or the head (``head.npz``, read after its depth), and a card with its calibration, the questions
+and data it was tuned on and its metrics. The engine's files are untouched. The graph with task slots and task heads
+(``TaskDecoder``) is exported once per engine, again only when a task needs blocks it has no slots on.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,10 @@ from ...runtime.core.prompt import PromptEncoder
 from ...runtime.core.readout_calibration import question_key
 from ...runtime.core.tasks import TaskAdapter, projection_shapes
 from ..data.rows import group_by_state, load_rows, split_states
-from .choice import CV_BELOW_ROWS, Runs, check_cv_states, train_and_choose
-from .config import TuneConfig, resolved
+from ..heads import candidate as head_candidate
+from .candidates import head_depth, is_head
+from .choice import CV_BELOW_ROWS, CV_FOLDS, Runs, check_cv_states, train_and_choose
+from .config import TuneConfig, head_depths, resolved
 from .trainer import NothingLearned, PackedScorer, encode_groups
 
 
@@ -65,8 +68,8 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
     except ValueError as err:
         raise OnepassError(str(err)) from None
     if config.method != "lora":
-        raise OnepassError(f"a task is a LoRA adapter on the question tokens; --method {config.method} writes a whole "
-                           "engine (leave out --task)")
+        raise OnepassError(f"a task is chosen among its candidates (a LoRA adapter on the question tokens, a decision "
+                           f"head at a depth); --method {config.method} writes a whole engine (leave out --task)")
     base = mf.load(engine_dir)
     if base.head is not None:
         raise OnepassError("the engine has a decision head, which task slots do not combine with; add tasks to an "
@@ -77,9 +80,11 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
                            "an fp32 engine")
     rows, files = load_rows(data)
     encoder = PromptEncoder(str(engine_dir / base.tokenizer), base.prompt)
-    cv = len(rows) < CV_BELOW_ROWS and config.write == "best"
-    train_groups, held_groups = (group_by_state(rows), []) if cv else split_states(group_by_state(rows),
-                                                                                    config.holdout, config.seed)
+    heads = config.head_candidate and config.write == "best"
+    lora = not heads or len(rows) >= config.lora_min_rows  # as a whole-engine tune: else the head is the only learner
+    states = group_by_state(rows)
+    cv = config.write == "best" and (len(rows) < CV_BELOW_ROWS or (not lora and len(states) >= 2 * CV_FOLDS))
+    train_groups, held_groups = (states, []) if cv else split_states(states, config.holdout, config.seed)
     if cv:
         check_cv_states(train_groups)
     config = resolved(config, sum(len(g) for g in train_groups), base.model.num_layers,
@@ -90,24 +95,32 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
     model, params = _trainable(load_model(spec, adapters).model, config)
     model.train()
     layers = base.model.num_layers
-    frozen = layers - config.train_blocks if config.train_blocks else 0
+    frozen = layers - config.train_blocks if config.train_blocks and lora else 0
     scorer = PackedScorer(PackedDecoder(model.base_model.model, share=True), base.scoring.readout,
                           torch.device("cpu"), bool(config.bf16), frozen, state_weights=model.disable_adapter)
     work = Path(tempfile.mkdtemp(prefix=f"onepass-task-{name}-"))  # the runs' checkpoints; never in the engine
+    depths = head_depths(config, layers) if heads else ()  # a task's scorer reads any depth (the state's K/V kept)
     log(f"tuning task {name!r} of {base.name} on {sum(len(g) for g in train_groups)} rows ({len(train_groups)} "
-        f"states): LoRA rank {config.rank} on " + (f"the top {config.train_blocks} blocks" if config.train_blocks
-                                                    else "every block")
-        + ", the state's K/V from the engine's own weights (shared by every task)")
+        "states): " + (f"LoRA rank {config.rank} on " + (f"the top {config.train_blocks} blocks" if config.train_blocks
+                                                         else "every block") if lora else
+                       f"no LoRA run ({len(rows)} rows, under --lora-min-rows {config.lora_min_rows})")
+        + (f"; a decision head read after {', '.join(map(str, depths))} and all blocks" if heads else "")
+        + "; the state's K/V from the engine's own weights (shared by every task)")
     try:
-        runs = Runs(scorer, params, config, work, _fingerprint(files, engine_dir), encoder, log)
-        outcome = train_and_choose(runs, train, held, cv, False, base.scoring.readout, config.seed,
-                                   heads=False)  # a task is LoRA factors: no head
+        runs = Runs(scorer, params, config, work, _fingerprint(files, engine_dir), encoder, log, depths)
+        outcome = train_and_choose(runs, train, held, cv, False, base.scoring.readout, config.seed, heads, lora)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     chosen, found, judged = outcome.chosen, outcome.found, outcome.judged
     log(outcome.candidates_line())
     adapter = _adapter(model, name) if chosen.name.startswith("tuned") else TaskAdapter(name, 0, {})
     chosen, adapter = named_as_it_answers(chosen, adapter, log)
+    head = None
+    if is_head(chosen.name):  # the head as served: its prior's bias is the calibration of its read-out
+        served, calibration = head_candidate.served(outcome.head)
+        chosen = dataclasses.replace(chosen, calibration=calibration)
+        head = ({k: v.detach().float().cpu().numpy() for k, v in served.head.state_dict().items()},
+                head_depth(chosen.name) or layers, float(served.beta.detach()))
     if chosen.name == "base" and not config.keep_base:
         raise NothingLearned(f"on the {judged} rows neither calibrating nor tuning beat the engine's own answers, so "
                              f"no task was written. Give more labelled rows, or pass --keep-base to store the task "
@@ -124,8 +137,9 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
                         "train_seconds": seconds, "rows_per_second": outcome.rows_trained / max(seconds, 1e-9)}}
     with task_store.locked(engine_dir):  # one writer of the engine's tasks at a time
         ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log)
-        path = task_store.write_task(engine_dir, base, adapter, card)
-    log(f"task {name!r} ({chosen.name}, rank {adapter.rank}) written to {path} in {time.perf_counter() - t0:.0f} s")
+        path = task_store.write_task(engine_dir, base, adapter, card, head)
+    what = f"a decision head read after {head[1]} of {layers} blocks" if head else f"rank {adapter.rank}"
+    log(f"task {name!r} ({chosen.name}, {what}) written to {path} in {time.perf_counter() - t0:.0f} s")
     return task_store.read_card(engine_dir, name)
 
 

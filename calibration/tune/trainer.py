@@ -174,8 +174,9 @@ class PackedScorer:
         stream there, as an engine cut at that depth computes them)."""
         stops = sorted({int(d) for d in depths})
         layers = self.decoder.dims.num_layers
-        if any(not self.frozen < d < layers for d in stops):
-            raise ValueError(f"depths must be in {self.frozen + 1}..{layers - 1} (above the frozen blocks, below the "
+        low = 1 if self.state_weights is not None else self.frozen + 1  # a task's: the state's every block is kept
+        if any(not low <= d < layers for d in stops):
+            raise ValueError(f"depths must be in {low}..{layers - 1} (above the frozen blocks, below the "
                              f"decoder's {layers}); got {stops}")
         reads = self._reads(chunk, stops)
         out = []
@@ -205,8 +206,11 @@ class PackedScorer:
         else:
             presents = state_past[2 * self.frozen:]  # the base weights' state K/V: no gradient, computed once
         reads, x, start = {}, x_packed, self.frozen
+        if stops and stops[0] <= self.frozen:  # a read inside the frozen blocks (a task's: its state K/V are all kept)
+            x, start, presents = self.decoder.embed[self._tensor(batch.input_ids)], 0, state_past
+        first = start  # the block presents[0:2] is of
         for stop in [*stops, layers]:
-            past = presents[2 * (start - self.frozen):2 * (stop - self.frozen)]
+            past = presents[2 * (start - first):2 * (stop - first)]
             x, _ = self._blocks(x, batch, past, range(start, stop))
             reads[stop] = self._read(chunk, batch, x, hidden)
             start = stop
