@@ -98,6 +98,8 @@ def share(graph: str | os.PathLike, base_graph: str | os.PathLike) -> dict:
     else:
         kept_path.unlink()
     for location in sorted(used):
-        link_or_copy(base_graph.parent / location, graph.parent / location)
+        target = graph.parent / location
+        if not (target.exists() and os.path.samefile(target, base_graph.parent / location)):  # another graph's link
+            link_or_copy(base_graph.parent / location, target)
     onnx.save(model, str(graph))
     return {"shared_bytes": shared, "own_bytes": kept}

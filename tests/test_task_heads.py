@@ -41,11 +41,19 @@ def _head(seed: int, hidden: int) -> DecisionHead:
 
 
 @pytest.fixture(scope="module")
-def head_tasked(tasked, tmp_path_factory):
-    """(the tasked engine copied with the head tasks ``HEADS`` added, the peft model, the heads by name)."""
+def head_tasked(tasked, tiny_llama_dir, tmp_path_factory):
+    """(the tasked engine copied with the head tasks ``HEADS`` added and its slot graph cut at 1 block, the peft
+    model, the heads by name)."""
+    import transformers
+
+    from onepass.calibration.tune.task import ensure_slots
+
     engine = tmp_path_factory.mktemp("head-tasked") / "engine"
     shutil.copytree(tasked[0], engine)
     manifest = mf.load(engine)
+    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager")  # noqa: E731
+    ensure_slots(engine, manifest, load, set(), log=lambda *a: None, depths=(1,))
+    assert task_store.slot_depths(engine) == (1,)
     heads = {}
     for seed, (name, (depth, beta)) in enumerate(HEADS.items()):
         heads[name] = _head(seed, manifest.model.hidden_size)
@@ -116,6 +124,52 @@ def test_head_tasks_at_several_depths_share_one_pass_and_each_equals_its_questio
         for i, qid in enumerate(asked):
             want = np.exp(calibrated[i] - calibrated[i].max())
             assert answers[qid].probabilities["billing"] == pytest.approx(want[0] / want.sum(), abs=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino-cpu", "torch-cpu"])
+def test_a_pass_of_shallow_head_tasks_runs_the_graph_cut_there_and_its_state_is_deepened_when_asked(
+        head_tasked, tiny_engine_dir, backend):
+    """Only questions of the head task read after 1 block: the pass and the state's prefill run the slot graph cut at
+    1 block (ONNX Runtime, OpenVINO; the PyTorch backend runs every block), the state is cached with 1 block's K/V,
+    and the answers equal transformers reading the question alone there (1e-4). An untasked question about the same
+    state then prefills it again with every block (the engine's own answer, 1e-5); the shallow questions asked again
+    read the deeper state's first block: the same answers (1e-5). Control: read at the full depth, they differ."""
+    if backend == "openvino-cpu":
+        pytest.importorskip("openvino")
+    engine_dir, peft, heads = head_tasked
+    shallow = {"a": Choice("Which team?", {"billing": None, "shipping": None}, "shallow"),
+               "b": Noul("Is this fraud?", task="shallow")}
+    untasked = {"q": Noul("Is this fraud?")}
+    with Engine.load(engine_dir, backend=backend) as engine, Engine.load(tiny_engine_dir, backend=backend) as plain:
+        cut = backend != "torch-cpu"
+        assert list(engine.depths.backends) == ([1] if cut else [])
+        runs = []  # the K/V blocks each pass on a cut graph was given
+        for b in engine.depths.backends.values():
+            real = b.score_all
+            b.score_all = lambda kv, batch, real=real: runs.append(len(kv.layers)) or real(kv, batch)
+        state_ids = tuple(engine.planner.state_ids(STATE))
+        first = engine.ask(STATE, shallow)
+        assert runs == ([1] if cut else []) and len(engine.cache.get(state_ids).kv.layers) == (1 if cut else 2)
+        for (qid, q), tokens in zip(shallow.items(), engine.encode_questions(shallow)):
+            want = _alone_at(peft, state_ids, tokens, 1, heads["shallow"], 0.7)[1]
+            np.testing.assert_allclose(_probs(first[qid]), np.exp(want) / np.exp(want).sum(), rtol=0, atol=TOL,
+                                       err_msg=qid)
+            at_full = _alone_at(peft, state_ids, tokens, 2, heads["shallow"], 0.7)[1]
+            assert np.abs(at_full - want).max() > 100 * TOL  # the control: the head read at another depth
+        base = engine.ask(STATE, untasked)["q"].noul
+        assert len(engine.cache.get(state_ids).kv.layers) == 2  # deepened: prefilled again with every block
+        assert base == pytest.approx(plain.ask(STATE, untasked)["q"].noul, abs=1e-5)
+        again = engine.ask(STATE, shallow)
+        assert runs == ([1, 1] if cut else [])  # the cut graph again, over the deeper state's first block
+        for qid in shallow:
+            np.testing.assert_allclose(_probs(again[qid]), _probs(first[qid]), rtol=0, atol=1e-5)
+
+
+def _probs(answer) -> np.ndarray:
+    """An answer's probabilities in its options' order (a yes/no: yes, no)."""
+    if not hasattr(answer, "probabilities"):
+        return np.array([answer.noul, 1 - answer.noul])
+    return np.array(list(answer.probabilities.values()))
 
 
 def test_a_head_tasks_calibration_is_fitted_on_the_head_read_out_and_applies_to_its_questions(head_tasked, tmp_path):
@@ -197,6 +251,7 @@ def test_tune_task_chooses_a_head_at_a_depth_as_a_whole_engine_tune_does_and_ser
 
         for row in rows[:12]:
             np.testing.assert_allclose(scores(tasked, row, "facts"), scores(tuned, row, None), rtol=0, atol=1e-4)
-            assert tasked.ask(row.state, {"q": type(row.question)(row.question.instructions, row.question.criteria, "facts")})[
-                "q"].noul == pytest.approx(tuned.ask(row.state, {"q": row.question})["q"].noul, abs=1e-6)
+            asked = type(row.question)(row.question.instructions, row.question.criteria, "facts")
+            assert tasked.ask(row.state, {"q": asked})["q"].noul == pytest.approx(
+                tuned.ask(row.state, {"q": row.question})["q"].noul, abs=1e-6)
         assert max(np.abs(scores(tasked, r, None) - scores(tuned, r, None)).max() for r in rows[:12]) > 1e-2

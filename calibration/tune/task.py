@@ -136,7 +136,8 @@ def tune_task(engine_dir: str | Path, data: list[str | Path], name: str,
                                    "candidates": [c.as_dict() for c in found]},
                         "train_seconds": seconds, "rows_per_second": outcome.rows_trained / max(seconds, 1e-9)}}
     with task_store.locked(engine_dir):  # one writer of the engine's tasks at a time
-        ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log)
+        ensure_slots(engine_dir, base, lambda: load_model(spec, adapters).model, {b for b, _ in adapter.factors}, log,
+                     depths=(head[1],) if head else ())
         path = task_store.write_task(engine_dir, base, adapter, card, head)
     what = f"a decision head read after {head[1]} of {layers} blocks" if head else f"rank {adapter.rank}"
     log(f"task {name!r} ({chosen.name}, {what}) written to {path} in {time.perf_counter() - t0:.0f} s")
@@ -183,27 +184,38 @@ def _weight_map(decoder, path: Path, log) -> dict | None:
         return None
 
 
-def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print) -> None:
-    """The engine's slot graph, exported again (on the blocks it had and ``blocks``, with task heads) only where it
-    lacks a block or takes no task heads (exported before them); ``base_model()`` loads the engine's own model
-    (transformers, no adapter of the task's)."""
+def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: set, log=print, depths=()) -> None:
+    """The engine's slot graph, exported again (on the blocks it had and ``blocks``, with task heads, and a graph cut
+    at each depth it had and each of ``depths`` below the model's) only where it lacks a block or a depth or takes no
+    task heads (exported before them); ``base_model()`` loads the engine's own model (transformers, no adapter of the
+    task's). A depth's graph holds that many blocks and task heads only: it answers a pass whose questions are all
+    head tasks read there or above, and prefills their states (``runtime.core.depths``)."""
+    from ...export.model_source import cut
     from ...export.onnx_graph import export_task_decoder
     from ...export.shared_weights import share
     from ...runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
-    have = set(task_store.slot_blocks(engine_dir))
-    if have and blocks <= have and task_store.slot_heads(engine_dir):
+    have, had = set(task_store.slot_blocks(engine_dir)), set(task_store.slot_depths(engine_dir))
+    cuts = sorted(had | {d for d in depths if d < manifest.model.num_layers})
+    if have and blocks <= have and task_store.slot_heads(engine_dir) and set(cuts) <= had:
         return
     want = sorted(have | blocks) or [manifest.model.num_layers - 1]  # a task of no factors still needs a graph
     log(f"exporting the engine's graph with task slots on blocks {want[0]}..{want[-1]} ({len(want)} blocks) and "
-        "task heads; ~1 min")
+        "task heads" + (f", and its first {', '.join(map(str, cuts))} blocks for the head tasks read there" if cuts
+                        else "") + f"; ~{1 + len(cuts)} min")
     graph = TaskDecoder(PackedDecoder(base_model().eval()), want, heads=True)
     d = graph.dims
     shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
+
     def export(path: Path) -> None:  # the decoder's weights read from the engine's own file, not a copy of it
         export_task_decoder(graph, shapes, path)
         share(path, engine_dir / manifest.graph)
+        for depth in cuts:
+            shallow = path.with_name(task_store.depth_graph(depth))
+            export_task_decoder(TaskDecoder(PackedDecoder(cut(base_model().eval(), depth)), (), heads=True), shapes,
+                                shallow)
+            share(shallow, engine_dir / manifest.graph)
 
     with torch.no_grad():
         task_store.write_slots(engine_dir, manifest, want, export, lambda path: _weight_map(graph.decoder, path, log),
-                               heads=True)
+                               heads=True, depths=cuts)

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import manifest as manifest_mod
 from . import task_store
+from .depths import Depths, open_cut
 from .tasks import feed_tasks, no_tasks_on
 from ..backends.base import Backend
 from .readout_calibration import question_key
@@ -36,7 +37,8 @@ class Engine:
     """An engine directory loaded for serving. Thread-safe for concurrent ``ask`` calls."""
 
     def __init__(self, root: Path, manifest, backend: Backend, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 cache: StateCache | None = None, tasks: task_store.Tasks | None = None):
+                 cache: StateCache | None = None, tasks: task_store.Tasks | None = None,
+                 depths: Depths | None = None):
         self.root = root
         self.manifest = manifest
         self.backend = backend
@@ -59,9 +61,11 @@ class Engine:
                         "cached; give a larger cache (onepass serve --cache-mib, Engine.load(cache_bytes=...))",
                         reserved >> 20, cache_bytes >> 20)
         self.cache = cache if cache is not None else StateCache(max(0, cache_bytes - reserved))
-        self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk)
+        # the slot graph cut at the head tasks' depths: passes and prefills that stop where their questions read
+        self.depths = depths if depths is not None else Depths.none(manifest.model.num_layers)
+        self.states = States(backend, self.planner, self.cache, manifest.limits.prefill_chunk, self.depths)
         # the engine thread's stage: it owns the passes and the read-out, and never calls back into the engine
-        self.runner = Runner(backend, self.planner, self.states, manifest, self.encoder,
+        self.runner = Runner(backend, self.planner, self.states, manifest, self.encoder, self.depths,
                              tasks.calibrations if tasks else (),
                              tuple(None if h is None else h.beta for h in tasks.heads) if tasks and tasks.heads else ())
         self.answering = self.runner.answering
@@ -90,7 +94,8 @@ class Engine:
             if tasks is not None and not backends.backend_class(backend).runs_tasks:
                 raise no_tasks_on(backend)
             backend = backends.factory(backend)
-        return cls(root, manifest, backend(root, served, threads), cache_bytes, tasks=tasks)
+        full = backend(root, served, threads)
+        return cls(root, manifest, full, cache_bytes, tasks=tasks, depths=open_cut(root, served, tasks, full, threads))
 
     def close(self) -> None:
         """Drop the cached states and release the backend (device memory, graphs). Engines made by
@@ -99,6 +104,7 @@ class Engine:
         self.question_sets.clear()
         with self.backend.serial():
             self.backend.close()
+        self.depths.close()
 
     def release_memory(self) -> bool:
         """Give back the backend's working memory grown by past large passes (a long state, hundreds of options);
@@ -126,7 +132,8 @@ class Engine:
                                     "export an engine with a larger limit instead", key)
         manifest = dataclasses.replace(self.manifest, limits=dataclasses.replace(current, **lower))
         budget = self.cache.max_bytes + getattr(self.backend, "reserved_bytes", 0)  # as this engine was given
-        return Engine(self.root, manifest, self.backend, budget, cache=self.cache, tasks=self.tasks)
+        return Engine(self.root, manifest, self.backend, budget, cache=self.cache, tasks=self.tasks,
+                      depths=self.depths)
 
     @property
     def name(self) -> str:

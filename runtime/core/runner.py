@@ -19,6 +19,7 @@ import numpy as np
 from ..backends.base import Backend
 from ..backends.batch import concat, with_mask
 from .answering import Answering
+from .depths import Depths
 from .errors import DeadlineExceeded
 from .planner import Planner, Prepared
 from .question_set import QuestionSet
@@ -46,9 +47,9 @@ class Runner:
     """The engine-thread stage of one engine: ``run_group`` answers prepared requests about one state; ``logprobs``
     scores token ids of questions over a state (calibration's and the content-free priors' way in)."""
 
-    def __init__(self, backend: Backend, planner: Planner, states: States, manifest, encoder,
+    def __init__(self, backend: Backend, planner: Planner, states: States, manifest, encoder, depths: Depths,
                  task_calibrations: tuple = (), task_heads: tuple = ()):
-        self.backend, self.planner, self.states = backend, planner, states
+        self.backend, self.planner, self.states, self.depths = backend, planner, states, depths
         self.answering = Answering(manifest, encoder, self.null_logprobs, task_calibrations, task_heads)
         self._null_text, self._null = manifest.prompt.null_state, None
 
@@ -60,7 +61,7 @@ class Runner:
         or prefill chunk starts, and the requests get ``DeadlineExceeded``."""
         clocks = [dict(p.timings) for p in prepared]
         try:
-            state, hit = self._state(prepared[0], clocks[0], deadline)
+            state, hit = self._state(prepared[0], clocks[0], deadline, [p.question_set for p in prepared])
         except Exception as err:  # noqa: BLE001 - the requests share the state, and its failure
             return [err] * len(prepared)
         # each later request looks the state up in the cache as it would alone (the cache's counts and each answer's
@@ -84,12 +85,13 @@ class Runner:
         return [self._result(p, state, clock, cached, values[key], shared, readout)
                 for p, key, clock, cached in zip(prepared, keys, clocks, hits)]
 
-    def _state(self, prepared: Prepared, clock: dict, deadline: float | None) -> tuple[State, bool]:
-        """(the group's state, whether it was cached): the caller's prefilled state, or from the cache or prefilled."""
+    def _state(self, prepared: Prepared, clock: dict, deadline: float | None, sets: list) -> tuple[State, bool]:
+        """(the group's state, whether it was cached): the caller's prefilled state, or from the cache or prefilled
+        to the depth the group's question ``sets`` need."""
         if prepared.state is not None:
             clock["prefill"] = 0.0
             return prepared.state, True
-        return self.states.of_ids(prepared.ids, clock, deadline)
+        return self.states.of_ids(prepared.ids, clock, deadline, self.depths.of_sets(sets))
 
     def _result(self, p: Prepared, state: State, clock: dict, cached: bool, mine, shared: dict, readout):
         """One request's Result from its set's option values, or the exception it met."""
@@ -135,8 +137,9 @@ class Runner:
                 t = time.perf_counter()
                 batch = with_mask(batch)
                 masking += time.perf_counter() - t
-            with self.backend.serial():
-                logprob, head = self.backend.score_all(over.kv, batch)
+            backend, kv = self.depths.run_on(self.backend, self.depths.of_batch(batch), over.kv)
+            with backend.serial():
+                logprob, head = backend.score_all(kv, batch)
             packed += batch.num_tokens
             for k, cp, offset in parts:
                 values[k][cp.options] = cp.values(logprob, offset)

@@ -39,9 +39,12 @@ class ByteLru:
         with self._lock:
             return key in self._items
 
-    def put(self, key: Hashable, value, nbytes: int) -> None:
-        """Insert (values larger than the whole budget are not kept)."""
+    def put(self, key: Hashable, value, nbytes: int, replace: bool = False) -> None:
+        """Insert (values larger than the whole budget are not kept); ``replace``: a value cached under ``key`` gives
+        way to this one (else the cached one stays)."""
         with self._lock:
+            if replace and key in self._items:
+                self.bytes -= self._items.pop(key)[1]
             if key in self._items or nbytes > self.max_bytes:
                 return
             self._items[key] = (value, nbytes)

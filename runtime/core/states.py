@@ -51,8 +51,9 @@ class State:
 class States:
     """Prefills and cache lookups for one engine (and the engines :meth:`Engine.with_limits` makes of it)."""
 
-    def __init__(self, backend: Backend, planner: Planner, cache: StateCache, prefill_chunk: int):
+    def __init__(self, backend: Backend, planner: Planner, cache: StateCache, prefill_chunk: int, depths=None):
         self.backend, self.planner, self.cache, self.prefill_chunk = backend, planner, cache, prefill_chunk
+        self.depths = depths  # ``depths.Depths``: the graphs cut at the head tasks' depths (None: the full one only)
 
     def get(self, state, clock: dict | None = None) -> tuple[State, bool]:
         """(the state of ``state``, a State or text to tokenise, whether it came from the cache); ``clock`` gets the
@@ -65,19 +66,25 @@ class States:
             clock["tokenize"] = clock.get("tokenize", 0.0) + (time.perf_counter() - t0) * 1000
         return self.of_ids(ids, clock)
 
-    def of_ids(self, ids: tuple, clock: dict | None = None, deadline: float | None = None) -> tuple[State, bool]:
+    def of_ids(self, ids: tuple, clock: dict | None = None, deadline: float | None = None,
+               depth: int | None = None) -> tuple[State, bool]:
         """The state of token ids ``ids`` from the cache, or prefilled now and cached; whether it was cached.
-        ``deadline`` (monotonic seconds): past it, the prefill stops before its next chunk (DeadlineExceeded)."""
+        ``deadline`` (monotonic seconds): past it, the prefill stops before its next chunk (DeadlineExceeded).
+        ``depth``: the blocks whose K/V the state needs (None: every block); a cached state of fewer is prefilled
+        again by the graph that deep (``depths.Depths``), which replaces it in the cache."""
         t0 = time.perf_counter()
         cached = self.cache.get(ids)
         if clock is not None:
             clock["prefill"] = 0.0
-        if cached is not None:
+        full = self.backend.model.num_layers
+        depth = full if depth is None or self.depths is None else depth
+        if cached is not None and len(cached.kv.layers) >= depth:
             return cached, True
-        with self.backend.serial():
-            kv = self.backend.prefill(ids, self.prefill_chunk, until(deadline, "the state"))
+        backend = self.depths.run_on(self.backend, depth)[0] if self.depths is not None else self.backend
+        with backend.serial():
+            kv = backend.prefill(ids, self.prefill_chunk, until(deadline, "the state"))
         prefilled = State(ids, kv)
-        self.cache.put(ids, prefilled, kv.nbytes)
+        self.cache.put(ids, prefilled, kv.nbytes, replace=cached is not None)
         if clock is not None:
             clock["prefill"] = (time.perf_counter() - t0) * 1000
         return prefilled, False
@@ -85,6 +92,8 @@ class States:
     def extended(self, state: State, question, deadline: float | None = None) -> State:
         """``state`` followed by a long ``question``'s trunk but its last token as a state of its own, from the
         cache or prefilled onto ``state``'s K/V (which stays as it is); ``deadline``: as :meth:`of_ids`'."""
+        if len(state.kv.layers) < self.backend.model.num_layers:  # an untasked question needs a state of every block
+            raise RuntimeError("a long question's trunk was to be prefilled onto a state of fewer blocks")
         joint = trunk_state_ids(state.ids, question)
         ids = joint[len(state.ids):]
         self.planner.check_state_length(len(joint))

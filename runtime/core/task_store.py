@@ -71,6 +71,7 @@ class Tasks:
     files: dict  # the slot graph's files (relative to the engine directory) -> sha256
     weights: dict | None = None  # the slot graph's map of reference weight names to its initializers (its card's)
     heads: tuple = ()  # TaskHead or None per task (() : none has one)
+    depth_graphs: dict = dataclasses.field(default_factory=dict)  # depth -> its cut slot graph (engine-relative)
 
 
 def root_of(engine: Path) -> Path:
@@ -132,6 +133,10 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
                                                                     for k, v in mapped.items())):
         raise EngineFileError(f"{slots_dir / SLOTS_CARD}: its weights must map weight names to initializer names; "
                               "tune a task again to export the slot graph anew")
+    cuts = slots.get("depths", [])
+    if not (isinstance(cuts, list) and all(isinstance(d, int) and 1 <= d < manifest.model.num_layers for d in cuts)):
+        raise EngineFileError(f"{slots_dir / SLOTS_CARD}: its depths must be block counts below the engine's "
+                              f"{manifest.model.num_layers}, got {cuts!r}; tune a task again to export it anew")
     weights = engine_weights(manifest)
     if slots.get("engine_weights") != weights:
         raise EngineFileError(f"{slots_dir} was exported from other weights than {engine}'s; tune the tasks again")
@@ -168,7 +173,8 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         except (TypeError, ValueError, KeyError) as err:
             raise EngineFileError(f"task {name!r}'s calibration is invalid ({err}): tune it again") from None
     return Tasks(tuple(found), tuple(adapters), tuple(cards), tuple(calibrations), tuple(slots["blocks"]),
-                 f"{TASKS}/{SLOTS}/{GRAPH}", files, mapped, tuple(heads))
+                 f"{TASKS}/{SLOTS}/{GRAPH}", files, mapped, tuple(heads),
+                 {int(d): f"{TASKS}/{SLOTS}/{depth_graph(d)}" for d in slots.get("depths", ())})
 
 
 def served(engine: Path, manifest: Manifest, verify: bool = True) -> tuple[Manifest, Tasks | None]:
@@ -288,6 +294,17 @@ def slot_blocks(engine: str | os.PathLike) -> tuple:
     return tuple(_json(path)["blocks"]) if path.is_file() else ()
 
 
+def depth_graph(depth: int) -> str:
+    """The file name of the slot graph cut at ``depth`` blocks (in the slots folder)."""
+    return f"graph.d{int(depth)}.onnx"
+
+
+def slot_depths(engine: str | os.PathLike) -> tuple:
+    """The depths the engine's slot graph has a graph cut at; () where it has none."""
+    path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
+    return tuple(int(d) for d in _json(path).get("depths", ())) if path.is_file() else ()
+
+
 def slot_heads(engine: str | os.PathLike) -> bool:
     """Whether the engine's slot graph takes task heads (False where it has none)."""
     path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
@@ -295,17 +312,21 @@ def slot_heads(engine: str | os.PathLike) -> bool:
 
 
 def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, weight_map=None,
-                heads: bool = False) -> None:
+                heads: bool = False, depths=()) -> None:
     """Export the slot graph on ``blocks`` with ``export(path)`` (it writes ``path`` and ``path``.data) and put it in
     place atomically with its card; ``weight_map(path)``: the graph's {reference weight name: initializer}, recorded
-    in the card (as an engine's manifest records its own); ``heads``: whether the graph takes task heads."""
+    in the card (as an engine's manifest records its own); ``heads``: whether the graph takes task heads; ``depths``:
+    the depths ``export`` also wrote a graph cut at (``depth_graph``)."""
     engine = Path(engine)
     tmp = _staging(engine, SLOTS)
     try:
         export(tmp / GRAPH)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
-                "files": files, "heads": bool(heads)}
+                "files": files, "heads": bool(heads), "depths": sorted(int(d) for d in depths)}
+        missing = [depth_graph(d) for d in depths if depth_graph(d) not in files]
+        if missing:
+            raise EngineFileError(f"the slot graph's export wrote no {missing[0]}")
         mapped = weight_map(tmp / GRAPH) if weight_map is not None else None
         if mapped is not None:
             card["weights"] = mapped

@@ -177,11 +177,12 @@ def stack(tasks: Sequence[TaskAdapter], task_blocks: Sequence[int], shapes: dict
     return TaskStack(tuple(t.name for t in tasks), tuple(slots), inputs, tuple(task_blocks))
 
 
-def feed_tasks(backend, tasks) -> None:
-    """``backend`` feeds its task-slot graph the engine's ``tasks`` (``task_feeds``) from now on; where it cannot, it
-    is closed (the engine that opened it fails to load) and the error raised."""
+def feed_tasks(backend, tasks, cut: bool = False) -> None:
+    """``backend`` feeds its task-slot graph the engine's ``tasks`` (``task_feeds``; ``cut``: a slot graph cut at a
+    depth, ``cut_feeds``) from now on; where it cannot, it is closed (the engine that opened it fails to load) and the
+    error raised."""
     try:
-        backend.tasks = task_feeds(tasks, backend)
+        backend.tasks = cut_feeds(tasks, backend) if cut else task_feeds(tasks, backend)
     except Exception:
         backend.close()
         raise
@@ -208,6 +209,18 @@ def task_feeds(tasks, backend) -> TaskFeeds:
         from ..backends.errors import EngineFileError
 
         raise EngineFileError(str(err)) from None
+
+
+def cut_feeds(tasks, backend) -> TaskFeeds:
+    """What ``backend`` feeds a slot graph cut at its depth (no task slots, task heads): the heads read there or
+    above. A question of any other task never runs on it (``depths.Depths``)."""
+    none = backend.tasks
+    if none is None or none.heads is None or none.blocks:
+        raise no_tasks_on(backend.name)
+    depth = backend.model.num_layers
+    heads = tuple(h if h is not None and h.depth <= depth else None for h in tasks.heads)
+    feeds = TaskFeeds({}, np.zeros(0, np.int64), len(tasks.names), heads=none.heads)
+    return head_feeds(feeds, heads, depth)
 
 
 def no_tasks_on(backend: str):
