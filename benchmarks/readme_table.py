@@ -127,6 +127,12 @@ def _speed_label(name: str) -> str:
     return name.removeprefix("depth_speed_").removesuffix(".json")
 
 
+def _task_speeds() -> list:
+    """(file name, result) of every task whose passes were timed cut at its depth against every block
+    (``task_depth_speed.py``)."""
+    return sorted((p.name, json.loads(p.read_text())) for p in RESULTS.glob("task_depth_speed_*.json"))
+
+
 def row_depth() -> tuple:
     sources, cells = [], []
     if (RESULTS / "depth_tune.json").is_file():
@@ -151,6 +157,11 @@ def row_depth() -> tuple:
                      + (" (its median from another run)" if apart else ""))
         cells.append(cell)
         sources += [link(n) for n, _ in speeds]
+    for name, s in _task_speeds():
+        cells.append(f"a task of one engine ({s['dataset']}, `tune --task`) read at {s['depth'] or s['blocks']} "
+                     f"blocks, its passes cut there: **{s['ratio']['every block / cut warm']:.2f}x** warm, "
+                     f"{s['ratio']['every block / cut cold']:.2f}x cold against every block")
+        sources.append(link(name))
     return ("`onepass tune` on labelled rows: a decision head, read at the shallowest block that serves",
             "; ".join(cells), ", ".join(sources))
 
@@ -326,6 +337,18 @@ def docs_depth() -> list:
                 f"cold {m['depth cold']:.3f} s against {m['full cold']:.3f} s ({s['ratio']['full / depth cold']:.2f}x); "
                 f"peak RSS {s['rss_mib']['depth']:.0f} against {s['rss_mib']['full']:.0f} MiB, "
                 f"{s['engine_mib']['depth']:.0f} against {s['engine_mib']['full']:.0f} MiB on disk."]
+    for name, s in _task_speeds():
+        m, x, rss = s["median_s"], s["ratio"], s["rss_mib"]
+        out += ["", f"A task tuned into the engine ({s['dataset']}, {s['rows']} rows, `tune --task` chose "
+                f"{s['chosen']}) answering the README ticket's 13 questions asked of it, its passes and prefills on "
+                f"the slot graph cut at {s['depth'] or s['blocks']} blocks against the same engine running every "
+                f"block ({_doc_link(name)}; `python benchmarks/task_depth_speed.py`; {s['backend']}), {s['cpu']}, "
+                f"medians of {s['rounds']} interleaved rounds: warm {m['cut warm']:.3f} s against "
+                f"{m['every block warm']:.3f} s ({x['every block / cut warm']:.2f}x), cold {m['cut cold']:.3f} s "
+                f"against {m['every block cold']:.3f} s ({x['every block / cut cold']:.2f}x); the same answers "
+                f"(largest probability difference {s['max_abs_dp_cut_vs_every_block']:.1e}); peak RSS "
+                f"{rss['cut']:.0f} against {rss['every block']:.0f} MiB (the engine alone {rss['engine']:.0f}); "
+                f"served on {s['test']['rows']} unseen states: accuracy {s['test']['accuracy']:.3f}."]
     return out
 
 

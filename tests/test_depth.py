@@ -150,3 +150,30 @@ def test_a_depth_needs_its_head(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match="head.depth must be a positive block count"):
         mf.HeadInfo(beta=1.0, width=4, depth=0)
+
+
+def test_a_tasks_scorer_reads_a_depth_inside_its_frozen_blocks_as_the_plain_scorer_does(tiny_llama_dir,
+                                                                                       tiny_engine_dir):
+    """`tune --task` with LoRA on the top block freezes the lower one, yet tries a head after it: a task's scorer
+    keeps the state's K/V of every block, so it runs the question tokens from the embedding for a depth inside the
+    frozen blocks; its features there and at the full depth equal the plain scorer's (1e-5). A whole-engine scorer
+    with the same frozen block refuses that depth (it keeps no K/V below it)."""
+    import contextlib
+
+    from onepass.calibration.tune.trainer import PackedScorer
+    from onepass.runtime.backends.torch_decoder import PackedDecoder
+
+    model = _loaded(tiny_llama_dir).model.eval()
+    _, chunk = _chunk(tiny_engine_dir)
+    task = PackedScorer(PackedDecoder(model).eval(), "mean", torch.device("cpu"), False, 1,
+                        state_weights=contextlib.nullcontext)
+    with torch.no_grad():
+        got, want = task.scores_and_features(chunk, depths=(1,)), _scorer(model).scores_and_features(chunk, depths=(1,))
+    for (_, g_full, g_at), (_, w_full, w_at) in zip(got, want):
+        for g, w in ((g_at[1], w_at[1]), (g_full, w_full)):
+            np.testing.assert_allclose(g[0], w[0], atol=1e-5)
+            np.testing.assert_allclose(g[1], w[1], atol=1e-5)
+        assert np.abs(g_at[1][0] - g_full[0]).max() > 1e-2  # control: the two depths read different states
+    frozen = PackedScorer(PackedDecoder(model).eval(), "mean", torch.device("cpu"), False, 1)
+    with pytest.raises(ValueError, match="depths must be in 2..1"):
+        frozen.scores_and_features(chunk, depths=(1,))

@@ -165,6 +165,15 @@ def test_a_pass_of_shallow_head_tasks_runs_the_graph_cut_there_and_its_state_is_
             np.testing.assert_allclose(_probs(again[qid]), _probs(first[qid]), rtol=0, atol=1e-5)
 
 
+def test_the_default_backend_serves_an_engine_with_task_heads_as_it_serves_the_engine(head_tasked, tiny_engine_dir):
+    """The default backend's golden check runs on the slot graph, whose task heads' scores (no task fed: 0) are no
+    decision head of the engine's: the tasked engine gets the backend the engine itself gets (OpenVINO where it is
+    installed), and its cut graph on it."""
+    with Engine.load(tiny_engine_dir) as plain, Engine.load(head_tasked[0]) as tasked:
+        assert tasked.backend.name == plain.backend.name
+        assert list(tasked.depths.backends) == ([1] if plain.backend.name in ("onnxruntime", "openvino-cpu") else [])
+
+
 def _probs(answer) -> np.ndarray:
     """An answer's probabilities in its options' order (a yes/no: yes, no)."""
     if not hasattr(answer, "probabilities"):
@@ -206,6 +215,8 @@ def test_head_tasks_are_refused_where_they_cannot_run(head_tasked, tmp_path):
     (engine_dir / "tasks" / "deep" / "head.npz").write_bytes(b"not a head")
     with pytest.raises(EngineFileError, match="head.npz is missing or does not match its recorded sha256"):
         Engine.load(engine_dir, backend="onnxruntime")
+    with pytest.raises(EngineFileError, match="head.npz cannot be read .* tune task 'deep' again"):
+        Engine.load(engine_dir, backend="onnxruntime", verify=False)  # parsed unverified: still a typed error
     shutil.copy(head_tasked[0] / "tasks" / "deep" / "head.npz", engine_dir / "tasks" / "deep" / "head.npz")
     slots = engine_dir / "tasks" / "slots" / "slots.json"
     slots.write_text(json.dumps({**json.loads(slots.read_text()), "heads": False}))
@@ -255,3 +266,45 @@ def test_tune_task_chooses_a_head_at_a_depth_as_a_whole_engine_tune_does_and_ser
             assert tasked.ask(row.state, {"q": asked})["q"].noul == pytest.approx(
                 tuned.ask(row.state, {"q": row.question})["q"].noul, abs=1e-6)
         assert max(np.abs(scores(tasked, r, None) - scores(tuned, r, None)).max() for r in rows[:12]) > 1e-2
+
+
+def test_a_slot_graph_exported_before_task_heads_still_serves_its_lora_tasks(tasked, tiny_llama_dir, tmp_path):
+    """A slot graph as exported before task heads (no head inputs or output; its card without ``heads`` and
+    ``depths``) still serves its LoRA tasks and untasked questions as the current slot graph does (1e-5), with no cut
+    graph opened. Control: the old graph takes none of the head inputs."""
+    import onnx
+    import transformers
+
+    from onepass.export.onnx_graph import export_task_decoder
+    from onepass.export.shared_weights import share
+    from onepass.runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
+    from onepass.runtime.core.tasks import projection_shapes
+    from test_task_store import _asked
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tasked[0], engine)
+    manifest = mf.load(engine)
+    blocks = list(task_store.slot_blocks(engine))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager").eval()
+    graph = TaskDecoder(PackedDecoder(model), blocks)  # heads=False: the graph as it was
+    d = graph.dims
+    shapes = projection_shapes(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size)
+
+    def export(path):
+        export_task_decoder(graph, shapes, path)
+        share(path, engine / manifest.graph)
+
+    with torch.no_grad():
+        task_store.write_slots(engine, manifest, blocks, export)
+    card_path = engine / "tasks" / "slots" / "slots.json"
+    card = json.loads(card_path.read_text())
+    card_path.write_text(json.dumps({k: v for k, v in card.items() if k not in ("heads", "depths")}))
+    proto = onnx.load(str(engine / "tasks" / "slots" / "graph.onnx"), load_external_data=False)
+    inputs = {i.name for i in proto.graph.input}
+    assert "readout_exit" not in inputs and "task_mask" in inputs
+    asked = _asked()
+    with Engine.load(engine, backend="onnxruntime") as old, Engine.load(tasked[0], backend="onnxruntime") as new:
+        assert old.backend.tasks.heads is None and not old.depths
+        for o, n in zip(old.option_logprobs(STATE, old.encode_questions(asked)),
+                        new.option_logprobs(STATE, new.encode_questions(asked))):
+            np.testing.assert_allclose(o, n, rtol=0, atol=1e-5)

@@ -159,7 +159,7 @@ class TaskFeeds:
     layers: int = 0  # the graph's blocks: the exit of a row of no task
 
     @classmethod
-    def none(cls, input_shapes: dict, layers: int = 0) -> "TaskFeeds":
+    def none(cls, input_shapes: dict, layers: int) -> "TaskFeeds":
         """No task (K = 0) for a graph whose task inputs have ``input_shapes`` (name -> shape, the task rank axis any
         value): the graph then computes the base engine's pass (every row read after its ``layers`` blocks)."""
         factors = {}
@@ -195,6 +195,8 @@ class TaskFeeds:
         rows = (np.full(readout_index.shape[0], -1, np.int64) if token_task is None
                 else np.asarray(token_task, dtype=np.int64)[readout_index])
         exits = np.append(self.exits, self.layers).astype(np.int64)  # row task -1 reads the last entry
+        if not ((exits >= 1) & (exits <= self.layers)).all():  # a row read after no block would read zeros
+            raise ValueError(f"task exits must be block counts in 1..{self.layers}, got {exits.tolist()}")
         bias = np.append(self.head_bias, 0.0).astype(np.float32)
         return {READOUT_EXIT: exits[rows], HEAD_MASK: (rows[:, None] == self.unit_task[None, :]).astype(np.float32),
                 HEAD_BIAS: bias[rows], **self.heads}

@@ -106,7 +106,8 @@ class Answering:
         if not qs.memo["task heads"]:
             return scores
         if heads is None:
-            raise RuntimeError("a head task's question was scored by a graph that gave no head scores")
+            raise InvalidRequest("a head task's question needs its head scores: pass heads= from the same pass "
+                                 "(Engine.option_values gives both)", "heads")
         out = np.array(scores, dtype=np.float64)
         for a, b, beta in qs.memo["task heads"]:
             out[a:b] = beta * (values[a:b] / qs.lengths[a:b]) + heads[a:b]

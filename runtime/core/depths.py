@@ -62,7 +62,13 @@ class Depths:
         """The graph depth the state of question sets needs (their deepest question's)."""
         if not self:
             return self.layers
-        return max((self.of_tasks([q.task for q in qs.encoded]) for qs in sets), default=self.layers)
+        return max((self._of_set(qs) for qs in sets), default=self.layers)
+
+    def _of_set(self, qs) -> int:
+        """One question set's graph depth, found once per compiled set."""
+        if "depth" not in qs.memo:
+            qs.memo["depth"] = self.of_tasks([q.task for q in qs.encoded])
+        return qs.memo["depth"]
 
     def run_on(self, full: Backend, depth: int, kv: StateKV | None = None) -> tuple:
         """(the backend of the graph ``depth`` deep, ``kv``'s first ``depth`` blocks where it holds more)."""

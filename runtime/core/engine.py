@@ -73,14 +73,15 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
-             cache_bytes: int = DEFAULT_CACHE_BYTES, backend=None) -> "Engine":
+             cache_bytes: int = DEFAULT_CACHE_BYTES, backend=None, cut_graphs: bool = True) -> "Engine":
         """Open an engine directory: read and (by default) hash-verify the manifest's files.
 
         ``backend``: None (or "auto") for the default CPU backend (OpenVINO at f32 where it is installed and
         reproduces the engine's golden file here, else ONNX Runtime: ``onepass.runtime.core.backend_choice.default``), a
         backend's name (``onepass.runtime.backends.BACKENDS``: "onnxruntime", "openvino-cpu", "tensorrt",
         "torch-cpu", "torch-cuda", ...), or a factory ``(root, manifest, threads) -> Backend`` (e.g.
-        ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``).
+        ``onepass.runtime.backends.factory("torch-cuda", buckets=True)``). ``cut_graphs``: open the slot graph cut
+        at the head tasks' depths (``depths.Depths``; False: every pass runs every block, the same answers).
         """
         from .. import backends
         from . import backend_choice
@@ -88,6 +89,7 @@ class Engine:
         root = Path(path)
         manifest = manifest_mod.load(root, verify=verify)
         served, tasks = task_store.served(root, manifest, verify)  # with tasks, their slot graph answers
+        named = backend is None or isinstance(backend, str)  # a custom factory's options: no cut graph opened
         if backend in (None, backends.AUTO):
             backend = backend_choice.default
         elif isinstance(backend, str):
@@ -95,24 +97,37 @@ class Engine:
                 raise no_tasks_on(backend)
             backend = backends.factory(backend)
         full = backend(root, served, threads)
-        return cls(root, manifest, full, cache_bytes, tasks=tasks, depths=open_cut(root, served, tasks, full, threads))
+        depths = None
+        try:
+            depths = open_cut(root, served, tasks, full, threads) if cut_graphs and named else None
+            return cls(root, manifest, full, cache_bytes, tasks=tasks, depths=depths)
+        except BaseException:
+            full.close()
+            if depths is not None:
+                depths.close()
+            raise
 
     def close(self) -> None:
         """Drop the cached states and release the backend (device memory, graphs). Engines made by
         :meth:`with_limits` share the backend: close the last one used."""
         self.cache.clear()
         self.question_sets.clear()
-        with self.backend.serial():
-            self.backend.close()
-        self.depths.close()
+        try:
+            with self.backend.serial():
+                self.backend.close()
+        finally:
+            self.depths.close()
 
     def release_memory(self) -> bool:
         """Give back the backend's working memory grown by past large passes (a long state, hundreds of options);
         cached states stay. Answers are unchanged; True if anything was released (OpenVINO, which rebuilds its
         compiled model in about a second; a no-op elsewhere). ``onepass serve`` calls it when idle above 1.2x its
         warm size."""
-        with self.backend.serial():
-            return self.backend.release_memory()
+        released = False
+        for backend in (self.backend, *self.depths.backends.values()):  # the cut graphs' backends grow too
+            with backend.serial():
+                released = backend.release_memory() or released
+        return released
 
     def __enter__(self) -> "Engine":
         return self

@@ -58,6 +58,8 @@ def run_golden_on(backend, root, manifest, position_shift: int = 0) -> dict:
     batch = PackedBatch(g["input_ids"], g["position_ids"] + position_shift, g["tree_mask"],
                         g["readout_index"], g["readout_target"])
     logprob, head = backend.score_all(kv, batch)
+    if head is not None and "head_score" not in g and getattr(backend.tasks, "heads", None) is not None:
+        head = None  # a slot graph's task heads (no task fed here, every score 0), not a decision head of the engine's
     host = backend.to_host
     got = {"prefill_key_first": host(kv.layers[0][0]), "prefill_value_last": host(kv.layers[-1][1]),
            "target_logprob": logprob}

@@ -39,11 +39,11 @@ class ByteLru:
         with self._lock:
             return key in self._items
 
-    def put(self, key: Hashable, value, nbytes: int, replace: bool = False) -> None:
-        """Insert (values larger than the whole budget are not kept); ``replace``: a value cached under ``key`` gives
-        way to this one (else the cached one stays)."""
+    def put(self, key: Hashable, value, nbytes: int, replace=None) -> None:
+        """Insert (values larger than the whole budget are not kept); ``replace(cached)``: whether a value cached
+        under ``key`` gives way to this one (None: the cached one stays)."""
         with self._lock:
-            if replace and key in self._items:
+            if replace is not None and key in self._items and replace(self._items[key][0]):
                 self.bytes -= self._items.pop(key)[1]
             if key in self._items or nbytes > self.max_bytes:
                 return

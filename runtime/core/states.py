@@ -84,7 +84,8 @@ class States:
         with backend.serial():
             kv = backend.prefill(ids, self.prefill_chunk, until(deadline, "the state"))
         prefilled = State(ids, kv)
-        self.cache.put(ids, prefilled, kv.nbytes, replace=cached is not None)
+        # the deeper of two states prefilled at once stays (a shallower one never replaces it)
+        self.cache.put(ids, prefilled, kv.nbytes, replace=lambda old: len(old.kv.layers) < len(kv.layers))
         if clock is not None:
             clock["prefill"] = (time.perf_counter() - t0) * 1000
         return prefilled, False

@@ -134,9 +134,11 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
         raise EngineFileError(f"{slots_dir / SLOTS_CARD}: its weights must map weight names to initializer names; "
                               "tune a task again to export the slot graph anew")
     cuts = slots.get("depths", [])
-    if not (isinstance(cuts, list) and all(isinstance(d, int) and 1 <= d < manifest.model.num_layers for d in cuts)):
+    if not (isinstance(cuts, list) and all(type(d) is int and 1 <= d < manifest.model.num_layers
+                                           and depth_graph(d) in slots["files"] for d in cuts)):
         raise EngineFileError(f"{slots_dir / SLOTS_CARD}: its depths must be block counts below the engine's "
-                              f"{manifest.model.num_layers}, got {cuts!r}; tune a task again to export it anew")
+                              f"{manifest.model.num_layers}, each graph among its files, got {cuts!r}; tune a task "
+                              "again to export it anew")
     weights = engine_weights(manifest)
     if slots.get("engine_weights") != weights:
         raise EngineFileError(f"{slots_dir} was exported from other weights than {engine}'s; tune the tasks again")
@@ -166,7 +168,7 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
     heads = []
     for name, card in zip(found, cards):
         adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
-        heads.append(_head(engine / TASKS / name / HEAD, name, card, manifest.model.num_layers)
+        heads.append(_head(engine / TASKS / name / HEAD, name, card, manifest.model)
                      if card.get("head") is not None else None)
         try:
             calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
@@ -204,23 +206,27 @@ def _adapter(path: Path, name: str, card: dict) -> TaskAdapter:
 def _head_card(card: dict, name: str) -> dict:
     """A head task's card entry ``head`` (depth, beta, sha256), or EngineFileError saying what to do."""
     head = card["head"]
-    ok = (isinstance(head, dict) and isinstance(head.get("depth"), int) and head["depth"] >= 1
-          and isinstance(head.get("beta"), (int, float)) and isinstance(head.get("sha256"), str))
+    ok = (isinstance(head, dict) and type(head.get("depth")) is int and head["depth"] >= 1
+          and type(head.get("beta")) in (int, float) and np.isfinite(head["beta"])
+          and isinstance(head.get("sha256"), str))
     if not ok:
         raise EngineFileError(f"task {name!r}'s head entry is invalid ({head!r}): it needs a depth (a block count), a "
                               "beta and the head file's sha256; tune it again")
     return head
 
 
-def _head(path: Path, name: str, card: dict, layers: int) -> TaskHead:
+def _head(path: Path, name: str, card: dict, model) -> TaskHead:
     head = _head_card(card, name)
-    if head["depth"] > layers:
-        raise EngineFileError(f"task {name!r} reads its head after {head['depth']} blocks; the engine has {layers}: "
-                              "tune it again on this engine")
+    if head["depth"] > model.num_layers:
+        raise EngineFileError(f"task {name!r} reads its head after {head['depth']} blocks; the engine has "
+                              f"{model.num_layers}: tune it again on this engine")
     try:
         with np.load(path, allow_pickle=False) as data:
             state = {k: data[k] for k in data.files}
-        return TaskHead.from_state(state, head["depth"], head["beta"])
+        read = TaskHead.from_state(state, head["depth"], head["beta"])
+        if read.w_in.shape[0] != model.hidden_size:
+            raise ValueError(f"it reads hidden states of {read.w_in.shape[0]}, the engine's have {model.hidden_size}")
+        return read
     except Exception as err:  # noqa: BLE001 - any damage to a file that was not verified (verify=False)
         raise EngineFileError(f"{path} cannot be read ({type(err).__name__}: {err}): tune task {name!r} again") from None
 

@@ -89,6 +89,9 @@ class TaskHead:
         if inner.shape[0] != out.shape[0] or shift.shape != scale.shape or inner.shape[1] != shift.shape[0]:
             raise ValueError(f"a task head's layers disagree in shape: inner {inner.shape}, out {out.shape}, "
                              f"shift {shift.shape}")
+        if not (all(np.isfinite(np.asarray(state[k], np.float64)).all() for k in HEAD_KEYS) and np.isfinite(beta)
+                and (scale != 0).all()):
+            raise ValueError("a task head's weights, beta and scale must be finite, its scale non-zero")
         return cls(int(depth), float(beta), inner.T.astype(np.float32), b_in.astype(np.float32),
                    out.astype(np.float32), float(np.asarray(state["out.bias"]).reshape(-1)[0]))
 
