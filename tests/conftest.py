@@ -215,6 +215,7 @@ ENGINE_FIXTURES = {"engine_dir", "hf_model"}  # what exports or loads the defaul
 SLOWEST_FIRST = ("test_cluster.py",  # 88 s, a real Ray Serve cluster of the tiny Llama
                  "test_calibration.py",  # 78 s, 65 s of it the SmolLM2 export its first test waits for
                  "test_teacher.py",  # ~110 s, the tiny Llama: a tuned teacher and a dozen `onepass serve` processes
+                 "test_task_heads.py",  # ~100 s, the tiny Llama: tasks exported and tuned
                  "test_hardening.py", "test_server.py",  # 53-57 s
                  "test_precision.py", "test_torch_backend.py", "test_engine.py", "test_blocks.py",  # 22-30 s
                  "test_tune.py", "test_hf_dir.py", "test_bench.py", "test_openvino_backend.py",  # 16-19 s

@@ -160,9 +160,10 @@ def _structured(rng: random.Random) -> bytes:
     return json.dumps(doc, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
 
 
-def test_parser_fuzz_10000_bodies_never_raise_anything_but_4xx(engine):
-    """Every check before inference — JSON limits, schema, model, questions, limits, tokenising — on 10,000+
-    bodies: the outcome is either a request the engine can run or a typed 4xx."""
+def test_parser_fuzz_bodies_never_raise_anything_but_4xx(engine):
+    """Every check before inference — JSON limits, schema, model, questions, limits, tokenising — on 4,000 bodies
+    (ONEPASS_FUZZ=2.5: 10,000, as before 2026-12-07; CI's 15 minutes took the rest): the outcome is either a request
+    the engine can run or a typed 4xx."""
     server = Server(engine, ServerConfig())
     try:
         rng = random.Random(10)
@@ -170,7 +171,7 @@ def test_parser_fuzz_10000_bodies_never_raise_anything_but_4xx(engine):
                                                "criteria": {"billing": "money", "tech": None}}}),
                  *(raw for raw, _, _ in hostile().values() if not raw.startswith(b"\x1f\x8b"))]
         outcomes: dict = {}
-        cases, wanted = 0, fuzz_cases(10_000)
+        cases, wanted = 0, fuzz_cases(4_000)
         while cases < wanted:
             raw = _structured(rng) if rng.random() < 0.5 else _mutate(rng.choice(seeds), rng)
             try:

@@ -419,7 +419,7 @@ def test_fuzzed_bodies_never_yield_5xx(tiny_url):
     body = plausible | answerable | garbage | json_value
     statuses = []
 
-    # 500 over HTTP (the transport and status mapping); the 10,000-body fuzz of every check before inference
+    # 500 over HTTP (the transport and status mapping); the 4,000-body fuzz of every check before inference
     # runs without sockets in test_hardening.py
     examples = fuzz_cases(500)
 

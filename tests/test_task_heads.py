@@ -231,7 +231,7 @@ def test_head_tasks_are_refused_where_they_cannot_run(head_tasked, tmp_path):
 
 def test_tune_task_chooses_a_head_at_a_depth_as_a_whole_engine_tune_does_and_serves_it_as_that_engine(
         tiny_engine_dir, tmp_path):
-    """`onepass tune --task` on 40 rows (no LoRA run under --lora-min-rows: base, base + calibrate and the heads
+    """`onepass tune --task` on 24 rows (no LoRA run under --lora-min-rows: base, base + calibrate and the heads
     read after 1 and 2 blocks, cross-validated over whole states) chooses what `onepass tune --out` chooses on the
     same rows, and the stored head task answers every row as that tuned engine (cut at its head's depth when it is
     one) does, to 1e-4: an independent export of the same head. Negative control: the untasked question differs."""
@@ -241,7 +241,7 @@ def test_tune_task_chooses_a_head_at_a_depth_as_a_whole_engine_tune_does_and_ser
 
     engine = tmp_path / "engine"
     mf.copy_engine(tiny_engine_dir, engine)
-    data = _fact_rows(tmp_path, notes=20, numbered=True)
+    data = _fact_rows(tmp_path, notes=12, numbered=True)
     flags = ["--data", str(data), "--head-depths", "1", "--seed", "0"]
     assert main(["tune", "--engine", str(engine), "--task", "facts", *flags]) == 0
     assert main(["tune", "--engine", str(tiny_engine_dir), "--out", str(tmp_path / "whole"), *flags]) == 0

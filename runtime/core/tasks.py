@@ -1,6 +1,6 @@
 """Tuned tasks as low-rank updates and decision heads fed with the pass. Pure numpy.
 
-A task is a LoRA adapter trained with the state's K/V from the base weights (``PackedScorer(state_weights=...)``):
+A LoRA task is an adapter trained with the state's K/V from the base weights (``PackedScorer(state_weights=...)``):
 it acts on its own question and option tokens only, so several tasks can share one prefill of a state and one
 packed pass. The graph with task slots (``TaskDecoder``) takes, per adapted block and projection, every task's
 factors side by side — A [in, K] and B [K, out], K the sum of the tasks' ranks — and a mask [N, K] that is 1 on
