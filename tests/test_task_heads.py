@@ -52,8 +52,12 @@ def head_tasked(tasked, tiny_llama_dir, tmp_path_factory):
     shutil.copytree(tasked[0], engine)
     manifest = mf.load(engine)
     load = lambda: transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager")  # noqa: E731
+    card = engine / "tasks" / "slots" / "slots.json"
+    before = json.loads(card.read_text())["files"]
     ensure_slots(engine, manifest, load, set(), log=lambda *a: None, depths=(1,))
-    assert task_store.slot_depths(engine) == (1,)
+    after = json.loads(card.read_text())["files"]
+    assert task_store.slot_depths(engine) == (1,) and "graph.d1.onnx" in after
+    assert {k: v for k, v in after.items() if k in before} == before  # the cut added alone, the rest kept as it was
     heads = {}
     for seed, (name, (depth, beta)) in enumerate(HEADS.items()):
         heads[name] = _head(seed, manifest.model.hidden_size)

@@ -189,7 +189,8 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     at each depth it had and each of ``depths`` below the model's) only where it lacks a block or a depth or takes no
     task heads (exported before them); ``base_model()`` loads the engine's own model (transformers, no adapter of the
     task's). A depth's graph holds that many blocks and task heads only: it answers a pass whose questions are all
-    head tasks read there or above, and prefills their states (``runtime.core.depths``)."""
+    head tasks read there or above, and prefills their states (``runtime.core.depths``). Where only cuts are
+    missing, they alone are exported and added beside the rest (``task_store.add_cuts``)."""
     from ...export.model_source import cut
     from ...export.onnx_graph import export_task_decoder
     from ...export.shared_weights import share
@@ -197,7 +198,20 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
 
     have, had = set(task_store.slot_blocks(engine_dir)), set(task_store.slot_depths(engine_dir))
     cuts = sorted(had | {d for d in depths if d < manifest.model.num_layers})
-    if have and blocks <= have and task_store.slot_heads(engine_dir) and set(cuts) <= had:
+    kept = have and blocks <= have and task_store.slot_heads(engine_dir)
+    if kept and set(cuts) <= had:
+        return
+
+    def export_cut(path: Path, depth: int) -> None:  # task heads, no task slots (so no projection shapes)
+        export_task_decoder(TaskDecoder(PackedDecoder(cut(base_model().eval(), depth)), (), heads=True), {}, path)
+        share(path, engine_dir / manifest.graph)
+
+    if kept:  # only cut graphs are missing: the slot graph and the cuts it has stay as they are
+        missing = sorted(set(cuts) - had)
+        log(f"exporting the engine's first {', '.join(map(str, missing))} blocks for the head tasks read there; "
+            f"~{len(missing)} min")
+        with torch.no_grad():
+            task_store.add_cuts(engine_dir, missing, export_cut)
         return
     want = sorted(have | blocks) or [manifest.model.num_layers - 1]  # a task of no factors still needs a graph
     log(f"exporting the engine's graph with task slots on blocks {want[0]}..{want[-1]} ({len(want)} blocks) and "
@@ -211,10 +225,7 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
         export_task_decoder(graph, shapes, path)
         share(path, engine_dir / manifest.graph)
         for depth in cuts:
-            shallow = path.with_name(task_store.depth_graph(depth))
-            export_task_decoder(TaskDecoder(PackedDecoder(cut(base_model().eval(), depth)), (), heads=True), shapes,
-                                shallow)
-            share(shallow, engine_dir / manifest.graph)
+            export_cut(path.with_name(task_store.depth_graph(depth)), depth)
 
     with torch.no_grad():
         task_store.write_slots(engine_dir, manifest, want, export, lambda path: _weight_map(graph.decoder, path, log),

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineFileError
-from .manifest import Manifest, graph_files, sha256_file
+from .manifest import Manifest, graph_files, link_or_copy, sha256_file
 from .readout_calibration import Calibration
 from .tasks import HEAD_KEYS, TaskAdapter, TaskHead
 
@@ -338,6 +338,33 @@ def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, w
             card["weights"] = mapped
         (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, root_of(engine) / SLOTS)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def add_cuts(engine: str | os.PathLike, depths, export) -> None:
+    """Add graphs cut at ``depths`` to the engine's slot graph folder, the rest kept as it is: the folder staged with
+    its files hard-linked (its card written anew, never through a link), ``export(path, depth)`` writing each cut
+    graph at the path ``depth_graph`` names, then renamed into place whole."""
+    engine = Path(engine)
+    current = root_of(engine) / SLOTS
+    card = _json(current / SLOTS_CARD, ("blocks", "files"))
+    tmp = _staging(engine, SLOTS)
+    try:
+        for path in current.iterdir():
+            if path.name != SLOTS_CARD:
+                link_or_copy(path, tmp / path.name)
+        for depth in depths:
+            export(tmp / depth_graph(depth), depth)
+        new = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.name not in card["files"]}
+        missing = [depth_graph(d) for d in depths if depth_graph(d) not in new]
+        if missing:
+            raise EngineFileError(f"the slot graph's export wrote no {missing[0]}")
+        card = {**card, "files": {**card["files"], **new},
+                "depths": sorted({*card.get("depths", ()), *(int(d) for d in depths)})}
+        (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _replace_dir(tmp, current)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
