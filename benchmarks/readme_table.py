@@ -127,6 +127,14 @@ def _speed_label(name: str) -> str:
     return name.removeprefix("depth_speed_").removesuffix(".json")
 
 
+def _task_llama(s: dict) -> str:
+    """A task speed's ratio to llama.cpp, saying whether it was measured side by side."""
+    if not s.get("llama_cpp_s"):
+        return ""
+    where = "its median from another run" if s.get("llama_reference") else "side by side"
+    return f", {s['ratio']['llama.cpp / cut warm']:.1f}x llama.cpp warm ({where})"
+
+
 def _task_speeds() -> list:
     """(file name, result) of every task whose passes were timed cut at its depth against every block
     (``task_depth_speed.py``)."""
@@ -160,7 +168,7 @@ def row_depth() -> tuple:
     for name, s in _task_speeds():
         cells.append(f"a task of one engine ({s['dataset']}, `tune --task`) read at {s['depth'] or s['blocks']} "
                      f"blocks, its passes cut there: **{s['ratio']['every block / cut warm']:.2f}x** warm, "
-                     f"{s['ratio']['every block / cut cold']:.2f}x cold against every block")
+                     f"{s['ratio']['every block / cut cold']:.2f}x cold against every block" + _task_llama(s))
         sources.append(link(name))
     return ("`onepass tune` on labelled rows: a decision head, read at the shallowest block that serves",
             "; ".join(cells), ", ".join(sources))
@@ -348,7 +356,12 @@ def docs_depth() -> list:
                 f"against {m['every block cold']:.3f} s ({x['every block / cut cold']:.2f}x); the same answers "
                 f"(largest probability difference {s['max_abs_dp_cut_vs_every_block']:.1e}); peak RSS "
                 f"{rss['cut']:.0f} against {rss['every block']:.0f} MiB (the engine alone {rss['engine']:.0f}); "
-                f"served on {s['test']['rows']} unseen states: accuracy {s['test']['accuracy']:.3f}."]
+                f"served on {s['test']['rows']} unseen states: accuracy {s['test']['accuracy']:.3f}"
+                + (f"; llama.cpp's best state reuse (zero-shot, every block) {s['llama_cpp_s']['warm']:.3f} s warm, "
+                   f"{s['llama_cpp_s']['cold']:.3f} s cold: {x['llama.cpp / cut warm']:.2f}x and "
+                   f"{x['llama.cpp / cut cold']:.2f}x the cut task's time ("
+                   + ("another run's medians, not side by side" if s.get("llama_reference") else
+                      "in the same interleaved rounds") + ")" if s.get("llama_cpp_s") else "") + "."]
     return out
 
 

@@ -79,6 +79,22 @@ def served(engine: Engine, path: Path, task: str) -> dict:
     return {"accuracy": round(hits / len(rows), 4), "nll": round(nll / len(rows), 4), "rows": len(rows)}
 
 
+def llama_side_by_side(engine: Engine, questions: dict):
+    """llama.cpp's best state reuse on the engine's own token ids of the ticket and ``questions``
+    (``llama_cpp_side_by_side.LlamaBranching``), or None where llama-cpp-python or the GGUF is not installed."""
+    from llama_cpp_side_by_side import LlamaBranching, gguf
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    model = gguf()
+    if model is None:
+        return None
+    prepared = engine.prepare(TICKET, questions)
+    return LlamaBranching(model, list(prepared.ids), list(prepared.encoded))
+
+
 def run(args, work: Path) -> dict:
     tasked, task = work / "tasked", args.dataset.replace("_", "-")
     train, test = user_rows(args.dataset, args.rows, args.seed)
@@ -106,13 +122,21 @@ def run(args, work: Path) -> dict:
     for k in engines:
         runs[f"{k} warm"] = lambda e=engines[k], q=asked[k]: e.ask(TICKET, q)
         runs[f"{k} cold"] = lambda e=colds[k], q=asked[k]: e.ask(TICKET, q)
+    branching = llama_side_by_side(engines["engine"], asked["engine"])
+    if branching is not None:  # in the same rounds: side by side
+        runs["llama.cpp warm"] = lambda: branching.ask(cold=False)
+        runs["llama.cpp cold"] = lambda: branching.ask(cold=True)
     times = interleaved(runs, args.rounds, progress=lambda r: print(f"round {r}/{args.rounds}", file=sys.stderr))
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: float(np.percentile(v, 90)) for k, v in times.items()}
     ratio = {f"{base} / cut {w}": med[f"{base} {w}"] / med[f"cut {w}"] for base in ("every block", "engine")
              for w in ("warm", "cold")}
     llama = None
-    if args.llama_reference:
+    if branching is not None:
+        llama = {w: med[f"llama.cpp {w}"] for w in ("warm", "cold")}
+        ratio.update({f"llama.cpp / cut {w}": llama[w] / med[f"cut {w}"] for w in ("warm", "cold")})
+        args.llama_reference = None  # measured here, in the same rounds
+    elif args.llama_reference:
         ref = json.loads(Path(args.llama_reference).read_text())
         if ref.get("cpu") != cpu_model():
             raise SystemExit(f"{args.llama_reference} was measured on {ref.get('cpu')!r}, this CPU is {cpu_model()!r}")
@@ -129,6 +153,7 @@ def run(args, work: Path) -> dict:
               "median_s": {k: round(v, 4) for k, v in med.items()}, "p90_s": {k: round(v, 4) for k, v in p90.items()},
               "ratio": {k: round(v, 2) for k, v in ratio.items()},
               "llama_cpp_s": llama, "llama_reference": args.llama_reference,
+              "llama_cpp_version": __import__("llama_cpp").__version__ if branching is not None else None,
               "candidates": card["metrics"]["choice"]["candidates"]}
     for e in (*engines.values(), *colds.values()):
         e.close()
@@ -161,9 +186,11 @@ def markdown(r: dict) -> str:
               f"{x['every block / cut cold']:.2f}x cold**; against the engine's own untasked questions "
               f"{x['engine / cut warm']:.2f}x warm, {x['engine / cut cold']:.2f}x cold."]
     if r.get("llama_cpp_s"):
-        lines.append(f"Against llama.cpp's best state reuse ({r['llama_reference']}: the same CPU model, another run, "
-                     f"not side by side; zero-shot, every block): {x['llama.cpp / cut warm']:.2f}x warm, "
-                     f"{x['llama.cpp / cut cold']:.2f}x cold.")
+        where = (f"{r['llama_reference']}: the same CPU model, another run, not side by side" if r["llama_reference"]
+                 else f"llama-cpp-python {r['llama_cpp_version']}, in the same interleaved rounds")
+        lines.append(f"Against llama.cpp's best state reuse ({where}; zero-shot, every block: "
+                     f"{r['llama_cpp_s']['warm'] * 1000:.1f} ms warm, {r['llama_cpp_s']['cold'] * 1000:.1f} ms cold): "
+                     f"{x['llama.cpp / cut warm']:.2f}x warm, {x['llama.cpp / cut cold']:.2f}x cold.")
     t = r["test"]
     lines += ["", f"Served on {t['rows']} rows of other states: accuracy **{t['accuracy']:.3f}**, NLL {t['nll']:.3f}.",
               "", "Candidates (cross-validated over whole states):", "",
