@@ -56,7 +56,7 @@ def head_tasked(tasked, tiny_llama_dir, tmp_path_factory):
     before = json.loads(card.read_text())["files"]
     ensure_slots(engine, manifest, load, set(), log=lambda *a: None, depths=(1,))
     after = json.loads(card.read_text())["files"]
-    assert task_store.slot_depths(engine) == (1,) and "graph.d1.onnx" in after
+    assert task_store.slot_card(engine)["depths"] == [1] and "graph.d1.onnx" in after
     assert {k: v for k, v in after.items() if k in before} == before  # the cut added alone, the rest kept as it was
     heads = {}
     for seed, (name, (depth, beta)) in enumerate(HEADS.items()):
@@ -288,7 +288,7 @@ def test_a_slot_graph_exported_before_task_heads_still_serves_its_lora_tasks(tas
     engine = tmp_path / "engine"
     shutil.copytree(tasked[0], engine)
     manifest = mf.load(engine)
-    blocks = list(task_store.slot_blocks(engine))
+    blocks = task_store.slot_card(engine)["blocks"]
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager").eval()
     graph = TaskDecoder(PackedDecoder(model), blocks)  # heads=False: the graph as it was
     d = graph.dims

@@ -196,9 +196,10 @@ def ensure_slots(engine_dir: Path, manifest: mf.Manifest, base_model, blocks: se
     from ...export.shared_weights import share
     from ...runtime.backends.torch_decoder import PackedDecoder, TaskDecoder
 
-    have, had = set(task_store.slot_blocks(engine_dir)), set(task_store.slot_depths(engine_dir))
+    card = task_store.slot_card(engine_dir)
+    have, had = set(card.get("blocks", ())), set(card.get("depths", ()))
     cuts = sorted(had | {d for d in depths if d < manifest.model.num_layers})
-    kept = have and blocks <= have and task_store.slot_heads(engine_dir)
+    kept = have and blocks <= have and card.get("heads")
     if kept and set(cuts) <= had:
         return
 

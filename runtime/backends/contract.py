@@ -119,7 +119,8 @@ def task_input_specs(task_blocks, shapes: dict) -> list[TensorSpec]:
 READOUT_EXIT, HEAD_MASK, HEAD_BIAS = "readout_exit", "head_mask", "head_bias"
 HEAD_IN, HEAD_IN_BIAS, HEAD_OUT = "task_head_in", "task_head_in_bias", "task_head_out"
 HEAD_UNITS = "head_units"
-HEAD_INPUTS = (READOUT_EXIT, HEAD_MASK, HEAD_BIAS, HEAD_IN, HEAD_IN_BIAS, HEAD_OUT)
+HEAD_ROWS, HEAD_WEIGHTS = (READOUT_EXIT, HEAD_MASK, HEAD_BIAS), (HEAD_IN, HEAD_IN_BIAS, HEAD_OUT)  # per pass; fed once
+HEAD_INPUTS = HEAD_ROWS + HEAD_WEIGHTS
 
 
 def task_head_specs(hidden: int) -> list[TensorSpec]:
@@ -158,6 +159,13 @@ class TaskFeeds:
     head_bias: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [count]: each head's out bias
     layers: int = 0  # the graph's blocks: the exit of a row of no task
 
+    def __post_init__(self):
+        """Each task's exit is checked once, here: a row read after no block, or after more blocks than the graph
+        has, would read zeros."""
+        if self.heads is not None and not (self.layers >= 1 and (self.exits >= 1).all()
+                                           and (self.exits <= self.layers).all()):
+            raise ValueError(f"task exits must be block counts in 1..{self.layers}, got {self.exits.tolist()}")
+
     @classmethod
     def none(cls, input_shapes: dict, layers: int) -> "TaskFeeds":
         """No task (K = 0) for a graph whose task inputs have ``input_shapes`` (name -> shape, the task rank axis any
@@ -195,8 +203,6 @@ class TaskFeeds:
         rows = (np.full(readout_index.shape[0], -1, np.int64) if token_task is None
                 else np.asarray(token_task, dtype=np.int64)[readout_index])
         exits = np.append(self.exits, self.layers).astype(np.int64)  # row task -1 reads the last entry
-        if not ((exits >= 1) & (exits <= self.layers)).all():  # a row read after no block would read zeros
-            raise ValueError(f"task exits must be block counts in 1..{self.layers}, got {exits.tolist()}")
         bias = np.append(self.head_bias, 0.0).astype(np.float32)
         return {READOUT_EXIT: exits[rows], HEAD_MASK: (rows[:, None] == self.unit_task[None, :]).astype(np.float32),
                 HEAD_BIAS: bias[rows], **self.heads}

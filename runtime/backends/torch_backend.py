@@ -427,14 +427,14 @@ class TorchBackend(Backend):
         the slot graph's order (moved to the device once per set of tasks fed) and, with task heads, the pass's
         read-out rows' exits, head masks and biases, then the heads' weights (``contract.task_head_specs``)."""
         if self._factors[0] is not self.tasks:
-            heads = contract.HEAD_INPUTS[3:] if self.tasks.heads is not None else ()
+            heads = contract.HEAD_WEIGHTS if self.tasks.heads is not None else ()
             self._factors = (self.tasks, tuple(t(np.ascontiguousarray(self.tasks.factors[name]))
                                                for name in contract.task_factor_names(self.tasks.blocks))
                              + tuple(t(np.ascontiguousarray(self.tasks.heads[name])) for name in heads))
         fed = self.tasks.inputs(batch.token_task, batch.num_tokens, batch.readout_index)
         past_length = torch.tensor(kv.length, dtype=torch.int64, device=self.device)
         factors = len(contract.task_factor_names(self.tasks.blocks))
-        rows = [t(fed[name]) for name in contract.HEAD_INPUTS[:3]] if self.tasks.heads is not None else []
+        rows = [t(fed[name]) for name in contract.HEAD_ROWS] if self.tasks.heads is not None else []
         return [past_length, t(fed[contract.TASK_MASK]), *self._factors[1][:factors], *rows,
                 *self._factors[1][factors:]]
 

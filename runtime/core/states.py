@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..backends.base import Backend, StateKV
+from .depths import Depths
 from .errors import DeadlineExceeded
 from .planner import Planner, ids_key, trunk_state_ids
 from .state_cache import StateCache
@@ -51,9 +52,9 @@ class State:
 class States:
     """Prefills and cache lookups for one engine (and the engines :meth:`Engine.with_limits` makes of it)."""
 
-    def __init__(self, backend: Backend, planner: Planner, cache: StateCache, prefill_chunk: int, depths=None):
+    def __init__(self, backend: Backend, planner: Planner, cache: StateCache, prefill_chunk: int, depths: Depths):
         self.backend, self.planner, self.cache, self.prefill_chunk = backend, planner, cache, prefill_chunk
-        self.depths = depths  # ``depths.Depths``: the graphs cut at the head tasks' depths (None: the full one only)
+        self.depths = depths  # the graphs cut at the head tasks' depths (none: the full graph only)
 
     def get(self, state, clock: dict | None = None) -> tuple[State, bool]:
         """(the state of ``state``, a State or text to tokenise, whether it came from the cache); ``clock`` gets the
@@ -76,11 +77,10 @@ class States:
         cached = self.cache.get(ids)
         if clock is not None:
             clock["prefill"] = 0.0
-        full = self.backend.model.num_layers
-        depth = full if depth is None or self.depths is None else depth
+        depth = self.backend.model.num_layers if depth is None else depth
         if cached is not None and len(cached.kv.layers) >= depth:
             return cached, True
-        backend = self.depths.run_on(self.backend, depth)[0] if self.depths is not None else self.backend
+        backend = self.depths.run_on(self.backend, depth)[0]
         with backend.serial():
             kv = backend.prefill(ids, self.prefill_chunk, until(deadline, "the state"))
         prefilled = State(ids, kv)

@@ -168,7 +168,7 @@ def load(engine: str | os.PathLike, manifest: Manifest, verify: bool = True) -> 
     heads = []
     for name, card in zip(found, cards):
         adapters.append(_adapter(engine / TASKS / name / FACTORS, name, card))
-        heads.append(_head(engine / TASKS / name / HEAD, name, card, manifest.model)
+        heads.append(_head(engine / TASKS / name / HEAD, name, card["head"], manifest.model)
                      if card.get("head") is not None else None)
         try:
             calibrations.append(Calibration.from_dict(card["calibration"]) if card.get("calibration") else None)
@@ -215,8 +215,8 @@ def _head_card(card: dict, name: str) -> dict:
     return head
 
 
-def _head(path: Path, name: str, card: dict, model) -> TaskHead:
-    head = _head_card(card, name)
+def _head(path: Path, name: str, head: dict, model) -> TaskHead:
+    """The head task ``name``'s head from its file, its card entry ``head`` checked already (``_head_card``)."""
     if head["depth"] > model.num_layers:
         raise EngineFileError(f"task {name!r} reads its head after {head['depth']} blocks; the engine has "
                               f"{model.num_layers}: tune it again on this engine")
@@ -294,27 +294,16 @@ def update_card(engine: str | os.PathLike, name: str, extra: dict) -> None:
             raise
 
 
-def slot_blocks(engine: str | os.PathLike) -> tuple:
-    """The blocks the engine's slot graph has task slots on; () where it has none."""
+def slot_card(engine: str | os.PathLike) -> dict:
+    """The engine's slot graph card (its blocks, whether it takes task heads, its cut depths, its files); {} where it
+    has none."""
     path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
-    return tuple(_json(path)["blocks"]) if path.is_file() else ()
+    return _json(path) if path.is_file() else {}
 
 
 def depth_graph(depth: int) -> str:
     """The file name of the slot graph cut at ``depth`` blocks (in the slots folder)."""
     return f"graph.d{int(depth)}.onnx"
-
-
-def slot_depths(engine: str | os.PathLike) -> tuple:
-    """The depths the engine's slot graph has a graph cut at; () where it has none."""
-    path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
-    return tuple(int(d) for d in _json(path).get("depths", ())) if path.is_file() else ()
-
-
-def slot_heads(engine: str | os.PathLike) -> bool:
-    """Whether the engine's slot graph takes task heads (False where it has none)."""
-    path = root_of(Path(engine)) / SLOTS / SLOTS_CARD
-    return bool(_json(path).get("heads")) if path.is_file() else False
 
 
 def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, weight_map=None,
@@ -327,17 +316,13 @@ def write_slots(engine: str | os.PathLike, manifest: Manifest, blocks, export, w
     tmp = _staging(engine, SLOTS)
     try:
         export(tmp / GRAPH)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         card = {"blocks": sorted(blocks), "engine": manifest.name, "engine_weights": engine_weights(manifest),
-                "files": files, "heads": bool(heads), "depths": sorted(int(d) for d in depths)}
-        missing = [depth_graph(d) for d in depths if depth_graph(d) not in files]
-        if missing:
-            raise EngineFileError(f"the slot graph's export wrote no {missing[0]}")
+                "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}, "heads": bool(heads),
+                "depths": sorted(int(d) for d in depths)}
         mapped = weight_map(tmp / GRAPH) if weight_map is not None else None
         if mapped is not None:
             card["weights"] = mapped
-        (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _replace_dir(tmp, root_of(engine) / SLOTS)
+        _put_slots(tmp, card, root_of(engine) / SLOTS)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -358,16 +343,21 @@ def add_cuts(engine: str | os.PathLike, depths, export) -> None:
         for depth in depths:
             export(tmp / depth_graph(depth), depth)
         new = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.name not in card["files"]}
-        missing = [depth_graph(d) for d in depths if depth_graph(d) not in new]
-        if missing:
-            raise EngineFileError(f"the slot graph's export wrote no {missing[0]}")
-        card = {**card, "files": {**card["files"], **new},
-                "depths": sorted({*card.get("depths", ()), *(int(d) for d in depths)})}
-        (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _replace_dir(tmp, current)
+        _put_slots(tmp, {**card, "files": {**card["files"], **new},
+                         "depths": sorted({*card.get("depths", ()), *(int(d) for d in depths)})}, current)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _put_slots(tmp: Path, card: dict, final: Path) -> None:
+    """The staged slots folder ``tmp`` given its ``card`` and renamed to ``final``, once every cut graph the card
+    names was written (EngineFileError otherwise)."""
+    missing = [depth_graph(d) for d in card["depths"] if depth_graph(d) not in card["files"]]
+    if missing:
+        raise EngineFileError(f"the slot graph's export wrote no {missing[0]}")
+    (tmp / SLOTS_CARD).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _replace_dir(tmp, final)
 
 
 def remove(engine: str | os.PathLike, name: str) -> None:

@@ -95,25 +95,19 @@ class TaskHead:
         return cls(int(depth), float(beta), inner.T.astype(np.float32), b_in.astype(np.float32),
                    out.astype(np.float32), float(np.asarray(state["out.bias"]).reshape(-1)[0]))
 
-    def score(self, hidden: np.ndarray) -> np.ndarray:
-        """[R] head scores of final-normed hidden states [R, d] (numpy; the graph computes the same)."""
-        u = hidden.astype(np.float64) @ self.w_in + self.b_in
-        return (u / (1.0 + np.exp(-u))) @ self.w_out + self.b_out
 
-
-def head_feeds(feeds: TaskFeeds, heads: Sequence, layers: int) -> TaskFeeds:
-    """``feeds`` with the tasks' ``heads`` (per task a ``TaskHead`` or None) side by side on the unit axis, each task's
-    exit (its head's depth; every block for a task without one) and head bias; ValueError where the slot graph takes
-    no task heads or a depth is outside 1..``layers``."""
+def head_feeds(feeds: TaskFeeds, graph_heads: dict | None, heads: Sequence, layers: int) -> TaskFeeds:
+    """``feeds`` for a graph of ``layers`` blocks whose task heads are fed as ``graph_heads`` with no head
+    (``TaskFeeds.none``'s; None: the graph takes none), with the tasks' ``heads`` (per task a ``TaskHead`` or None)
+    side by side on the unit axis, each task's exit (its head's depth; every block for a task without one) and head
+    bias; ValueError where the slot graph takes no task heads or a depth is outside 1..``layers`` (``TaskFeeds``
+    checks the exits)."""
     if not any(h is not None for h in heads):
-        return dataclasses.replace(feeds, heads=feeds.heads, exits=np.full(len(heads), layers, np.int64),
+        return dataclasses.replace(feeds, heads=graph_heads, exits=np.full(len(heads), layers, np.int64),
                                    head_bias=np.zeros(len(heads), np.float32), layers=layers)
-    if feeds.heads is None:
+    if graph_heads is None:
         raise ValueError("a task is a decision head, and this engine's slot graph takes no task heads (it was "
                          "exported before them): tune a task again to export it anew")
-    for h in heads:
-        if h is not None and not 1 <= h.depth <= layers:
-            raise ValueError(f"a task head reads after {h.depth} blocks; this engine has {layers}")
     some = [h for h in heads if h is not None]
     unit_task = np.concatenate([np.full(h.w_out.shape[0], t, np.int64) for t, h in enumerate(heads) if h is not None])
     weights = {HEAD_IN: np.concatenate([h.w_in for h in some], axis=1),
@@ -205,9 +199,9 @@ def task_feeds(tasks, backend) -> TaskFeeds:
     block = tasks.blocks[0]
     shapes = {p: (none.factors[f"task_a.{block}.{p}"].shape[0], none.factors[f"task_b.{block}.{p}"].shape[1])
               for p in PROJECTIONS}
-    feeds = dataclasses.replace(stack(tasks.adapters, tasks.blocks, shapes).feeds(), heads=none.heads)
+    feeds = stack(tasks.adapters, tasks.blocks, shapes).feeds()
     try:
-        return head_feeds(feeds, tasks.heads or (None,) * len(tasks.names), backend.model.num_layers)
+        return head_feeds(feeds, none.heads, tasks.heads or (None,) * len(tasks.names), backend.model.num_layers)
     except ValueError as err:
         from ..backends.errors import EngineFileError
 
@@ -222,8 +216,7 @@ def cut_feeds(tasks, backend) -> TaskFeeds:
         raise no_tasks_on(backend.name)
     depth = backend.model.num_layers
     heads = tuple(h if h is not None and h.depth <= depth else None for h in tasks.heads)
-    feeds = TaskFeeds({}, np.zeros(0, np.int64), len(tasks.names), heads=none.heads)
-    return head_feeds(feeds, heads, depth)
+    return head_feeds(TaskFeeds({}, np.zeros(0, np.int64), len(tasks.names)), none.heads, heads, depth)
 
 
 def no_tasks_on(backend: str):
