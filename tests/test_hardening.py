@@ -162,8 +162,8 @@ def _structured(rng: random.Random) -> bytes:
 
 def test_parser_fuzz_bodies_never_raise_anything_but_4xx(engine):
     """Every check before inference — JSON limits, schema, model, questions, limits, tokenising — on 4,000 bodies
-    (ONEPASS_FUZZ=2.5: 10,000, as before 2026-12-07; CI's 15 minutes took the rest): the outcome is either a request
-    the engine can run or a typed 4xx."""
+    (ONEPASS_FUZZ=2.5 runs 10,000; the suite's time on 2 cores sets the default): the outcome is either a request the
+    engine can run or a typed 4xx."""
     server = Server(engine, ServerConfig())
     try:
         rng = random.Random(10)

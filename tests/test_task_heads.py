@@ -1,4 +1,4 @@
-"""Tasks that are decision heads read at a depth, served in one pass with LoRA tasks and untasked questions (issue 66).
+"""Tasks that are decision heads read at a depth, served in one pass with LoRA tasks and untasked questions.
 
 A head task's option score is ``beta * mean log-likelihood + head(h)``, both read after the task's own number of
 blocks: the log-likelihoods through the final norm and the vocabulary from that block's residual stream, the head
